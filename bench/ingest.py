@@ -1,0 +1,144 @@
+"""Ingest throughput of one server rank against raw pyzmq PUSH/PULL (DESIGN.md §11).
+
+Both sides move the same bytes in the same run: ``--clients`` processes each
+send ``--steps`` messages of ``--mib`` MiB of float32. The baseline is a bare
+PULL socket receiving them (zero-copy) and dropping them, with the same
+high-water marks as the server's sockets. The server side is
+the real path: handshake, ``melissa_dl.client.Client.send``, the receiver
+thread (header checks, credentials, non-finite check, assembly), the FIFO
+buffer and a consumer thread draining it. Throughput is bytes over the time
+from the first message received to the last one consumed; the median of
+``--repeat`` runs of each is reported.
+
+    python bench/ingest.py [--clients 8] [--mib 1] [--steps 64] [--repeat 3]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import secrets
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+from melissa_dl.assembly import StreamSpec
+from melissa_dl.buffers import make_buffer
+from melissa_dl.client import Client
+from melissa_dl.handshake import HandshakeServer
+from melissa_dl.receiver import Receiver
+
+TIMEOUT = 60
+SEND_QUEUE, RECEIVE_QUEUE = 8, 64  # messages queued per connection, the same on both sides
+
+
+def raw_sender(go: Any, endpoint: str, steps: int, nbytes: int) -> None:
+    context = zmq.Context()
+    socket = context.socket(zmq.PUSH)
+    socket.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+    socket.connect(endpoint)
+    payload = np.ones(nbytes // 4, np.float32)
+    go.wait()
+    for _ in range(steps):
+        socket.send(payload)
+    socket.close(linger=-1)
+    context.term()
+
+
+def client_sender(go: Any, environ: dict[str, str], steps: int, nbytes: int) -> None:
+    payload = np.ones(nbytes // 4, np.float32)
+    with Client({"field": ("float32", payload.shape)}, environ=environ) as client:
+        go.wait()
+        for t in range(steps):
+            client.send("field", t, payload)
+
+
+class Senders:
+    """Sender processes that connect, then all send at once (after their imports and handshakes)."""
+
+    def __init__(self, target: Callable[..., None], args_list: list[tuple[Any, ...]]) -> None:
+        context = mp.get_context("spawn")
+        self._go = context.Barrier(len(args_list))
+        self._processes = [context.Process(target=target, args=(self._go, *args)) for args in args_list]
+        for p in self._processes:
+            p.start()
+
+    def join(self) -> None:
+        for p in self._processes:
+            p.join(TIMEOUT)
+            assert p.exitcode == 0, f"a sender ended with {p.exitcode}"
+
+
+def raw_throughput(clients: int, steps: int, nbytes: int) -> float:
+    socket = zmq.Context.instance().socket(zmq.PULL)
+    socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    socket.setsockopt(zmq.RCVTIMEO, TIMEOUT * 1000)  # a dead sender fails the bench instead of hanging it
+    senders = Senders(raw_sender, [(f"tcp://127.0.0.1:{port}", steps, nbytes)] * clients)
+    socket.recv(copy=False)
+    start = time.perf_counter()
+    for _ in range(clients * steps - 1):
+        socket.recv(copy=False)
+    elapsed = time.perf_counter() - start
+    senders.join()
+    socket.close(linger=0)
+    return (clients * steps - 1) * nbytes / elapsed
+
+
+def server_throughput(clients: int, steps: int, nbytes: int) -> float:
+    token = secrets.token_bytes(32)
+    spec = StreamSpec(["field"], np.zeros((clients, 1)), token, server_rank=0, server_size=1,
+                      max_message_bytes=nbytes)
+    buffer = make_buffer("fifo", capacity_samples=64, capacity_bytes=None, watermark=1, seed=0)
+    receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=RECEIVE_QUEUE * nbytes)
+    port = receiver.start_and_bind()
+    handshake = HandshakeServer(token=token, fields=["field"], simulations=clients,
+                                endpoints=[f"tcp://127.0.0.1:{port}"], bind_simulation=False,
+                                max_message_bytes=nbytes, bind_address="127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{handshake.start_and_bind()}"
+    for sim in range(clients):
+        handshake.expect(sim, True)
+    environs = [{"MELISSA_SERVER": endpoint, "MELISSA_TOKEN": token.hex(), "MELISSA_SIMULATION_ID": str(sim),
+                 "MELISSA_PARAMETERS": "[0.0]", "MELISSA_SEND_QUEUE_BYTES": str(SEND_QUEUE * nbytes)}
+                for sim in range(clients)]
+    senders = Senders(client_sender, [(env, steps, nbytes) for env in environs])
+
+    def take(size: int) -> int:
+        batch = buffer.get_batch(size, timeout=TIMEOUT)
+        assert batch, "no data: a sender died"
+        return len(batch)
+
+    consumed = take(1)
+    start = time.perf_counter()
+    while consumed < clients * steps:
+        consumed += take(min(8, clients * steps - consumed))
+    elapsed = time.perf_counter() - start
+    senders.join()
+    receiver.stop()
+    handshake.stop()
+    return (clients * steps - 1) * nbytes / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--mib", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    nbytes = int(args.mib * (1 << 20))
+    raw, served = [], []
+    for _ in range(args.repeat):  # interleaved so that drifts of the machine hit both sides
+        raw.append(raw_throughput(args.clients, args.steps, nbytes))
+        served.append(server_throughput(args.clients, args.steps, nbytes))
+    raw_mb, server_mb = statistics.median(raw) / 1e6, statistics.median(served) / 1e6
+    print(f"raw pyzmq: {[round(r / 1e6) for r in raw]} MB/s; server: {[round(s / 1e6) for s in served]} MB/s")
+    print(f"RESULT ingest ratio={server_mb / raw_mb:.3f} target=0.9 server={server_mb:.0f}MB/s raw_pyzmq={raw_mb:.0f}MB/s "
+          f"clients={args.clients} field={args.mib:g}MiB")
+
+
+if __name__ == "__main__":
+    main()

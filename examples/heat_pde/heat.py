@@ -1,0 +1,48 @@
+"""Heat-equation simulation instrumented with the melissa_dl client.
+
+The launcher sets the simulation id, parameters and server endpoint in the
+environment; this script solves the PDE and sends the field after every step.
+Run with ``--mpi`` under mpirun for a domain-decomposed client (each rank
+sends its own rows). ``--crash-at``/``--crash-simulation`` make one
+simulation die on its first attempt, so tests can exercise restarts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from melissa_dl.client import Client
+from solver import DEFAULT_DT, HeatSolver, local_shape  # solver.py sits next to this script
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nx", type=int, default=32)
+    parser.add_argument("--ny", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--dt", type=float, default=DEFAULT_DT)
+    parser.add_argument("--mpi", action="store_true", help="decompose over COMM_WORLD")
+    parser.add_argument("--crash-at", type=int, metavar="STEP", help="exit 1 before sending STEP")
+    parser.add_argument("--crash-simulation", type=int, metavar="SID", help="the one that crashes")
+    args = parser.parse_args()
+
+    comm = None
+    if args.mpi:
+        from mpi4py import MPI  # imported only when asked: plain runs need no MPI
+
+        comm = MPI.COMM_WORLD
+    # Each rank declares and sends its own block of rows; the server stacks them.
+    fields = {"temperature": (np.float32, local_shape(args.nx, args.ny, comm))}
+    with Client(fields, comm=comm) as client:
+        solver = HeatSolver(client.parameters, args.nx, args.ny, args.dt, comm=comm)
+        crash = client.simulation_id == args.crash_simulation and client.attempt == 0
+        for t in range(args.steps):
+            if crash and t == args.crash_at:
+                os._exit(1)  # a hard crash: no finalize, no cleanup
+            client.send("temperature", t, solver.step())
+
+
+if __name__ == "__main__":
+    main()

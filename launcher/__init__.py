@@ -1,0 +1,29 @@
+"""Draws simulation parameters and starts, polls and kills simulation jobs for the server's rank 0.
+
+The server decides what runs, retries and states; this package only runs processes.
+"""
+from __future__ import annotations
+
+from launcher.jobs import START_FAILED, Launcher
+from launcher.samplers import SAMPLERS, draw_parameters
+from launcher.schedulers import (
+    KILL_GRACE,
+    Job,
+    LocalScheduler,
+    MpirunScheduler,
+    Scheduler,
+    child_environment,
+)
+
+__all__ = [
+    "KILL_GRACE",
+    "SAMPLERS",
+    "START_FAILED",
+    "Job",
+    "Launcher",
+    "LocalScheduler",
+    "MpirunScheduler",
+    "Scheduler",
+    "child_environment",
+    "draw_parameters",
+]

@@ -1,0 +1,112 @@
+"""Bounded, first-in first-out execution of simulation attempts for rank 0.
+
+The server submits attempts and polls for the ones that ended; the launcher
+only keeps at most ``job_limit`` of them running. It is not thread-safe and,
+since jobs die with the thread that started them (see
+:mod:`launcher.schedulers`), it must be driven from one long-lived thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+from launcher.schedulers import KILL_GRACE, Job, Scheduler
+from melissa_dl.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+START_FAILED = 127
+"""Return code reported for an attempt whose process could not be started, as a shell would."""
+
+
+class Launcher:
+    """Runs submitted attempts through ``scheduler``, at most ``job_limit`` at a time."""
+
+    def __init__(self, scheduler: Scheduler, job_limit: int, log_dir: Path) -> None:
+        if job_limit < 1:
+            raise ConfigError(f"the job limit must be positive, got {job_limit}")
+        self._scheduler = scheduler
+        self._job_limit = job_limit
+        self._log_dir = log_dir
+        self._queue: deque[tuple[int, int, dict[str, str]]] = deque()
+        self._jobs: dict[int, Job] = {}
+
+    def submit(self, simulation_id: int, attempt: int, env: dict[str, str]) -> None:
+        """Queue an attempt; :meth:`poll` starts it when a slot is free.
+
+        ``env`` is added to the child's environment. A simulation has at most
+        one attempt running or queued: the server retries only after it saw
+        the previous attempt end.
+        """
+        assert simulation_id not in self._jobs and simulation_id not in self.queued(), simulation_id
+        self._queue.append((simulation_id, attempt, env))
+
+    def poll(self) -> list[tuple[int, int]]:
+        """Report ``(simulation_id, returncode)`` of jobs ended since the last call, then fill free slots.
+
+        An attempt that cannot even be started (e.g. its command does not
+        exist) is reported here too, with :data:`START_FAILED`, so that the
+        server handles it like any other failed attempt.
+        """
+        ended: list[tuple[int, int]] = []
+        for simulation_id, job in list(self._jobs.items()):
+            code = job.poll()
+            if code is not None:
+                del self._jobs[simulation_id]
+                ended.append((simulation_id, code))
+                logger.info(
+                    "simulation %d attempt %d ended with code %d", simulation_id, job.attempt, code
+                )
+        while self._queue and len(self._jobs) < self._job_limit:
+            simulation_id, attempt, env = self._queue.popleft()
+            log_path = self._log_dir / f"simulation{simulation_id}.attempt{attempt}.log"
+            try:
+                job = self._scheduler.start(simulation_id, attempt, env, log_path)
+            except OSError:
+                logger.exception("simulation %d attempt %d could not start", simulation_id, attempt)
+                ended.append((simulation_id, START_FAILED))
+                continue
+            self._jobs[simulation_id] = job
+            logger.info(
+                "simulation %d attempt %d started (pid %d, log %s)",
+                simulation_id, attempt, job.pid, log_path,
+            )
+        return ended
+
+    def kill(self, simulation_id: int) -> None:
+        """Kill the simulation's running job or drop it from the queue; poll will not report it.
+
+        Does nothing if the simulation has neither, e.g. its end was already reported.
+        """
+        job = self._jobs.pop(simulation_id, None)
+        if job is not None:
+            job.kill()
+            logger.info("simulation %d attempt %d killed", simulation_id, job.attempt)
+        self._queue = deque(item for item in self._queue if item[0] != simulation_id)
+
+    def running(self) -> set[int]:
+        """Simulations whose job has started and whose end has not been reported."""
+        return set(self._jobs)
+
+    def queued(self) -> list[int]:
+        """Simulations waiting for a slot, in start order."""
+        return [simulation_id for simulation_id, _, _ in self._queue]
+
+    def shutdown(self) -> None:
+        """Kill every running job and forget the queue.
+
+        All jobs get SIGTERM first and share one grace period, so shutdown
+        takes at most one grace however many jobs ignore SIGTERM.
+        """
+        jobs = list(self._jobs.values())
+        self._jobs.clear()
+        self._queue.clear()
+        for job in jobs:
+            job.terminate()
+        deadline = time.monotonic() + KILL_GRACE
+        for job in jobs:
+            job.kill(deadline)
+        if jobs:
+            logger.info("killed %d running simulations", len(jobs))

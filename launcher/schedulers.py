@@ -1,0 +1,192 @@
+"""Start, poll and kill simulation processes on the server's node.
+
+A scheduler only runs processes: the server decides what to start, when to
+retry and what a return code means.
+
+Every job runs in its own session (so its own process group): killing the
+group reaches whatever the command spawned, e.g. a shell script's simulation
+(mpirun is special, see :class:`MpirunScheduler`). On Linux the kernel also
+signals the job when the server dies, so that a crashed server leaves no
+orphan simulations behind.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+
+from melissa_dl.errors import ConfigError
+
+KILL_GRACE = 2.0
+"""Seconds a job gets between SIGTERM and SIGKILL to flush and clean up."""
+
+_MPI_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "MPICH_", "OMPI_", "I_MPI_", "PRTE_")
+# Hydra (mpich's mpirun) sets these too; they describe the server's launch, not the child's.
+_MPI_NAMES = frozenset({"MPI_LOCALNRANKS", "MPI_LOCALRANKID", "GFORTRAN_UNBUFFERED_PRECONNECTED"})
+
+_PR_SET_PDEATHSIG = 1
+# Resolved once in the parent so that the forked child does as little as possible.
+_prctl = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+
+
+def child_environment(extra: dict[str, str]) -> dict[str, str]:
+    """The server's environment without its MPI launch, the venv first in PATH, then ``extra``.
+
+    A child inheriting the PMI/hydra variables of the server's own launch would
+    attach its MPI_Init or its mpirun to the server's MPI job instead of
+    starting its own. Putting the interpreter's directory first makes
+    ``python`` and ``mpirun`` in a command resolve to the server's venv.
+    """
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(_MPI_PREFIXES) and name not in _MPI_NAMES
+    }
+    bin_dir = os.path.dirname(sys.executable)
+    path = env.get("PATH")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{path}" if path else bin_dir
+    env.update(extra)
+    return env
+
+
+class Job:
+    """A started simulation process and its process group."""
+
+    def __init__(self, simulation_id: int, attempt: int, process: subprocess.Popen[bytes]) -> None:
+        self.simulation_id = simulation_id
+        self.attempt = attempt
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        """Also the process group id, since the job runs in its own session."""
+        return self._process.pid
+
+    def poll(self) -> int | None:
+        """The return code (negative: killed by that signal), or None while running."""
+        return self._process.poll()
+
+    def terminate(self) -> None:
+        """Ask the whole group to stop; :meth:`kill` finishes the job."""
+        if self._process.returncode is None:
+            self._signal_group(signal.SIGTERM)
+
+    def kill(self, deadline: float | None = None) -> None:
+        """Stop the whole group and reap the job; does nothing once the job is reaped.
+
+        The leader gets until ``deadline`` (``time.monotonic()``, default
+        :data:`KILL_GRACE` from now) to exit after SIGTERM; then the group gets
+        SIGKILL, which also takes care of children that outlived the leader.
+        The leader is reaped only after that SIGKILL: while it is an unreaped
+        zombie its pid cannot be reused, so the group signal cannot hit an
+        unrelated process.
+        """
+        if self._process.returncode is not None:
+            return
+        self.terminate()
+        if deadline is None:
+            deadline = time.monotonic() + KILL_GRACE
+        while not self._leader_exited() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._signal_group(signal.SIGKILL)
+        self._process.wait()
+
+    def _leader_exited(self) -> bool:
+        """Whether the leader exited, without reaping it (see :meth:`kill`)."""
+        flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+        return os.waitid(os.P_PID, self._process.pid, flags) is not None
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self._process.pid, sig)
+        except ProcessLookupError:
+            pass  # the whole group has already exited
+
+
+class Scheduler(ABC):
+    """Starts one simulation attempt as a :class:`Job`."""
+
+    @abstractmethod
+    def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> Job:
+        """Start the attempt with ``env`` added to :func:`child_environment`; output goes to ``log_path``."""
+
+
+class LocalScheduler(Scheduler):
+    """Runs ``command`` directly; the kernel SIGKILLs it if the server dies.
+
+    SIGKILL cannot be ignored, but it only reaches the direct child: whatever
+    the command spawns outlives a dead server unless the command handles that.
+    """
+
+    _death_signal = signal.SIGKILL
+
+    def __init__(self, command: list[str], cwd: Path) -> None:
+        self._argv = list(command)
+        self._cwd = cwd
+
+    def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> Job:
+        process = _spawn(self._argv, self._cwd, env, log_path, self._death_signal)
+        return Job(simulation_id, attempt, process)
+
+
+class MpirunScheduler(LocalScheduler):
+    """Runs ``command`` on ``ranks`` ranks through ``mpirun``.
+
+    Hydra puts its proxy and every rank in a session of their own, so group
+    signals reach mpirun only and it is mpirun that stops the ranks: on
+    SIGTERM it kills them, whereas a SIGKILLed mpirun leaves them running.
+    That is why the kernel sends mpirun SIGTERM, not SIGKILL, if the server
+    dies, and why :meth:`Job.kill` tries SIGTERM first.
+    """
+
+    _death_signal = signal.SIGTERM
+
+    def __init__(self, command: list[str], cwd: Path, ranks: int, mpirun: str = "mpirun") -> None:
+        if ranks < 1:
+            raise ConfigError(f"the number of ranks per simulation must be positive, got {ranks}")
+        super().__init__([mpirun, "-n", str(ranks), *command], cwd)
+
+
+def _spawn(
+    argv: list[str], cwd: Path, env: dict[str, str], log_path: Path, death_signal: signal.Signals
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a new session, stdin closed, stdout and stderr to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=child_environment(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(death_signal),
+        )
+
+
+def _die_with_parent(death_signal: signal.Signals) -> Callable[[], None] | None:
+    """A preexec_fn making the kernel send ``death_signal`` to the child when the server dies.
+
+    Linux sends it when the *thread* that forked the child exits, so jobs must
+    be started from a thread that lives as long as the server (rank 0's main
+    loop). The parent check closes the race of a server dying before prctl ran.
+    The preexec_fn only calls a pre-resolved C function, which keeps the
+    fork-without-exec window of a threaded server as small as it can be.
+    """
+    if _prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _prctl(_PR_SET_PDEATHSIG, int(death_signal))
+        if os.getppid() != parent:
+            os.kill(os.getpid(), death_signal)
+
+    return preexec

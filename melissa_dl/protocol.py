@@ -1,0 +1,131 @@
+"""The wire protocol between simulation clients and the server (version 1).
+
+Handshake: a client rank sends one JSON object to rank 0 over REQ/REP and gets
+the data endpoints back, or a refusal saying why. Data: every message on the
+PUSH/PULL data sockets has two frames, a fixed little-endian header and a raw
+payload, so the server can check a frame before touching its bytes and view the
+payload without copying it. Three message kinds share the header:
+
+- ``DECLARE`` (payload: JSON of the client rank's fields) opens a client rank's
+  stream on a server rank; ZeroMQ keeps one connection's messages in order, so
+  it arrives before that rank's data.
+- ``DATA`` (payload: the array's bytes) carries one field slice of one step.
+- ``FINALIZE`` (payload: JSON ``{"steps": n}``) tells the server rank how many
+  distinct time steps the client rank sent to it.
+
+Frames carry an 8-byte key, an HMAC of the simulation id under the study's
+secret token, so every rank can check a frame without asking rank 0.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import struct
+from enum import IntEnum
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from melissa_dl.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAGIC = b"MLDL"
+MAX_NDIM = 6
+KEY_BYTES = 8
+
+DTYPES: tuple[str, ...] = ("float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8")
+DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
+
+
+class Kind(IntEnum):
+    DATA = 1
+    DECLARE = 2
+    FINALIZE = 3
+
+
+_HEADER = struct.Struct(f"<4sHBB{KEY_BYTES}sIIHHHB{MAX_NDIM}IQ")
+HEADER_BYTES = _HEADER.size
+
+
+class Header(NamedTuple):
+    kind: Kind
+    key: bytes
+    simulation_id: int
+    time_step: int
+    client_rank: int
+    client_size: int
+    field_id: int
+    dtype: str
+    shape: tuple[int, ...]
+    payload_bytes: int
+
+    def pack(self) -> bytes:
+        ndim = len(self.shape)
+        assert ndim <= MAX_NDIM
+        dims = tuple(self.shape) + (0,) * (MAX_NDIM - ndim)
+        return _HEADER.pack(
+            MAGIC, PROTOCOL_VERSION, self.kind, DTYPE_CODES[self.dtype], self.key,
+            self.simulation_id, self.time_step, self.client_rank, self.client_size,
+            self.field_id, ndim, *dims, self.payload_bytes,
+        )
+
+
+def unpack_header(buffer: bytes | memoryview) -> Header:
+    """Decode a header frame; a ProtocolError's ``kind`` says what was wrong."""
+    if len(buffer) != HEADER_BYTES:
+        raise ProtocolError(f"header of {len(buffer)} bytes instead of {HEADER_BYTES}", "malformed")
+    magic, version, kind, dtype, key, sim, step, crank, csize, fid, ndim, *rest = _HEADER.unpack(buffer)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}", "malformed")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version}, server speaks {PROTOCOL_VERSION}", "version")
+    if kind not in Kind.__members__.values() or dtype >= len(DTYPES) or ndim > MAX_NDIM:
+        raise ProtocolError(f"kind {kind}, dtype code {dtype}, ndim {ndim}", "malformed")
+    if crank >= csize:
+        raise ProtocolError(f"client rank {crank} of {csize}", "malformed")
+    return Header(Kind(kind), key, sim, step, crank, csize, fid, DTYPES[dtype], tuple(rest[:ndim]), rest[-1])
+
+
+def simulation_key(token: bytes, simulation_id: int) -> bytes:
+    """The per-simulation credential every data frame carries."""
+    return hmac.new(token, simulation_id.to_bytes(4, "little"), hashlib.sha256).digest()[:KEY_BYTES]
+
+
+def owner_rank(simulation_id: int, time_step: int, server_size: int, bind_simulation: bool) -> int:
+    """The server rank that receives and assembles step ``time_step`` of a simulation."""
+    if bind_simulation:
+        return simulation_id % server_size
+    return (simulation_id + time_step) % server_size
+
+
+def encode_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def decode_json(payload: bytes | memoryview, what: str) -> Any:
+    """Decode a JSON payload; malformed text is the sender's fault, not ours."""
+    try:
+        return json.loads(bytes(payload))
+    except (ValueError, RecursionError) as error:
+        raise ProtocolError(f"{what}: invalid JSON ({error})", "malformed") from None
+
+
+def payload_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize  # Python ints: no overflow on absurd shapes
+
+
+def check_layout(where: str, decl: Any, max_bytes: int) -> tuple[str, tuple[int, ...]]:
+    """Validate a declared ``[dtype, shape]`` of one field slice; ``where`` names it."""
+    if not (isinstance(decl, list) and len(decl) == 2 and isinstance(decl[1], list)):
+        raise ProtocolError(f"{where}: expected [dtype, shape], got {decl!r}", "malformed")
+    dtype, shape = decl
+    if dtype not in DTYPES:
+        raise ProtocolError(f"{where}: dtype {dtype!r} not in {DTYPES}", "dtype")
+    if len(shape) > MAX_NDIM or not all(isinstance(n, int) and 0 <= n < 1 << 32 for n in shape):
+        raise ProtocolError(f"{where}: bad shape {shape!r}", "shape")
+    size = payload_bytes(dtype, tuple(shape))
+    if size > max_bytes:
+        raise ProtocolError(f"{where}: {size} bytes per step exceed server.max_message_bytes={max_bytes}", "oversize")
+    return dtype, tuple(shape)

@@ -1,0 +1,125 @@
+"""The receiver thread of a server rank: data socket -> assembler -> buffer.
+
+The thread owns the rank's PULL socket from bind to close. Back-pressure is the
+buffer's: while a put waits, the thread does not read, ZeroMQ's high-water
+marks fill up and clients block in ``send`` — nothing is dropped. Bad frames
+are refused and counted; any other exception is kept and re-raised in the main
+thread by :meth:`Receiver.check`, which ends the job.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import zmq
+
+from melissa_dl.assembly import Assembler, Progress, StreamSpec
+from melissa_dl.buffers import Buffer
+from melissa_dl.errors import ProtocolError, ReceiverDied
+from melissa_dl.rejections import RejectionLog
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100
+
+
+@dataclass
+class ReceiverReport:
+    """What a rank sends rank 0 at each synchronisation."""
+
+    progress: dict[int, Progress] = field(default_factory=dict)
+    active: set[int] = field(default_factory=set)  # simulations that sent anything since the last report
+    blocked: bool = False  # the buffer made the receiver wait since the last report
+    bytes_received: int = 0
+    samples: int = 0
+    duplicate_frames: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    buffer_size: int = 0
+
+
+class Receiver(threading.Thread):
+    def __init__(self, spec: StreamSpec, buffer: Buffer, bind_address: str, receive_queue_bytes: int) -> None:
+        super().__init__(name=f"receiver-{spec.server_rank}", daemon=True)
+        self.buffer = buffer
+        self.rejections = RejectionLog()
+        self.port = 0
+        self.error: BaseException | None = None
+        self._assembler = Assembler(spec)
+        self._bind_address = bind_address
+        # ZeroMQ counts messages, not bytes: size the queue for the largest slice allowed
+        self._hwm = max(2, receive_queue_bytes // spec.max_message_bytes)
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+        self._ready = threading.Event()
+        self._blocked = False
+
+    def start_and_bind(self, timeout: float = 30.0) -> int:
+        """Start the thread and return the port its socket is bound to."""
+        self.start()
+        if not self._ready.wait(timeout):
+            raise ReceiverDied("the receiver did not bind its socket in time")
+        self.check()
+        return self.port
+
+    def run(self) -> None:
+        try:
+            socket = zmq.Context.instance().socket(zmq.PULL)
+            try:
+                socket.setsockopt(zmq.RCVHWM, self._hwm)
+                socket.setsockopt(zmq.RCVTIMEO, POLL_MS)
+                self.port = socket.bind_to_random_port(f"tcp://{self._bind_address}")
+                self._ready.set()
+                self._serve(socket)
+            finally:
+                socket.close(linger=0)
+        except BaseException as error:  # handed to the main thread, which ends the job
+            self.error = error
+            self._ready.set()
+
+    def _serve(self, socket: zmq.Socket) -> None:
+        while not self._stop_event.is_set():
+            try:
+                frames = socket.recv_multipart(copy=False)
+            except zmq.Again:
+                continue
+            try:
+                with self._lock:
+                    sample = self._assembler.handle([f.buffer for f in frames])
+            except ProtocolError as error:
+                self.rejections.reject(error.kind, str(error))
+                continue
+            if sample is None:
+                continue
+            while not self.buffer.put(sample, timeout=POLL_MS / 1000):
+                self._blocked = True
+                if self._stop_event.is_set():
+                    return
+            with self._lock:
+                self._assembler.commit(sample)
+
+    def stop(self) -> None:
+        """Stop reading and wait for the thread; the socket closes with it."""
+        self._stop_event.set()
+        self.join()
+
+    def check(self) -> None:
+        """Re-raise in the caller's thread an exception that killed the receiver."""
+        if self.error is not None:
+            raise ReceiverDied(f"receiver thread failed: {self.error!r}") from self.error
+
+    def report(self) -> ReceiverReport:
+        with self._lock:
+            progress = self._assembler.take_progress()
+            report = ReceiverReport(
+                progress=progress,
+                active=set(progress),
+                blocked=self._blocked,
+                bytes_received=self._assembler.bytes_received,
+                samples=self._assembler.ledger.total(),
+                duplicate_frames=self._assembler.duplicates,
+                rejected=self.rejections.counts(),
+                buffer_size=len(self.buffer),
+            )
+            self._blocked = False
+        return report

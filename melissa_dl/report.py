@@ -1,0 +1,102 @@
+"""Rank 0's periodic status line and the study's final report."""
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+from melissa_dl.receiver import ReceiverReport
+from melissa_dl.study import State, Study
+
+logger = logging.getLogger(__name__)
+
+MB = 1e6
+
+
+def merge_rejections(counts: Sequence[dict[str, int]]) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for c in counts:
+        total.update(c)
+    return dict(sorted(total.items()))
+
+
+class StatusLine:
+    """Logs progress every ``interval`` seconds, with rates over that interval."""
+
+    def __init__(self, interval: float, start: float) -> None:
+        self._interval = interval
+        self._last_time = start
+        self._last_bytes = 0
+
+    def maybe_log(self, now: float, study: Study, reports: Sequence[ReceiverReport], consumed: int) -> None:
+        if now - self._last_time < self._interval:
+            return
+        received = sum(r.bytes_received for r in reports)
+        rate = (received - self._last_bytes) / (now - self._last_time) / MB
+        self._last_time, self._last_bytes = now, received
+        counts = study.counts()
+        rejected = sum(sum(r.rejected.values()) for r in reports)
+        logger.info(
+            "simulations %d done, %d running, %d queued, %d failed | samples %d received, %d consumed | "
+            "%.1f MB/s | buffers %d samples | %d frames refused",
+            counts["done"], counts["running"], counts["queued"], counts["failed"],
+            sum(r.samples for r in reports), consumed, rate, sum(r.buffer_size for r in reports), rejected,
+        )
+
+
+def final_report(
+    study: Study,
+    reports: Sequence[ReceiverReport],
+    handshake_rejections: dict[str, int],
+    consumed: int,
+    duration: float,
+    time_steps: int | None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything a user checks after a study, as JSON-ready data."""
+    received = sum(r.samples for r in reports)
+    bytes_received = sum(r.bytes_received for r in reports)
+    counts = study.counts()
+    expected = len(study.simulations) * time_steps if time_steps is not None else None
+    return {
+        "simulations": counts,
+        "samples_received": received,
+        "samples_expected": expected,
+        "samples_consumed": consumed,
+        "duplicate_frames_dropped": sum(r.duplicate_frames for r in reports),
+        "rejected": merge_rejections([*(r.rejected for r in reports), handshake_rejections]),
+        "duration_s": round(duration, 3),
+        "bytes_received": bytes_received,
+        "throughput_MB_per_s": round(bytes_received / duration / MB, 3) if duration > 0 else 0.0,
+        "per_rank_samples": [r.samples for r in reports],
+        "per_simulation": [
+            {"id": s.id, "state": s.state.value, "attempts": s.attempts, "samples": s.received, "reason": s.reason}
+            for s in study.simulations
+        ],
+        **(extra or {}),
+    }
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    """Save the report as JSON and log its summary, listing every unsuccessful simulation."""
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    sims = report["simulations"]
+    total = sum(sims.values())
+    expected = report["samples_expected"]
+    logger.info(
+        "final report: %d/%d simulations done, %d failed; %d samples received%s; %d consumed; "
+        "%d duplicate frames dropped; refused: %s; %.1f s, %.2f MB/s (written to %s)",
+        sims[State.DONE.value], total, sims[State.FAILED.value], report["samples_received"],
+        f" (expected {expected})" if expected is not None else "", report["samples_consumed"],
+        report["duplicate_frames_dropped"], report["rejected"] or "none", report["duration_s"],
+        report["throughput_MB_per_s"], path,
+    )
+    for sim in report["per_simulation"]:
+        if sim["state"] != State.DONE.value or sim["attempts"] > 1:
+            logger.info(
+                "simulation %d: %s after %d attempts, %d samples%s",
+                sim["id"], sim["state"], sim["attempts"], sim["samples"],
+                f" (last failure: {sim['reason']})" if sim["reason"] else "",
+            )

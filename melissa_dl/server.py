@@ -1,0 +1,226 @@
+"""``melissa-server config.json``: one rank of the online-learning server.
+
+Run as ``mpirun -n K melissa-server config.json``. Every rank binds a data
+socket and receives into its buffer in a thread; the main thread consumes the
+buffer and, every ``control_interval`` seconds, joins the ranks' bookkeeping
+collective: each rank reports what it received, rank 0 advances the study
+(handshakes, launches, relaunches) and broadcasts whether it is over. MPI is
+called from the main thread only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+from typing import Any
+
+from launcher import Launcher, LocalScheduler, MpirunScheduler, draw_parameters
+from melissa_dl import client
+from melissa_dl.assembly import StreamSpec
+from melissa_dl.buffers import make_buffer
+from melissa_dl.config import Config, load_config
+from melissa_dl.errors import ConfigError
+from melissa_dl.handshake import HandshakeServer
+from melissa_dl.logs import setup_logging
+from melissa_dl.mpi import install_abort_on_error
+from melissa_dl.receiver import Receiver
+from melissa_dl.report import StatusLine, final_report, write_report
+from melissa_dl.study import Study
+
+logger = logging.getLogger(__name__)
+
+EXIT_CONFIG = 2
+EXIT_FAILED_SIMULATIONS = 3
+
+
+def addresses(interface: str) -> tuple[str, str]:
+    """The address to bind and the host name clients should connect to."""
+    if interface in ("*", "0.0.0.0"):
+        return "*", socket.gethostname()
+    return interface, interface
+
+
+def make_launcher(config: Config) -> Launcher:
+    options = config.launcher
+    cwd = config.base_dir
+    if options.scheduler == "mpirun":
+        mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+        scheduler = MpirunScheduler(options.command, cwd, options.client_ranks, mpirun if os.path.exists(mpirun) else "mpirun")
+    else:
+        scheduler = LocalScheduler(options.command, cwd)
+    return Launcher(scheduler, options.job_limit, config.output_path / "simulations")
+
+
+class Server:
+    """One rank's receiver, buffer and consumer; on rank 0 also the study."""
+
+    def __init__(self, config: Config, comm: Any) -> None:
+        self.config = config
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        study = config.study
+        self.parameters = draw_parameters(
+            study.sampler,
+            study.simulations,
+            [p.low for p in study.parameters],
+            [p.high for p in study.parameters],
+            study.seed,
+            study.parameter_values,
+        )
+        self.token: bytes = comm.bcast(secrets.token_bytes(32) if self.rank == 0 else None)
+        options = config.buffer
+        self.buffer = make_buffer(
+            options.kind,
+            capacity_samples=options.capacity_samples,
+            capacity_bytes=options.capacity_bytes,
+            watermark=options.per_server_watermark,
+            seed=options.seed + self.rank,
+            pseudo_epochs=options.pseudo_epochs,
+        )
+        spec = StreamSpec(
+            fields=study.fields,
+            parameters=self.parameters,
+            token=self.token,
+            server_rank=self.rank,
+            server_size=self.size,
+            bind_simulation=config.server.bind_simulation_to_server_rank,
+            time_steps=study.time_steps,
+            max_message_bytes=config.server.max_message_bytes,
+            reject_non_finite=config.server.reject_non_finite,
+        )
+        self.bind_address, self.host = addresses(config.server.interface)
+        self.receiver = Receiver(spec, self.buffer, self.bind_address, config.server.receive_queue_bytes)
+        self.consumed = 0
+
+    def run(self) -> int:
+        """Run the study to its end; every rank returns the same exit code."""
+        start = time.monotonic()
+        logger.info("server rank %d of %d, pid %d", self.rank, self.size, os.getpid())
+        port = self.receiver.start_and_bind()
+        endpoints = self.comm.gather(f"tcp://{self.host}:{port}")
+        handshake = launcher = study = None
+        try:
+            if self.rank == 0:
+                handshake = HandshakeServer(
+                    token=self.token,
+                    fields=self.config.study.fields,
+                    simulations=self.config.study.simulations,
+                    endpoints=endpoints,
+                    bind_simulation=self.config.server.bind_simulation_to_server_rank,
+                    max_message_bytes=self.config.server.max_message_bytes,
+                    bind_address=self.bind_address,
+                    port=self.config.server.handshake_port,
+                )
+                server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
+                logger.info("study of %d simulations, handshake at %s, %d server ranks",
+                            self.config.study.simulations, server_endpoint, self.size)
+                launcher = make_launcher(self.config)
+                study = Study(
+                    self.config.study.simulations,
+                    self.size,
+                    launcher,
+                    lambda sim, attempt: self._client_environment(server_endpoint, sim, attempt),
+                    handshake.expect,
+                    self.config.launcher.max_retries,
+                    self.config.launcher.simulation_timeout,
+                )
+                study.start()
+            self._receive_until_over(study, handshake, start)
+            self.receiver.stop()
+            self.buffer.close()
+            self._drain()
+            reports = self.comm.gather(self.receiver.report())
+            consumed = self.comm.reduce(self.consumed)
+            code = 0
+            if self.rank == 0:
+                assert study is not None and handshake is not None
+                report = final_report(
+                    study, reports, handshake.rejections.counts(), consumed, time.monotonic() - start,
+                    self.config.study.time_steps,
+                )
+                write_report(report, self.config.output_path / "report.json")
+                code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
+            return self.comm.bcast(code)
+        finally:
+            if launcher is not None:
+                launcher.shutdown()
+            if handshake is not None:
+                handshake.stop()
+
+    def _client_environment(self, endpoint: str, sim: int, attempt: int) -> dict[str, str]:
+        options = self.config.launcher
+        return {
+            **options.env,
+            client.ENV_SERVER: endpoint,
+            client.ENV_TOKEN: self.token.hex(),
+            client.ENV_SIMULATION_ID: str(sim),
+            client.ENV_ATTEMPT: str(attempt),
+            client.ENV_PARAMETERS: json.dumps(self.parameters[sim].tolist()),
+            client.ENV_CLIENT_TIMEOUT: str(options.client_timeout),
+            client.ENV_SEND_QUEUE_BYTES: str(options.send_queue_bytes),
+        }
+
+    def _receive_until_over(self, study: Study | None, handshake: HandshakeServer | None, start: float) -> None:
+        """Consume while receiving; synchronise the ranks every control interval."""
+        interval = self.config.server.control_interval
+        status = StatusLine(self.config.server.status_interval, start)
+        next_sync = time.monotonic() + interval
+        while True:
+            batch = self.buffer.get_batch(64, timeout=max(0.0, next_sync - time.monotonic()))
+            if batch:
+                self.consumed += len(batch)
+            if time.monotonic() < next_sync:
+                continue
+            self.receiver.check()
+            reports = self.comm.gather(self.receiver.report())
+            consumed = self.comm.reduce(self.consumed)
+            over = False
+            if study is not None:
+                assert handshake is not None
+                if handshake.error is not None:
+                    raise handshake.error
+                study.tick(reports)
+                status.maybe_log(time.monotonic(), study, reports, consumed)
+                over = study.over
+            if self.comm.bcast(over):
+                return
+            next_sync = time.monotonic() + interval
+
+    def _drain(self) -> None:
+        while batch := self.buffer.get_batch(64):
+            self.consumed += len(batch)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="melissa-server", description="Online-learning server for simulation ensembles.")
+    parser.add_argument("config", help="the study's JSON configuration")
+    parser.add_argument("--check", action="store_true", help="validate the configuration, print it resolved, and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as error:
+        if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":  # one line, not K
+            sys.stderr.write(f"melissa-server: {args.config}: {error}\n")
+        return EXIT_CONFIG
+    if args.check:
+        sys.stdout.write(json.dumps(config.to_dict(), indent=2) + "\n")
+        return 0
+    from mpi4py import MPI  # only now: --check and config errors need no MPI
+
+    comm = MPI.COMM_WORLD
+    setup_logging(comm.Get_rank(), config.output_path / "logs")
+    install_abort_on_error(comm)
+    return Server(config, comm).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

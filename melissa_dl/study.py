@@ -1,0 +1,151 @@
+"""Rank 0's study bookkeeping: which simulation runs, is done or failed, and why.
+
+A simulation is done only when every server rank holds every step its client
+ranks announced in their finalize messages; its process's exit code alone
+never makes it done. A simulation that exits non-zero, exits with steps
+missing, or sends nothing for ``simulation_timeout`` seconds while the server
+was ready to read is killed and relaunched until ``max_retries`` is spent,
+then reported failed with the reason.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Sequence
+
+from launcher import Launcher
+from melissa_dl.assembly import Progress
+from melissa_dl.receiver import ReceiverReport
+
+logger = logging.getLogger(__name__)
+
+
+class State(str, Enum):
+    QUEUED = "queued"  # submitted, waiting for a free job slot
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class Simulation:
+    id: int
+    ranks: int
+    state: State = State.QUEUED
+    attempts: int = 0  # launches so far
+    exit_code: int | None = None  # of the last attempt's process, once it ended
+    last_activity: float | None = None  # when the last frame arrived, or the job started
+    reason: str = ""  # why the last attempt failed
+    progress: list[Progress] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.progress = [Progress(0, None) for _ in range(self.ranks)]
+
+    @property
+    def received(self) -> int:
+        return sum(p.received for p in self.progress)
+
+    @property
+    def announced(self) -> bool:
+        """Every rank got the finalize messages of every client rank."""
+        return all(p.expected is not None for p in self.progress)
+
+    @property
+    def complete(self) -> bool:
+        return self.announced and all(p.received >= p.expected for p in self.progress)  # type: ignore[operator]
+
+
+class Study:
+    """Drives the simulations through the launcher; ``tick`` is called periodically."""
+
+    def __init__(
+        self,
+        simulations: int,
+        server_size: int,
+        launcher: Launcher,
+        environment: Callable[[int, int], dict[str, str]],
+        expect: Callable[[int, bool], None],
+        max_retries: int,
+        timeout: float,
+    ) -> None:
+        self.simulations = [Simulation(s, server_size) for s in range(simulations)]
+        self._launcher = launcher
+        self._environment = environment
+        self._expect = expect
+        self._max_retries = max_retries
+        self._timeout = timeout
+
+    def start(self) -> None:
+        for sim in self.simulations:
+            self._launch(sim)
+
+    def _launch(self, sim: Simulation) -> None:
+        sim.state = State.QUEUED
+        sim.exit_code = None
+        sim.last_activity = None
+        self._expect(sim.id, True)
+        self._launcher.submit(sim.id, sim.attempts, self._environment(sim.id, sim.attempts))
+        sim.attempts += 1
+
+    def tick(self, reports: Sequence[ReceiverReport], now: float | None = None) -> None:
+        """Merge the ranks' reports, reap jobs and decide each running simulation's fate."""
+        now = time.monotonic() if now is None else now
+        backpressure = any(r.blocked for r in reports)
+        for rank, report in enumerate(reports):
+            for sid, progress in report.progress.items():
+                self.simulations[sid].progress[rank] = progress
+            for sid in report.active:
+                self.simulations[sid].last_activity = now
+        for sid, code in self._launcher.poll():
+            self.simulations[sid].exit_code = code
+        running = self._launcher.running()
+        for sim in self.simulations:
+            if sim.state is State.DONE and sim.id in running and now - sim.last_activity > self._timeout:
+                self._launcher.kill(sim.id)  # all its data is in; do not let a hung exit block the study
+            if sim.state not in (State.QUEUED, State.RUNNING):
+                continue
+            if sim.complete:
+                if sim.state is State.QUEUED:
+                    self._launcher.kill(sim.id)  # a relaunch made useless by late frames of the last attempt
+                sim.state = State.DONE
+                sim.last_activity = now
+                self._expect(sim.id, False)
+                logger.info("simulation %d done (%d steps, attempt %d)", sim.id, sim.received, sim.attempts - 1)
+                continue
+            if sim.state is State.QUEUED:
+                if sim.id not in running and sim.exit_code is None:
+                    continue  # still waiting for a job slot (a job that could not start has an exit code)
+                sim.state = State.RUNNING
+                sim.last_activity = now  # the timeout clock starts with the job
+            if backpressure:
+                sim.last_activity = now  # a stalled server is not the simulation's fault
+            if sim.exit_code not in (None, 0):
+                self._retry(sim, f"exit code {sim.exit_code}")
+            elif sim.exit_code == 0 and sim.announced:
+                self._retry(sim, "exited with steps missing")
+            elif now - sim.last_activity > self._timeout:  # type: ignore[operator]
+                self._launcher.kill(sim.id)
+                self._retry(sim, f"no data for {self._timeout:g} s")
+
+    def _retry(self, sim: Simulation, reason: str) -> None:
+        sim.reason = reason
+        if sim.attempts > self._max_retries:
+            sim.state = State.FAILED
+            self._expect(sim.id, False)
+            logger.error("simulation %d failed after %d attempts: %s", sim.id, sim.attempts, reason)
+            return
+        logger.warning("simulation %d attempt %d: %s; relaunching", sim.id, sim.attempts - 1, reason)
+        self._launch(sim)
+
+    @property
+    def over(self) -> bool:
+        """Every simulation is done or failed and no job is left running."""
+        return all(s.state in (State.DONE, State.FAILED) for s in self.simulations) and not self._launcher.running()
+
+    def counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in State}
+        for sim in self.simulations:
+            counts[sim.state.value] += 1
+        return counts

@@ -1,0 +1,107 @@
+"""A simulation that first sends every kind of bad handshake and bad frame.
+
+Simulation 0 plays a broken client before behaving; every simulation then
+streams ``--steps`` steps of a (4, 8) float32 field "field" normally. The test
+checks that the server refused and counted each kind and still completed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+import zmq
+
+from melissa_dl.client import Client
+from melissa_dl.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, owner_rank, simulation_key
+
+SHAPE = (4, 8)
+GOOD = ["float32", list(SHAPE)]
+
+
+def handshake(context: zmq.Context, endpoint: str, request: bytes) -> dict:
+    socket = context.socket(zmq.REQ)
+    socket.connect(endpoint)
+    socket.send(request)
+    assert socket.poll(10_000), "no handshake answer"
+    reply = json.loads(socket.recv())
+    socket.close(linger=0)
+    return reply
+
+
+def bad_handshakes(context: zmq.Context, endpoint: str, token: str, sim: int) -> dict:
+    hello = {"protocol": PROTOCOL_VERSION, "token": token, "simulation_id": sim, "client_rank": 0,
+             "client_size": 1, "fields": {"field": GOOD}}
+    variants = [
+        {"protocol": 99},
+        {"token": "00" * 32},
+        {"simulation_id": 999},
+        {"fields": {"field": GOOD, "bogus": GOOD}},
+        {"fields": {}},
+        {"fields": {"field": ["complex128", [4, 8]]}},
+        {"fields": {"field": ["float32", [1 << 20, 1 << 10]]}},
+    ]
+    assert not handshake(context, endpoint, b"not json")["ok"]
+    for change in variants:
+        reply = handshake(context, endpoint, encode_json({**hello, **change}))
+        assert not reply["ok"], change
+    reply = handshake(context, endpoint, encode_json(hello))
+    assert reply["ok"], reply
+    return reply
+
+
+def bad_frames(context: zmq.Context, endpoints: list[str], token: bytes, sim: int, steps: int) -> None:
+    key = simulation_key(token, sim)
+    size = len(endpoints)
+    sockets = []
+    for endpoint in endpoints:
+        sockets.append(context.socket(zmq.PUSH))
+        sockets[-1].connect(endpoint)
+
+    def frame(kind: Kind = Kind.DATA, step: int = 0, field: int = 0, dtype: str = "float32",
+              shape: tuple[int, ...] = SHAPE, payload: bytes | None = None, simulation: int = sim,
+              frame_key: bytes = key) -> list[bytes]:
+        payload = np.zeros(shape, dtype=dtype).tobytes() if payload is None else payload
+        return [Header(kind, frame_key, simulation, step, 0, 1, field, dtype, shape, len(payload)).pack(), payload]
+
+    def send(message: list[bytes], step: int = 0) -> None:
+        sockets[owner_rank(sim, step, size, False)].send_multipart(message)
+
+    declaration = encode_json({"fields": {"field": GOOD}})
+    send(frame())  # undeclared: no DECLARE on this connection yet
+    send([b"short"])  # malformed
+    header, payload = frame()
+    send([header[:4] + (99).to_bytes(2, "little") + header[6:], payload])  # version
+    send(frame(frame_key=b"x" * 8))  # credentials: an unknown peer
+    send(frame(simulation=999))  # unknown_simulation
+    send(frame(Kind.DECLARE, payload=b"{not json"))  # malformed
+    send(frame(Kind.DECLARE, payload=encode_json({"fields": {"field": ["float32", [1 << 20, 1 << 10]]}})))  # oversize
+    send(frame(Kind.DECLARE, payload=declaration))
+    send(frame(field=7))  # unknown_field
+    send(frame(dtype="float64"))  # dtype
+    send(frame(shape=(8, 4)))  # shape
+    send(frame(payload=np.full(SHAPE, np.nan, dtype=np.float32).tobytes()))  # non_finite
+    send(frame(step=steps), step=steps)  # time_step
+    sockets[(owner_rank(sim, 0, size, False) + 1) % size].send_multipart(frame())  # routing (only with 2+ ranks)
+    for socket in sockets:
+        socket.close(linger=10_000)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    sim = int(os.environ["MELISSA_SIMULATION_ID"])
+    if sim == 0 and os.environ["MELISSA_ATTEMPT"] == "0":
+        context = zmq.Context()
+        reply = bad_handshakes(context, os.environ["MELISSA_SERVER"], os.environ["MELISSA_TOKEN"], sim)
+        bad_frames(context, reply["endpoints"], bytes.fromhex(os.environ["MELISSA_TOKEN"]), sim, args.steps)
+        context.term()
+    with Client({"field": ("float32", SHAPE)}) as client:
+        for t in range(args.steps):
+            client.send("field", t, np.full(SHAPE, t, dtype=np.float32))
+
+
+if __name__ == "__main__":
+    main()

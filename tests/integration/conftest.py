@@ -1,0 +1,67 @@
+"""Running whole studies as subprocesses: `mpirun -n K melissa-server config`."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+BIN = Path(sys.executable).parent
+MPIRUN = str(BIN / "mpirun")
+TOY_SIM = str(HERE / "toy_sim.py")
+
+
+def clean_environment() -> dict[str, str]:
+    """The test's environment without an enclosing MPI launch's variables."""
+    prefixes = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "OMPI_", "I_MPI_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+
+
+def study_config(output: Path, command: list[str], **sections: dict[str, Any]) -> dict[str, Any]:
+    """A small valid study; ``sections`` override keys section by section."""
+    config: dict[str, Any] = {
+        "output_dir": str(output),
+        "study": {
+            "fields": ["field"],
+            "parameters": [{"name": "a", "low": 0.0, "high": 1.0}, {"name": "b", "low": 0.0, "high": 1.0}],
+            "simulations": 4,
+            "time_steps": 10,
+            "seed": 1,
+        },
+        "server": {"status_interval": 1.0, "control_interval": 0.1},
+        "buffer": {"kind": "fifo", "capacity_samples": 100, "per_server_watermark": 1},
+        "launcher": {"command": command, "job_limit": 2, "simulation_timeout": 20, "max_retries": 1,
+                     "client_timeout": 30},
+    }
+    for name, values in sections.items():
+        config[name].update(values)
+    return config
+
+
+@dataclass
+class Run:
+    code: int
+    log: str
+    report: dict[str, Any] | None
+
+
+def run_server(tmp_path: Path, config: dict[str, Any], ranks: int, timeout: float = 120) -> Run:
+    """Run the server on ``config`` under mpirun and return its exit code, log and report."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    command = [MPIRUN, "-n", str(ranks), sys.executable, "-m", "melissa_dl.server", str(path)]
+    done = subprocess.run(command, env=clean_environment(), capture_output=True, text=True, timeout=timeout)
+    report_path = Path(config["output_dir"]) / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    return Run(done.returncode, done.stdout + done.stderr, report)
+
+
+@pytest.fixture
+def output(tmp_path: Path) -> Path:
+    return tmp_path / "output"

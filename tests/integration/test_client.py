@@ -1,0 +1,179 @@
+"""The client against a live receiver and handshake service, in one process (no MPI)."""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from melissa_dl.assembly import StreamSpec
+from melissa_dl.buffers import Buffer, make_buffer
+from melissa_dl.client import Client
+from melissa_dl.errors import ClientError, HandshakeRefused, ReceiverDied, ServerUnreachable
+from melissa_dl.handshake import HandshakeServer
+from melissa_dl.receiver import Receiver
+from melissa_dl.sample import Sample
+
+pytestmark = pytest.mark.timeout(60)
+
+SIMULATIONS = 3
+
+
+@dataclass
+class Server:
+    buffer: Buffer
+    receiver: Receiver
+    environ: dict[str, str]
+
+    def drain(self, expected: int, timeout: float = 20.0) -> list[Sample]:
+        samples: list[Sample] = []
+        deadline = time.monotonic() + timeout
+        while len(samples) < expected and time.monotonic() < deadline:
+            samples += self.buffer.get_batch(1, timeout=0.1) or []
+        return samples
+
+
+def start_server(buffer: Buffer, max_message_bytes: int = 1 << 24) -> tuple[Server, HandshakeServer]:
+    token = secrets.token_bytes(32)
+    parameters = np.arange(SIMULATIONS * 2, dtype=np.float64).reshape(SIMULATIONS, 2)
+    spec = StreamSpec(["a", "b"], parameters, token, server_rank=0, server_size=1,
+                      max_message_bytes=max_message_bytes)
+    receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=2 * max_message_bytes)
+    port = receiver.start_and_bind()
+    handshake = HandshakeServer(token=token, fields=["a", "b"], simulations=SIMULATIONS,
+                                endpoints=[f"tcp://127.0.0.1:{port}"], bind_simulation=False,
+                                max_message_bytes=max_message_bytes, bind_address="127.0.0.1")
+    environ = {
+        "MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}",
+        "MELISSA_TOKEN": token.hex(),
+        "MELISSA_SIMULATION_ID": "1",
+        "MELISSA_PARAMETERS": "[2.0, 3.0]",
+        "MELISSA_CLIENT_TIMEOUT": "5",
+    }
+    handshake.expect(1, True)
+    return Server(buffer, receiver, environ), handshake
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    live, handshake = start_server(make_buffer("fifo", capacity_samples=100, capacity_bytes=None, watermark=1, seed=0))
+    yield live
+    live.receiver.stop()
+    handshake.stop()
+
+
+class FakeComm:
+    """Rank and size of an MPI-parallel client, without MPI."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def Get_rank(self) -> int:  # noqa: N802 (mpi4py's name)
+        return self.rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self.size
+
+
+def test_slices_of_a_parallel_client_are_stacked_in_rank_order(server: Server) -> None:
+    def run(rank: int) -> None:
+        fields = {"a": ("float32", (rank + 1, 3)), "b": ("int64", (2,))}
+        with Client(fields, comm=FakeComm(rank, 2), environ=server.environ) as client:
+            for t in range(5):
+                client.send("a", t, np.full((rank + 1, 3), 10 * t + rank, dtype=np.float32))
+                client.send("b", t, np.array([t, rank]))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (1, 0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive()
+    samples = sorted(server.drain(5), key=lambda s: s.time_step)
+    assert [s.time_step for s in samples] == [0, 1, 2, 3, 4]
+    for s in samples:
+        assert s.simulation_id == 1 and s.parameters.tolist() == [2.0, 3.0]
+        assert s.fields["a"].tolist() == [[10 * s.time_step] * 3] + [[10 * s.time_step + 1] * 3] * 2
+        assert s.fields["b"].tolist() == [s.time_step, 0, s.time_step, 1]
+    assert server.receiver.report().progress[1].expected == 5
+
+
+def test_misuse_raises_client_errors_naming_the_field(server: Server) -> None:
+    with Client({"a": ("float32", (3,)), "b": ("float32", (1,))}, environ=server.environ) as client:
+        with pytest.raises(ClientError, match="field 'c' was not declared"):
+            client.send("c", 0, np.zeros(3, np.float32))
+        with pytest.raises(ClientError, match=r"field 'a': got float64\[3\], declared float32\[3\]"):
+            client.send("a", 0, np.zeros(3))
+        with pytest.raises(ClientError, match=r"field 'a': got float32\[4\]"):
+            client.send("a", 0, np.zeros(4, np.float32))
+    with pytest.raises(ClientError, match="MELISSA_SIMULATION_ID is not set"):
+        Client({"a": ("float32", (3,))}, environ={})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"MELISSA_TOKEN": "00" * 32}, "bad or missing token"),
+    ({"MELISSA_SIMULATION_ID": "2"}, "simulation 2 is not expected"),
+])
+def test_refused_handshakes_say_why(server: Server, change: dict[str, str], message: str) -> None:
+    with pytest.raises(HandshakeRefused, match=message):
+        Client({"a": ("float32", (3,)), "b": ("float32", (1,))}, environ={**server.environ, **change})
+
+
+def test_a_client_without_server_fails_after_its_timeout() -> None:
+    environ = {"MELISSA_SERVER": "tcp://127.0.0.1:9", "MELISSA_TOKEN": "00", "MELISSA_SIMULATION_ID": "0",
+               "MELISSA_PARAMETERS": "[]", "MELISSA_CLIENT_TIMEOUT": "0.5"}
+    start = time.monotonic()
+    with pytest.raises(ServerUnreachable, match="no handshake answer"):
+        Client({"a": ("float32", (3,))}, environ=environ)
+    assert time.monotonic() - start < 5
+
+
+def test_a_full_buffer_blocks_the_client_and_loses_nothing() -> None:
+    mib = 1 << 20
+    buffer = make_buffer("fifo", capacity_samples=2, capacity_bytes=None, watermark=1, seed=0)
+    server, handshake = start_server(buffer, max_message_bytes=mib)
+    server.environ["MELISSA_SEND_QUEUE_BYTES"] = str(2 * mib)
+    steps = 64  # 64 MiB: far more than the buffer, ZeroMQ's queues and the kernel's socket buffers hold
+    sent: list[int] = []
+
+    def simulate() -> None:
+        with Client({"a": ("float32", (mib // 4,)), "b": ("float32", (1,))}, environ=server.environ) as client:
+            for t in range(steps):
+                client.send("a", t, np.full(mib // 4, t, np.float32))
+                client.send("b", t, np.zeros(1, np.float32))
+                sent.append(t)
+
+    thread = threading.Thread(target=simulate)
+    thread.start()
+    time.sleep(1.0)
+    assert len(buffer) == 2 and len(sent) < steps  # the client waits instead of data being dropped
+    samples = server.drain(steps)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert sorted(s.time_step for s in samples) == list(range(steps))
+    assert all(s.fields["a"][0] == s.time_step for s in samples)
+    server.receiver.stop()
+    handshake.stop()
+
+
+class BrokenBuffer:
+    def put(self, sample: Sample, timeout: float | None = None) -> bool:
+        raise RuntimeError("disk on fire")
+
+    def __len__(self) -> int:
+        return 0
+
+
+def test_a_receiver_failure_reaches_the_main_thread() -> None:
+    server, handshake = start_server(BrokenBuffer())  # type: ignore[arg-type]
+    with Client({"a": ("float32", (3,)), "b": ("float32", (1,))}, environ=server.environ) as client:
+        client.send("a", 0, np.zeros(3, np.float32))
+        client.send("b", 0, np.zeros(1, np.float32))
+    server.receiver.join(10)
+    with pytest.raises(ReceiverDied, match="disk on fire"):
+        server.receiver.check()
+    handshake.stop()

@@ -1,0 +1,93 @@
+"""Whole studies: `mpirun -n K melissa-server` with real simulation processes."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import HERE, TOY_SIM, run_server, study_config
+
+pytestmark = pytest.mark.timeout(180)
+
+HEAT = HERE.parent.parent / "examples" / "heat_pde" / "heat.py"
+
+
+def assert_every_step_once(report: dict, simulations: int, steps: int) -> None:
+    assert report["simulations"]["done"] == simulations
+    assert report["samples_received"] == simulations * steps == report["samples_expected"]
+    assert report["samples_consumed"] == simulations * steps  # each sample served once by the FIFO
+
+
+def test_mpi_clients_and_a_crash_deliver_every_step_exactly_once(tmp_path: Path, output: Path) -> None:
+    steps = 30
+    command = [sys.executable, str(HEAT), "--mpi", "--nx", "16", "--ny", "8", "--steps", str(steps),
+               "--crash-at", "12", "--crash-simulation", "1"]
+    config = study_config(output, command)
+    config["study"].update(simulations=3, time_steps=steps, fields=["temperature"],
+                           parameters=[{"name": n, "low": 100.0, "high": 500.0}
+                                       for n in ("initial", "left", "right", "bottom", "top")])
+    config["launcher"].update(scheduler="mpirun", client_ranks=2, job_limit=2)
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert_every_step_once(run.report, 3, steps)
+    attempts = {s["id"]: s["attempts"] for s in run.report["per_simulation"]}
+    assert attempts == {0: 1, 1: 2, 2: 1}
+    assert run.report["duplicate_frames_dropped"] <= 12 * 2  # steps the crashed attempt delivered, resent
+    assert run.report["per_rank_samples"][0] > 0 and run.report["per_rank_samples"][1] > 0
+
+
+@pytest.mark.parametrize("mode, reason", [("crash", "exit code 1"), ("hang", "no data for 3 s"),
+                                          ("no-finalize", "no data for 3 s")])
+def test_a_failing_simulation_is_relaunched_and_completes(tmp_path: Path, output: Path, mode: str, reason: str) -> None:
+    command = [sys.executable, TOY_SIM, "--fail", mode, "--fail-simulation", "2"]
+    config = study_config(output, command, launcher={"simulation_timeout": 3})
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert_every_step_once(run.report, 4, 10)
+    failed = run.report["per_simulation"][2]
+    assert (failed["attempts"], failed["reason"]) == (2, reason)
+    assert reason in run.log
+
+
+def test_a_simulation_that_always_fails_is_reported_failed(tmp_path: Path, output: Path) -> None:
+    command = [sys.executable, TOY_SIM, "--fail", "crash", "--fail-simulation", "1", "--fail-attempts", "99"]
+    config = study_config(output, command, launcher={"max_retries": 2})
+    run = run_server(tmp_path, config, ranks=1)
+    assert run.code == 3, run.log
+    assert run.report is not None
+    assert run.report["simulations"] == {"queued": 0, "running": 0, "done": 3, "failed": 1}
+    failed = run.report["per_simulation"][1]
+    assert (failed["state"], failed["attempts"], failed["reason"]) == ("failed", 3, "exit code 1")
+    assert "simulation 1 failed after 3 attempts: exit code 1" in run.log
+
+
+@pytest.mark.parametrize("kind", ["fifo", "firo", "reservoir"])
+def test_every_buffer_kind_receives_and_drains_everything(tmp_path: Path, output: Path, kind: str) -> None:
+    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "25"],
+                          study={"time_steps": 25}, buffer={"kind": kind, "capacity_samples": 8, "per_server_watermark": 4})
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert run.report["samples_received"] == 100
+    assert run.report["samples_consumed"] >= 100  # the reservoir may serve a sample more than once
+
+
+def test_bad_frames_and_handshakes_are_refused_counted_and_survived(tmp_path: Path, output: Path) -> None:
+    config = study_config(output, [sys.executable, str(HERE / "bad_client.py")],
+                          server={"max_message_bytes": 1 << 20})
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert_every_step_once(run.report, 4, 10)
+    rejected = run.report["rejected"]
+    frame_kinds = ["malformed", "version", "credentials", "unknown_simulation", "routing", "time_step",
+                   "unknown_field", "undeclared", "dtype", "shape", "non_finite", "oversize"]
+    handshake_kinds = ["malformed", "version", "credentials", "unknown_simulation", "unknown_field",
+                       "missing_field", "dtype", "oversize"]
+    expected = {k: 1 for k in frame_kinds} | {f"handshake_{k}": 1 for k in handshake_kinds}
+    expected["malformed"] = 2  # a one-frame message and a declaration that is not JSON
+    assert rejected == expected
+    assert "refused (credentials)" in run.log

@@ -1,0 +1,52 @@
+"""A simulation for the integration tests: deterministic fields, scripted failures.
+
+Step t of simulation s sends the field ``s * 1000 + t`` (so a test can check
+what the server assembled). ``--fail`` makes simulation ``--fail-simulation``
+misbehave on its first ``--fail-attempts`` attempts, at step ``--fail-at``:
+``crash`` exits 1, ``hang`` sleeps forever, ``no-finalize`` exits 0 without
+announcing its steps.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from melissa_dl.client import Client
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--shape", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--mpi", action="store_true")
+    parser.add_argument("--fail", choices=["crash", "hang", "no-finalize"])
+    parser.add_argument("--fail-simulation", type=int, default=-1)
+    parser.add_argument("--fail-attempts", type=int, default=1)
+    parser.add_argument("--fail-at", type=int, default=3)
+    args = parser.parse_args()
+    comm = None
+    if args.mpi:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    client = Client({"field": ("float32", tuple(args.shape))}, comm=comm)
+    failing = client.simulation_id == args.fail_simulation and client.attempt < args.fail_attempts
+    rank = comm.Get_rank() if comm is not None else 0
+    for t in range(args.steps):
+        if failing and t == args.fail_at:
+            if args.fail == "crash":
+                os._exit(1)
+            if args.fail == "hang":
+                time.sleep(3600)
+            client.close()
+            return
+        value = client.simulation_id * 1000 + t + rank * 0.5
+        client.send("field", t, np.full(args.shape, value, dtype=np.float32))
+    client.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""A rank's assembler: frames as a client sends them -> checked, joined samples."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from melissa_dl.assembly import Assembler, Progress, StreamSpec
+from melissa_dl.errors import ProtocolError
+from melissa_dl.protocol import Header, Kind, encode_json, simulation_key
+from melissa_dl.sample import Sample
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = b"study-token"
+FIELDS = ("u", "v")
+PARAMETERS = np.arange(6.0).reshape(3, 2)  # three simulations
+Layouts = dict[str, tuple[str, tuple[int, ...]]]
+LAYOUTS: Layouts = {"u": ("float32", (4,)), "v": ("int64", (2,))}
+TWO_RANK_LAYOUTS: list[Layouts] = [
+    {"u": ("float32", (2,)), "v": ("int64", (1, 3))},
+    {"u": ("float32", (3,)), "v": ("int64", (2, 3))},
+]
+
+
+def make_spec(**overrides: Any) -> StreamSpec:
+    options: dict[str, Any] = dict(fields=FIELDS, parameters=PARAMETERS, token=TOKEN, server_rank=0, server_size=1)
+    options.update(overrides)
+    return StreamSpec(**options)
+
+
+def array_for(layout: tuple[str, tuple[int, ...]], seed: int) -> np.ndarray:
+    dtype, shape = layout
+    return np.random.default_rng(seed).integers(-1000, 1000, size=shape).astype(dtype)
+
+
+@dataclass(frozen=True)
+class Sender:
+    """One client rank of one simulation, framing its messages as melissa_dl.client does."""
+
+    sim: int
+    rank: int = 0
+    size: int = 1
+    token: bytes = TOKEN
+
+    def message(self, kind: Kind, payload: bytes, **header: Any) -> list[bytes]:
+        """Two frames; ``header`` overrides the defaults of a control message (step 0, field 0, uint8, 0-d)."""
+        fields: dict[str, Any] = dict(
+            kind=kind, key=simulation_key(self.token, self.sim), simulation_id=self.sim, time_step=0,
+            client_rank=self.rank, client_size=self.size, field_id=0, dtype="uint8", shape=(),
+            payload_bytes=len(payload),
+        )
+        fields.update(header)
+        return [Header(**fields).pack(), payload]
+
+    def control(self, kind: Kind, body: Any) -> list[bytes]:
+        return self.message(kind, encode_json(body))
+
+    def declare(self, layouts: Layouts = LAYOUTS) -> list[bytes]:
+        return self.control(Kind.DECLARE, {"fields": {n: [d, list(s)] for n, (d, s) in layouts.items()}})
+
+    def finalize(self, steps: int) -> list[bytes]:
+        return self.control(Kind.FINALIZE, {"steps": steps})
+
+    def data(self, step: int, name: str, array: Any, **overrides: Any) -> list[bytes]:
+        array = np.asarray(array)  # not ascontiguousarray, which makes 0-d arrays 1-d
+        layout = dict(time_step=step, field_id=FIELDS.index(name), dtype=array.dtype.name, shape=array.shape)
+        return self.message(Kind.DATA, array.tobytes(), **{**layout, **overrides})
+
+
+def step_arrays(sim: int, step: int, layouts: Layouts = LAYOUTS, rank: int = 0) -> dict[str, np.ndarray]:
+    """The distinct, reproducible field slices a client rank sends for one step."""
+    return {name: array_for(layouts[name], 10_000 * sim + 100 * step + 10 * rank + i) for i, name in enumerate(FIELDS)}
+
+
+def send_step(assembler: Assembler, sender: Sender, step: int) -> Sample | None:
+    """Send every field of one step of a single-rank client; return what the last frame completed."""
+    results = [assembler.handle(sender.data(step, n, a)) for n, a in step_arrays(sender.sim, step).items()]
+    assert results[:-1] == [None] * (len(results) - 1)
+    return results[-1]
+
+
+def assert_fields(sample: Sample | None, expected: dict[str, np.ndarray]) -> None:
+    assert sample is not None
+    assert sample.fields.keys() == expected.keys()
+    for name, array in expected.items():
+        assert sample.fields[name].dtype == array.dtype
+        np.testing.assert_array_equal(sample.fields[name], array)
+
+
+def refused(assembler: Assembler, frames: list[bytes], kind: str, message: str = "") -> None:
+    with pytest.raises(ProtocolError) as info:
+        assembler.handle(frames)
+    assert info.value.kind == kind
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "layouts", [LAYOUTS, {"u": ("float16", ()), "v": ("uint8", (2, 1, 3))}], ids=["1-d", "0-d,3-d"]
+)
+@pytest.mark.parametrize("wrap", [bytes, memoryview])
+def test_single_rank_sample_is_a_view_on_the_payload(wrap: Callable[[bytes], Any], layouts: Layouts) -> None:
+    assembler = Assembler(make_spec())
+    sender = Sender(sim=1)
+    assert assembler.handle([wrap(f) for f in sender.declare(layouts)]) is None
+    arrays = step_arrays(1, 2, layouts)
+    messages = {name: sender.data(2, name, array) for name, array in arrays.items()}
+    assert assembler.handle([wrap(f) for f in messages["u"]]) is None
+    sample = assembler.handle([wrap(f) for f in messages["v"]])
+    assert_fields(sample, arrays)
+    assert sample is not None and (sample.simulation_id, sample.time_step) == (1, 2)
+    assert sample.fields["u"].shape == layouts["u"][1]
+    np.testing.assert_array_equal(sample.parameters, PARAMETERS[1])
+    for name, frames in messages.items():
+        assert np.shares_memory(sample.fields[name], np.frombuffer(frames[1], np.uint8)), name
+    payload = sum(len(frames[1]) for frames in messages.values())
+    assert sample.nbytes == PARAMETERS[1].nbytes + payload
+    assert assembler.bytes_received == payload
+    assert (1, 2) not in assembler.ledger  # the receiver commits once the buffer took the sample
+    assembler.commit(sample)
+    assert (1, 2) in assembler.ledger and assembler.ledger.total() == 1
+
+
+def _two_rank_orders() -> list[tuple[tuple[int, str], ...]]:
+    """Every arrival order of two client ranks' (declare, u, v) where each rank's declaration comes first."""
+    events = [(r, what) for r in (0, 1) for what in ("declare", *FIELDS)]
+    return [
+        order for order in itertools.permutations(events)
+        if all(order.index((r, "declare")) < order.index((r, n)) for r in (0, 1) for n in FIELDS)
+    ]
+
+
+@pytest.mark.parametrize("order", _two_rank_orders())
+def test_two_client_ranks_complete_only_with_every_slice(order: tuple[tuple[int, str], ...]) -> None:
+    assembler = Assembler(make_spec())
+    senders = [Sender(2, rank, size=2) for rank in (0, 1)]
+    arrays = [step_arrays(2, 5, TWO_RANK_LAYOUTS[r], rank=r) for r in (0, 1)]
+    results = []
+    for rank, what in order:
+        sender = senders[rank]
+        if what == "declare":
+            results.append(assembler.handle(sender.declare(TWO_RANK_LAYOUTS[rank])))
+        else:
+            results.append(assembler.handle(sender.data(5, what, arrays[rank][what])))
+    assert results[:-1] == [None] * 5
+    assert_fields(results[-1], {n: np.concatenate([arrays[0][n], arrays[1][n]]) for n in FIELDS})
+    assert results[-1].fields["v"].shape == (3, 3)
+
+
+def test_interleaved_steps_are_assembled_separately() -> None:
+    assembler = Assembler(make_spec())
+    sender = Sender(0)
+    assembler.handle(sender.declare())
+    step0, step1 = step_arrays(0, 0), step_arrays(0, 1)
+    assert assembler.handle(sender.data(0, "u", step0["u"])) is None
+    assert assembler.handle(sender.data(1, "v", step1["v"])) is None
+    second = assembler.handle(sender.data(1, "u", step1["u"]))
+    first = assembler.handle(sender.data(0, "v", step0["v"]))
+    assert_fields(second, step1)
+    assert_fields(first, step0)
+    assert (first.time_step, second.time_step) == (0, 1)  # type: ignore[union-attr]
+
+
+def test_duplicates_after_commit_are_dropped_and_counted() -> None:
+    assembler = Assembler(make_spec())
+    sender = Sender(0)
+    assembler.handle(sender.declare())
+    sample = send_step(assembler, sender, 3)
+    assert sample is not None
+    assembler.commit(sample)
+    received = assembler.bytes_received
+    assert send_step(assembler, sender, 3) is None  # a relaunched simulation sends step 3 again
+    assert assembler.duplicates == 2
+    assert assembler.bytes_received == received
+    assert assembler.ledger.count(0) == 1
+    assert_fields(send_step(assembler, sender, 4), step_arrays(0, 4))
+
+
+BAD_FRAMES: dict[str, tuple[Callable[[Sender], list[bytes]], str, str]] = {
+    # name: (frames from simulation 0's client, expected kind, part of the message)
+    "one frame": (lambda s: s.data(0, "u", U_OTHER)[:1], "malformed", "message of 1 frames instead of 2"),
+    "three frames": (lambda s: s.data(0, "u", U_OTHER) + [b""], "malformed", "message of 3 frames"),
+    "short header": (lambda s: [b"MLDL", b""], "malformed", "header of 4 bytes"),
+    "payload length": (
+        lambda s: s.data(0, "u", U_OTHER, payload_bytes=15), "malformed", "payload of 16 bytes, header says 15",
+    ),
+    "declaration JSON": (lambda s: s.message(Kind.DECLARE, b"{fields"), "malformed", "declaration: invalid JSON"),
+    "declaration body": (lambda s: s.control(Kind.DECLARE, {"field": {}}), "malformed", "declaration without fields"),
+    "declaration layout": (
+        lambda s: s.control(Kind.DECLARE, {"fields": {"u": ["float32"], "v": ["int64", [2]]}}),
+        "malformed", "field 'u': expected [dtype, shape]",
+    ),
+    "finalize JSON": (lambda s: s.message(Kind.FINALIZE, b"steps=3"), "malformed", "finalize: invalid JSON"),
+    "finalize negative": (lambda s: s.finalize(-1), "malformed", "bad finalize"),
+    "finalize not int": (lambda s: s.control(Kind.FINALIZE, {"steps": "3"}), "malformed", "bad finalize"),
+    "wrong token": (lambda s: Sender(0, token=b"guess").data(0, "u", U_OTHER), "credentials", "bad credentials"),
+    "key of another simulation": (
+        lambda s: s.data(0, "u", U_OTHER, key=simulation_key(TOKEN, 1)), "credentials", "simulation 0: bad credentials",
+    ),
+    "unknown simulation": (
+        lambda s: Sender(3).data(0, "u", U_OTHER), "unknown_simulation", "simulation 3 is not in the study",
+    ),
+    "routing": (lambda s: s.data(1, "u", U_OTHER), "routing", "step 1: sent to rank 0, not its owner"),
+    "time step": (lambda s: s.data(4, "u", U_OTHER), "time_step", "step 4: the study has 4 steps"),
+    "field id": (lambda s: s.data(0, "u", U_OTHER, field_id=2), "unknown_field", "unknown field id 2"),
+    "field not declared": (
+        lambda s: s.declare({"u": LAYOUTS["u"]}), "unknown_field", "simulation 0: field 'v' not declared",
+    ),
+    "extra field declared": (
+        lambda s: s.declare({**LAYOUTS, "w": ("float32", (1,))}), "unknown_field", "unknown field 'w'",
+    ),
+    "data before declaration": (
+        lambda s: Sender(1).data(1, "u", U_OTHER), "undeclared", "no declaration from this client rank",
+    ),
+    "other client size": (
+        lambda s: Sender(0, rank=1, size=2).data(0, "u", U_OTHER), "undeclared", "no declaration",
+    ),
+    "finalize before declaration": (
+        lambda s: Sender(1).finalize(2), "undeclared", "finalize from undeclared client rank",
+    ),
+    "data dtype": (lambda s: s.data(0, "u", U_OTHER.astype("float64")), "dtype", "dtype float64, declared float32"),
+    "declared dtype": (lambda s: s.declare({**LAYOUTS, "u": ("complex64", (4,))}), "dtype", "'complex64'"),
+    "data shape": (lambda s: s.data(0, "u", U_OTHER[:3]), "shape", "shape [3], declared [4]"),
+    "declared shape": (lambda s: s.control(Kind.DECLARE, {"fields": {"u": ["float32", [-4]], "v": ["int64", [2]]}}),
+                       "shape", "bad shape [-4]"),
+    "NaN": (lambda s: s.data(0, "u", np.where(U_OTHER > 1, np.nan, U_OTHER)), "non_finite", "NaN or infinite values"),
+    "infinity": (lambda s: s.data(0, "u", np.where(U_OTHER > 1, -np.inf, U_OTHER)), "non_finite", "field 'u'"),
+    "oversize declaration": (
+        lambda s: s.declare({**LAYOUTS, "u": ("float32", (17,))}), "oversize",
+        "68 bytes per step exceed server.max_message_bytes=64",
+    ),
+}
+U_OTHER = np.array([1.5, 2.5, -3.0, 0.0], dtype=np.float32)  # a valid slice that must never replace the pending one
+
+
+@pytest.mark.parametrize("name", list(BAD_FRAMES))
+def test_refused_frame_loses_nothing(name: str) -> None:
+    make_frames, kind, message = BAD_FRAMES[name]
+    assembler = Assembler(make_spec(server_size=2, time_steps=4, max_message_bytes=64))
+    sender = Sender(0)
+    assembler.handle(sender.declare())
+    arrays = step_arrays(0, 0)
+    assert assembler.handle(sender.data(0, "u", arrays["u"])) is None  # a pending partial sample
+    refused(assembler, make_frames(sender), kind, message)
+    assert_fields(assembler.handle(sender.data(0, "v", arrays["v"])), arrays)
+    assert assembler.bytes_received == 32 and assembler.duplicates == 0
+    assert_fields(send_step(assembler, sender, 2), step_arrays(0, 2))  # the declaration still holds
+
+
+@pytest.mark.parametrize("size", [8, 15])
+def test_payload_smaller_than_the_declared_layout_is_refused(size: int) -> None:
+    assembler = Assembler(make_spec())
+    sender = Sender(0)
+    assembler.handle(sender.declare())
+    frames = sender.message(Kind.DATA, bytes(size), dtype="float32", shape=(4,))
+    refused(assembler, frames, "malformed")
+
+
+def test_non_finite_values_are_accepted_when_allowed() -> None:
+    assembler = Assembler(make_spec(reject_non_finite=False))
+    sender = Sender(0)
+    assembler.handle(sender.declare())
+    u = np.array([np.nan, np.inf, -np.inf, 1.0], dtype=np.float32)
+    assert assembler.handle(sender.data(0, "u", u)) is None
+    sample = assembler.handle(sender.data(0, "v", step_arrays(0, 0)["v"]))
+    assert sample is not None
+    np.testing.assert_array_equal(sample.fields["u"], u)
+
+
+@pytest.mark.parametrize(
+    "bind, accepted",
+    [
+        (False, {(s, t) for s in range(3) for t in range(4) if (s + t) % 2 == 1}),
+        (True, {(1, t) for t in range(4)}),
+    ],
+)
+def test_routing_rule_decides_what_rank_1_of_2_accepts(bind: bool, accepted: set[tuple[int, int]]) -> None:
+    assembler = Assembler(make_spec(server_rank=1, server_size=2, bind_simulation=bind))
+    seen = set()
+    for sim in range(3):
+        sender = Sender(sim)
+        assembler.handle(sender.declare())
+        for step in range(4):
+            try:
+                assembler.handle(sender.data(step, "u", U_OTHER))
+            except ProtocolError as error:
+                assert error.kind == "routing"
+            else:
+                seen.add((sim, step))
+    assert seen == accepted
+
+
+@pytest.mark.parametrize(
+    "rank1_u, message",
+    [
+        (("float64", (3, 2)), "client rank 1 declares float64[3, 2], rank 0 float32[2, 2]"),
+        (("float32", (3, 3)), "cannot be joined on axis 0"),
+        (("float32", ()), "cannot be joined on axis 0"),
+        (("float32", (2,)), "cannot be joined on axis 0"),
+    ],
+)
+def test_client_ranks_must_declare_joinable_slices(rank1_u: tuple[str, tuple[int, ...]], message: str) -> None:
+    assembler = Assembler(make_spec())
+    rank0, rank1 = Sender(0, 0, 2), Sender(0, 1, 2)
+    assembler.handle(rank0.declare({**TWO_RANK_LAYOUTS[0], "u": ("float32", (2, 2))}))
+    refused(assembler, rank1.declare({**TWO_RANK_LAYOUTS[1], "u": rank1_u}), "shape", message)
+    refused(assembler, rank1.data(0, "v", step_arrays(0, 0, TWO_RANK_LAYOUTS[1])["v"]), "undeclared")
+
+
+def test_zero_dimensional_slice_declared_first_cannot_be_joined() -> None:
+    assembler = Assembler(make_spec())
+    assembler.handle(Sender(0, 0, 2).declare({**TWO_RANK_LAYOUTS[0], "u": ("float32", ())}))
+    refused(assembler, Sender(0, 1, 2).declare({**TWO_RANK_LAYOUTS[1], "u": ("float32", (3,))}), "shape")
+
+
+def test_relaunch_with_another_client_size_starts_a_new_stream() -> None:
+    assembler = Assembler(make_spec())
+    old = Sender(0)
+    assembler.handle(old.declare())
+    assembler.handle(old.data(0, "u", step_arrays(0, 0)["u"]))
+    new = [Sender(0, rank, size=2) for rank in (0, 1)]
+    arrays = [step_arrays(0, 0, TWO_RANK_LAYOUTS[r], rank=r) for r in (0, 1)]
+    assembler.handle(new[0].declare(TWO_RANK_LAYOUTS[0]))
+    refused(assembler, old.data(0, "v", step_arrays(0, 0)["v"]), "undeclared")
+    assembler.handle(new[1].declare(TWO_RANK_LAYOUTS[1]))
+    results = [assembler.handle(new[r].data(0, n, arrays[r][n])) for r in (0, 1) for n in FIELDS]
+    assert results[:3] == [None] * 3
+    assert_fields(results[3], {n: np.concatenate([arrays[0][n], arrays[1][n]]) for n in FIELDS})
+
+
+def test_progress_expects_the_maximum_once_every_client_rank_finalized() -> None:
+    assembler = Assembler(make_spec())
+    senders = [Sender(2, rank, size=2) for rank in (0, 1)]
+    assert assembler.progress(2) == Progress(0, None)
+    for sender in senders:
+        assembler.handle(sender.declare(TWO_RANK_LAYOUTS[sender.rank]))
+    results = [
+        assembler.handle(s.data(0, name, array))
+        for s in senders
+        for name, array in step_arrays(2, 0, TWO_RANK_LAYOUTS[s.rank]).items()
+    ]
+    assert results[-1] is not None
+    assembler.commit(results[-1])
+    assert assembler.progress(2) == Progress(1, None)
+    assembler.handle(senders[1].finalize(3))
+    assert assembler.progress(2) == Progress(1, None)
+    assembler.handle(senders[0].finalize(2))
+    assert assembler.progress(2) == Progress(1, 3)
+    assert assembler.progress(0) == Progress(0, None)
+
+
+def test_take_progress_reports_changed_simulations_once() -> None:
+    assembler = Assembler(make_spec())
+    first, second = Sender(0), Sender(1)
+    assert assembler.take_progress() == {}
+    assembler.handle(first.declare())
+    assembler.handle(second.declare())
+    assert assembler.take_progress() == {0: Progress(0, None), 1: Progress(0, None)}
+    assert assembler.take_progress() == {}
+    sample = send_step(assembler, second, 0)
+    assert assembler.take_progress() == {1: Progress(0, None)}  # frames arrived: the simulation is active
+    assert sample is not None
+    assembler.commit(sample)
+    assembler.handle(second.finalize(1))
+    assert assembler.take_progress() == {1: Progress(1, 1)}
+    assert assembler.take_progress() == {}

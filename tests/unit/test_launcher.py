@@ -1,0 +1,301 @@
+"""Launcher and schedulers on real processes: limits, return codes, kills, MPI isolation."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from launcher.jobs import START_FAILED, Launcher
+from launcher.schedulers import KILL_GRACE, LocalScheduler, MpirunScheduler, child_environment
+from melissa_dl.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+REPO = Path(__file__).resolve().parents[2]
+# What hydra sets in the server's environment when mpirun starts it.
+FAKE_MPI_LAUNCH = {
+    "PMI_FD": "9",
+    "PMI_RANK": "0",
+    "PMI_SIZE": "1",
+    "PMI_HOSTNAME": "elsewhere",
+    "HYDI_CONTROL_FD": "7",
+    "MPI_LOCALNRANKS": "1",
+    "MPI_LOCALRANKID": "0",
+}
+# One write(2) per line: mpirun's ranks share the log and must not interleave within a line.
+PRINT_PID = "import os; os.write(1, f'pid {os.getpid()}\\n'.encode()); "
+SLEEPER = PRINT_PID + "import time; time.sleep(60)"
+RANK_SLEEPER = "from mpi4py import MPI; " + SLEEPER
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Bounded wait: every test fails rather than hangs."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def poll_until(launcher: Launcher, count: int) -> list[tuple[int, int]]:
+    ended: list[tuple[int, int]] = []
+
+    def collect() -> bool:
+        ended.extend(launcher.poll())
+        return len(ended) >= count
+
+    wait_for(collect)
+    return ended
+
+
+def log_of(tmp_path: Path, simulation_id: int, attempt: int = 0) -> Path:
+    return tmp_path / "logs" / f"simulation{simulation_id}.attempt{attempt}.log"
+
+
+def read_pids(log: Path, count: int) -> list[int]:
+    """Wait until ``count`` processes printed their pid to ``log``."""
+    pids: list[int] = []
+
+    def printed() -> bool:
+        pids[:] = [int(p) for p in re.findall(r"^pid (\d+)$", log.read_text(), re.MULTILINE)]
+        return len(pids) >= count
+
+    wait_for(lambda: log.exists() and printed())
+    return pids
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie awaiting an (orphan) reaper counts as dead."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def python_launcher(tmp_path: Path, code: str, job_limit: int = 4) -> Launcher:
+    return Launcher(LocalScheduler([sys.executable, "-c", code], tmp_path), job_limit, tmp_path / "logs")
+
+
+def test_job_limit_is_respected_in_fifo_order(tmp_path: Path) -> None:
+    launcher = python_launcher(tmp_path, "import time; time.sleep(0.3)", job_limit=2)
+    for simulation_id in range(5):
+        launcher.submit(simulation_id, 0, {})
+    assert launcher.queued() == [0, 1, 2, 3, 4] and launcher.running() == set()
+    assert launcher.poll() == []
+    assert launcher.running() == {0, 1} and launcher.queued() == [2, 3, 4]
+    ended: list[tuple[int, int]] = []
+    most = 0
+
+    def collect() -> bool:
+        nonlocal most
+        ended.extend(launcher.poll())
+        most = max(most, len(launcher.running()))
+        return len(ended) == 5
+
+    wait_for(collect)
+    assert sorted(ended) == [(i, 0) for i in range(5)]
+    assert most == 2
+    assert launcher.running() == set() and launcher.queued() == []
+
+
+def test_exit_code_output_cwd_and_env_reach_the_server(tmp_path: Path) -> None:
+    code = (
+        "import os, sys; print('out', os.getcwd()); print('err', os.environ['MELISSA_X'], "
+        "file=sys.stderr); sys.exit(3)"
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    launcher = Launcher(LocalScheduler([sys.executable, "-c", code], work), 1, tmp_path / "logs")
+    launcher.submit(7, 2, {"MELISSA_X": "hello"})
+    assert poll_until(launcher, 1) == [(7, 3)]
+    text = log_of(tmp_path, 7, attempt=2).read_text()
+    assert f"out {work}" in text and "err hello" in text
+
+
+def test_unstartable_command_is_reported_as_failed(tmp_path: Path) -> None:
+    scheduler = LocalScheduler([str(tmp_path / "no-such-simulation")], tmp_path)
+    launcher = Launcher(scheduler, 1, tmp_path / "logs")
+    launcher.submit(0, 0, {})
+    assert launcher.poll() == [(0, START_FAILED)]
+    assert launcher.running() == set()
+
+
+def test_kill_stops_job_without_grace_and_poll_does_not_report_it(tmp_path: Path) -> None:
+    launcher = python_launcher(tmp_path, SLEEPER)
+    launcher.submit(0, 0, {})
+    launcher.poll()
+    [pid] = read_pids(log_of(tmp_path, 0), 1)
+    started = time.monotonic()
+    launcher.kill(0)
+    assert time.monotonic() - started < KILL_GRACE
+    assert not alive(pid) and launcher.running() == set()
+    time.sleep(0.2)
+    assert launcher.poll() == []
+    launcher.kill(0)  # idempotent
+
+
+def test_kill_reaches_grandchildren(tmp_path: Path) -> None:
+    code = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {SLEEPER!r}]); time.sleep(60)"
+    )
+    launcher = python_launcher(tmp_path, code)
+    launcher.submit(0, 0, {})
+    launcher.poll()
+    [grandchild] = read_pids(log_of(tmp_path, 0), 1)
+    launcher.kill(0)
+    wait_for(lambda: not alive(grandchild))
+
+
+def test_kill_escalates_to_sigkill_and_is_idempotent(tmp_path: Path) -> None:
+    code = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + SLEEPER
+    log = tmp_path / "deep" / "log.txt"
+    job = LocalScheduler([sys.executable, "-c", code], tmp_path).start(4, 1, {}, log)
+    assert (job.simulation_id, job.attempt) == (4, 1)
+    read_pids(log, 1)
+    started = time.monotonic()
+    job.kill()
+    assert KILL_GRACE <= time.monotonic() - started < KILL_GRACE + 5
+    assert job.poll() == -signal.SIGKILL
+    job.kill()
+    assert job.poll() == -signal.SIGKILL
+
+
+def test_killed_job_that_already_exited_is_not_reported(tmp_path: Path) -> None:
+    launcher = python_launcher(tmp_path, "print('done', flush=True)")
+    launcher.submit(0, 0, {})
+    launcher.poll()
+    wait_for(lambda: "done" in log_of(tmp_path, 0).read_text())
+    time.sleep(0.2)
+    launcher.kill(0)
+    assert launcher.poll() == [] and launcher.running() == set()
+
+
+def test_kill_drops_queued_job(tmp_path: Path) -> None:
+    launcher = python_launcher(tmp_path, SLEEPER, job_limit=1)
+    launcher.submit(0, 0, {})
+    launcher.submit(1, 0, {})
+    launcher.poll()
+    assert launcher.queued() == [1]
+    launcher.kill(1)
+    launcher.kill(99)
+    assert launcher.queued() == [] and launcher.running() == {0}
+    launcher.kill(0)
+    assert launcher.poll() == []
+    assert not log_of(tmp_path, 1).exists()
+
+
+def test_shutdown_kills_all_jobs_within_one_grace(tmp_path: Path) -> None:
+    code = (
+        "import os, signal; os.environ.get('IGNORE_TERM') and "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); " + SLEEPER
+    )
+    launcher = python_launcher(tmp_path, code, job_limit=3)
+    for simulation_id in range(4):
+        launcher.submit(simulation_id, 0, {"IGNORE_TERM": "1"} if simulation_id < 2 else {})
+    launcher.poll()
+    pids = [read_pids(log_of(tmp_path, i), 1)[0] for i in range(3)]
+    started = time.monotonic()
+    launcher.shutdown()
+    assert time.monotonic() - started < 2 * KILL_GRACE
+    assert not any(alive(pid) for pid in pids)
+    assert launcher.running() == set() and launcher.queued() == []
+    assert launcher.poll() == []
+
+
+def test_child_environment_strips_mpi_launch_and_prefers_venv(monkeypatch: pytest.MonkeyPatch) -> None:
+    stripped = {
+        **FAKE_MPI_LAUNCH,
+        "PMIX_RANK": "0",
+        "HYDRA_HOST_FILE": "h",
+        "MPIR_CVAR_X": "1",
+        "MPICH_INTERFACE_HOSTNAME": "h",
+        "OMPI_COMM_WORLD_RANK": "0",
+        "I_MPI_PIN": "1",
+        "GFORTRAN_UNBUFFERED_PRECONNECTED": "y",
+    }
+    for name, value in {**stripped, "KEEP_ME": "yes", "OVERRIDE_ME": "old"}.items():
+        monkeypatch.setenv(name, value)
+    env = child_environment({"OVERRIDE_ME": "new", "ADDED": "1"})
+    assert not set(stripped) & set(env)
+    assert env["KEEP_ME"] == "yes" and env["OVERRIDE_ME"] == "new" and env["ADDED"] == "1"
+    path = env["PATH"].split(os.pathsep)
+    assert path[0] == os.path.dirname(sys.executable)
+    assert path[1:] == os.environ["PATH"].split(os.pathsep)
+    assert os.environ["PMI_FD"] == "9"  # the server's own environment is untouched
+
+
+def test_child_mpi_init_ignores_the_servers_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in FAKE_MPI_LAUNCH.items():
+        monkeypatch.setenv(name, value)
+    code = "import sys; from mpi4py import MPI; print('size', MPI.COMM_WORLD.size, sys.prefix)"
+    launcher = Launcher(LocalScheduler(["python", "-c", code], tmp_path), 1, tmp_path / "logs")
+    launcher.submit(0, 0, {})
+    assert poll_until(launcher, 1) == [(0, 0)]
+    assert f"size 1 {sys.prefix}" in log_of(tmp_path, 0).read_text()
+
+
+@pytest.mark.parametrize("server_launched_by_mpirun", [False, True])
+def test_mpirun_runs_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server_launched_by_mpirun: bool
+) -> None:
+    if server_launched_by_mpirun:
+        for name, value in FAKE_MPI_LAUNCH.items():
+            monkeypatch.setenv(name, value)
+    code = (
+        "import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+        "os.write(1, f'rank {c.rank} of {c.size}\\n'.encode())"
+    )
+    scheduler = MpirunScheduler(["python", "-c", code], tmp_path, ranks=2, mpirun=MPIRUN)
+    launcher = Launcher(scheduler, 1, tmp_path / "logs")
+    launcher.submit(0, 0, {})
+    assert poll_until(launcher, 1) == [(0, 0)]
+    text = log_of(tmp_path, 0).read_text()
+    assert "rank 0 of 2" in text and "rank 1 of 2" in text
+
+
+def test_kill_of_mpirun_job_stops_its_ranks(tmp_path: Path) -> None:
+    scheduler = MpirunScheduler(["python", "-c", RANK_SLEEPER], tmp_path, ranks=2, mpirun=MPIRUN)
+    launcher = Launcher(scheduler, 1, tmp_path / "logs")
+    launcher.submit(0, 0, {})
+    launcher.poll()
+    ranks = read_pids(log_of(tmp_path, 0), 2)
+    launcher.kill(0)
+    wait_for(lambda: not any(alive(pid) for pid in ranks))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux only")
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_jobs_die_with_the_server(tmp_path: Path, ranks: int | None) -> None:
+    server_code = (
+        "import time; from pathlib import Path; from launcher.schedulers import *; "
+        f"c, p = ['python', '-c', {RANK_SLEEPER!r}], Path({str(tmp_path)!r}); "
+        f"s = LocalScheduler(c, p) if {ranks} is None else MpirunScheduler(c, p, {ranks}, {MPIRUN!r}); "
+        "s.start(0, 0, {}, p / 'job.log'); time.sleep(60)"
+    )
+    server = subprocess.Popen(
+        ["python", "-c", server_code], env=child_environment({"PYTHONPATH": str(REPO)})
+    )
+    try:
+        job_pids = read_pids(tmp_path / "job.log", ranks or 1)
+    finally:
+        server.kill()
+        server.wait()
+    wait_for(lambda: not any(alive(pid) for pid in job_pids))
+
+
+def test_bad_ranks_or_job_limit_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="ranks"):
+        MpirunScheduler(["python"], tmp_path, ranks=0)
+    with pytest.raises(ConfigError, match="job limit"):
+        Launcher(LocalScheduler(["python"], tmp_path), 0, tmp_path)

@@ -1,0 +1,78 @@
+"""The per-simulation bitmaps of received time steps."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from melissa_dl.ledger import Ledger
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def filled(steps: dict[int, list[int]]) -> Ledger:
+    ledger = Ledger()
+    for sim, sim_steps in steps.items():
+        for step in sim_steps:
+            ledger.add(sim, step)
+    return ledger
+
+
+def test_add_records_a_step_once() -> None:
+    ledger = Ledger()
+    assert (3, 5) not in ledger
+    assert ledger.add(3, 5) is True
+    assert ledger.add(3, 5) is False
+    assert (3, 5) in ledger
+    assert ledger.count(3) == 1
+    assert (3, 4) not in ledger and (3, 6) not in ledger and (2, 5) not in ledger and (4, 5) not in ledger
+
+
+@pytest.mark.parametrize("step", [0, 7, 8, 9, 15, 16, 1023, 10**6, 10**6 + 7])
+def test_steps_around_byte_boundaries_and_large_steps(step: int) -> None:
+    ledger = filled({0: [3]})
+    assert ledger.add(0, step) is (step != 3)
+    assert (0, step) in ledger
+    assert (0, step + 1) not in ledger
+    assert ledger.steps(0) == sorted({3, step})
+
+
+def test_counts_total_and_simulations() -> None:
+    ledger = filled({4: [0, 1, 2, 1], 1: [9], 7: [10**6]})
+    assert [ledger.count(s) for s in (1, 4, 7, 0)] == [1, 3, 1, 0]
+    assert ledger.total() == 5
+    assert ledger.simulations() == [1, 4, 7]
+
+
+def test_steps_are_sorted_whatever_the_arrival_order() -> None:
+    rng = random.Random(1234)
+    steps = rng.sample(range(5000), 600)
+    ledger = filled({2: steps + steps[:50]})  # and some duplicates
+    assert ledger.steps(2) == sorted(steps)
+    assert ledger.count(2) == 600
+    assert ledger.steps(99) == []
+
+
+def test_state_dict_round_trip_restores_everything() -> None:
+    rng = random.Random(99)
+    original = filled({s: rng.sample(range(3000), 40 * (s + 1)) for s in range(4)} | {9: [10**6]})
+    state = original.state_dict()
+    assert all(isinstance(k, int) and isinstance(v, bytes) for k, v in state.items())
+    original.add(0, 4000)  # the snapshot does not follow later changes
+    restored = Ledger()
+    restored.load_state_dict(state)
+    assert restored.simulations() == [0, 1, 2, 3, 9]
+    assert [restored.count(s) for s in (0, 1, 2, 3, 9)] == [40, 80, 120, 160, 1]
+    assert restored.total() == 401
+    assert restored.steps(2) == original.steps(2)
+    assert (0, 4000) not in restored
+    assert restored.add(9, 10**6) is False
+    assert restored.add(0, 4000) is True
+    assert restored.count(0) == 41 and restored.total() == 402
+
+
+def test_load_state_dict_replaces_the_previous_state() -> None:
+    ledger = filled({1: [1, 2]})
+    ledger.load_state_dict(filled({5: [0]}).state_dict())
+    assert ledger.simulations() == [5]
+    assert (1, 1) not in ledger and ledger.count(1) == 0 and ledger.total() == 1

@@ -1,0 +1,236 @@
+"""The data protocol's fixed header, credentials, routing rule and layout checks."""
+from __future__ import annotations
+
+import itertools
+import struct
+
+import pytest
+
+from melissa_dl.errors import ProtocolError
+from melissa_dl.protocol import (
+    DTYPES,
+    HEADER_BYTES,
+    KEY_BYTES,
+    MAGIC,
+    MAX_NDIM,
+    PROTOCOL_VERSION,
+    Header,
+    Kind,
+    check_layout,
+    decode_json,
+    encode_json,
+    owner_rank,
+    payload_bytes,
+    simulation_key,
+    unpack_header,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = bytes(range(32))
+SHAPES = [(), (7,), (2, 3), (1, 2, 3), (4, 1, 2, 3), (1, 2, 3, 4, 5), (6, 5, 4, 3, 2, 1)]
+# Offsets and struct formats of the little-endian header fields that clients in other languages rely on.
+WIRE = {
+    "magic": (0, "4s"),
+    "version": (4, "<H"),
+    "kind": (6, "B"),
+    "dtype": (7, "B"),
+    "key": (8, f"{KEY_BYTES}s"),
+    "simulation_id": (16, "<I"),
+    "time_step": (20, "<I"),
+    "client_rank": (24, "<H"),
+    "client_size": (26, "<H"),
+    "field_id": (28, "<H"),
+    "ndim": (30, "B"),
+    "payload_bytes": (31 + 4 * MAX_NDIM, "<Q"),
+}
+
+
+def header(**overrides: object) -> Header:
+    fields = dict(
+        kind=Kind.DATA, key=simulation_key(TOKEN, 5), simulation_id=5, time_step=11, client_rank=1,
+        client_size=3, field_id=2, dtype="float64", shape=(2, 3), payload_bytes=48,
+    )
+    fields.update(overrides)
+    return Header(**fields)  # type: ignore[arg-type]
+
+
+def patched(name: str, value: object) -> bytes:
+    """A valid packed header with one wire field overwritten."""
+    data = bytearray(header().pack())
+    offset, fmt = WIRE[name]
+    struct.pack_into(fmt, data, offset, value)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("kind, shape", list(itertools.product(Kind, SHAPES)))
+def test_header_round_trip(kind: Kind, shape: tuple[int, ...]) -> None:
+    sent = header(kind=kind, shape=shape, dtype=DTYPES[len(shape) % len(DTYPES)])
+    packed = sent.pack()
+    assert len(packed) == HEADER_BYTES
+    received = unpack_header(memoryview(packed))
+    assert received == sent
+    assert received.kind is kind and isinstance(received.shape, tuple)
+
+
+def test_header_round_trip_at_the_field_limits() -> None:
+    sent = header(
+        simulation_id=(1 << 32) - 1, time_step=(1 << 32) - 1, client_rank=(1 << 16) - 2, client_size=(1 << 16) - 1,
+        field_id=(1 << 16) - 1, shape=((1 << 32) - 1,) * MAX_NDIM, payload_bytes=(1 << 64) - 1, dtype=DTYPES[-1],
+    )
+    assert unpack_header(sent.pack()) == sent
+
+
+def test_header_wire_layout_is_fixed_little_endian() -> None:
+    packed = header().pack()
+    assert HEADER_BYTES == 31 + 4 * MAX_NDIM + 8
+    decoded = {name: struct.unpack_from(fmt, packed, offset)[0] for name, (offset, fmt) in WIRE.items()}
+    assert decoded == {
+        "magic": MAGIC, "version": PROTOCOL_VERSION, "kind": int(Kind.DATA), "dtype": DTYPES.index("float64"),
+        "key": simulation_key(TOKEN, 5), "simulation_id": 5, "time_step": 11, "client_rank": 1, "client_size": 3,
+        "field_id": 2, "ndim": 2, "payload_bytes": 48,
+    }
+    assert struct.unpack_from(f"<{MAX_NDIM}I", packed, 31) == (2, 3, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "frame, kind, message",
+    [
+        (header().pack()[:-1], "malformed", f"header of {HEADER_BYTES - 1} bytes instead of {HEADER_BYTES}"),
+        (header().pack() + b"\0", "malformed", f"header of {HEADER_BYTES + 1} bytes"),
+        (b"", "malformed", "header of 0 bytes"),
+        (patched("magic", b"MLDX"), "malformed", "bad magic b'MLDX'"),
+        (patched("version", PROTOCOL_VERSION + 1), "version", f"version {PROTOCOL_VERSION + 1}, server speaks"),
+        (patched("kind", 0), "malformed", "kind 0"),
+        (patched("kind", max(Kind) + 1), "malformed", f"kind {max(Kind) + 1}"),
+        (patched("dtype", len(DTYPES)), "malformed", f"dtype code {len(DTYPES)}"),
+        (patched("ndim", MAX_NDIM + 1), "malformed", f"ndim {MAX_NDIM + 1}"),
+        (patched("client_rank", 3), "malformed", "client rank 3 of 3"),
+        (patched("client_size", 0), "malformed", "client rank 1 of 0"),
+    ],
+    ids=[
+        "short", "long", "empty", "magic", "version", "kind-0", "kind-high", "dtype", "ndim", "crank=csize",
+        "csize-0",
+    ],
+)
+def test_unpack_refuses_bad_headers(frame: bytes, kind: str, message: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        unpack_header(frame)
+    assert info.value.kind == kind
+    assert message in str(info.value)
+
+
+def test_simulation_key_is_a_deterministic_per_simulation_credential() -> None:
+    keys = [simulation_key(TOKEN, s) for s in range(2000)]
+    assert all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys)
+    assert keys == [simulation_key(bytes(TOKEN), s) for s in range(2000)]
+    assert len(set(keys)) == len(keys)
+    assert simulation_key(TOKEN[:-1] + b"\0", 0) != keys[0]
+    assert simulation_key(b"another token", 1999) != keys[1999]
+    assert simulation_key(TOKEN, (1 << 32) - 1) not in keys
+
+
+@pytest.mark.parametrize("server_size", [1, 2, 3, 5])
+def test_owner_rank_spreads_steps_over_all_ranks(server_size: int) -> None:
+    for sim in range(7):
+        owners = [owner_rank(sim, step, server_size, False) for step in range(4 * server_size)]
+        assert all(0 <= r < server_size for r in owners)
+        # consecutive steps of one simulation visit every rank in turn, and simulations start staggered
+        assert sorted(owners[:server_size]) == list(range(server_size))
+        assert owners[0] == sim % server_size
+        assert owners == owners[:server_size] * 4
+
+
+@pytest.mark.parametrize("server_size", [1, 2, 3, 5])
+def test_owner_rank_binds_every_step_to_s_mod_k(server_size: int) -> None:
+    for sim in range(12):
+        assert {owner_rank(sim, step, server_size, True) for step in range(50)} == {sim % server_size}
+
+
+def test_owner_rank_examples() -> None:
+    assert owner_rank(3, 4, 4, False) == 3
+    assert owner_rank(3, 4, 4, True) == 3
+    assert owner_rank(3, 6, 4, False) == 1
+    assert owner_rank((1 << 32) - 1, (1 << 32) - 1, 3, False) == ((1 << 33) - 2) % 3
+
+
+@pytest.mark.parametrize(
+    "decl, expected",
+    [
+        (["float32", []], ("float32", ())),
+        (["uint8", [0]], ("uint8", (0,))),
+        (["float64", [2, 4]], ("float64", (2, 4))),
+        (["int16", [1] * MAX_NDIM], ("int16", (1,) * MAX_NDIM)),
+    ],
+)
+def test_check_layout_accepts_valid_declarations(decl: list, expected: tuple) -> None:
+    assert check_layout("field 'u'", decl, max_bytes=64) == expected
+
+
+@pytest.mark.parametrize(
+    "decl, kind",
+    [
+        ("float32", "malformed"),
+        (["float32"], "malformed"),
+        (["float32", 3], "malformed"),
+        (["float32", (3,)], "malformed"),
+        (["float32", [3], "C"], "malformed"),
+        (["complex64", [3]], "dtype"),
+        ([None, [3]], "dtype"),
+        (["float32", [-1]], "shape"),
+        (["float32", [2.0]], "shape"),
+        (["float32", ["2"]], "shape"),
+        (["float32", [1 << 32]], "shape"),
+        (["float32", [1] * (MAX_NDIM + 1)], "shape"),
+        (["float64", [9]], "oversize"),
+        (["int8", [5, 13]], "oversize"),
+    ],
+)
+def test_check_layout_refusals(decl: object, kind: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        check_layout("simulation 4, field 'u'", decl, max_bytes=64)
+    assert info.value.kind == kind
+    assert str(info.value).startswith("simulation 4, field 'u': ")
+
+
+def test_check_layout_oversize_names_the_limit() -> None:
+    assert check_layout("f", ["float64", [8]], max_bytes=64) == ("float64", (8,))
+    with pytest.raises(ProtocolError, match=r"72 bytes per step exceed server.max_message_bytes=64"):
+        check_layout("f", ["float64", [9]], max_bytes=64)
+
+
+def test_check_layout_refuses_shapes_whose_size_overflows_int64() -> None:
+    huge = (1 << 32) - 1
+    assert payload_bytes("float32", (huge, huge)) == huge * huge * 4
+    with pytest.raises(ProtocolError) as info:
+        check_layout("f", ["float32", [huge, huge]], max_bytes=1 << 26)
+    assert info.value.kind == "oversize"
+
+
+@pytest.mark.parametrize(
+    "dtype, shape, expected",
+    [("float32", (), 4), ("float64", (3, 4), 96), ("uint8", (5, 0, 2), 0), ("int16", (7,), 14)],
+)
+def test_payload_bytes(dtype: str, shape: tuple[int, ...], expected: int) -> None:
+    assert payload_bytes(dtype, shape) == expected
+
+
+def test_json_payloads_round_trip_compactly() -> None:
+    body = {"fields": {"u": ["float32", [2, 3]]}, "steps": 4}
+    encoded = encode_json(body)
+    assert b" " not in encoded
+    assert decode_json(memoryview(encoded), "declaration") == body
+
+
+@pytest.mark.parametrize("payload", [b"{not json", b"", b"\xff\xfe", b'{"a": 1} trailing'])
+def test_decode_json_refusal_is_the_senders_fault(payload: bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_json(payload, "simulation 2 finalize")
+    assert info.value.kind == "malformed"
+    assert str(info.value).startswith("simulation 2 finalize: invalid JSON")
+
+
+def test_decode_json_refuses_deeply_nested_payloads() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_json(b"[" * 100_000, "declaration")
+    assert info.value.kind == "malformed"

@@ -1,0 +1,263 @@
+"""Rank 0's study bookkeeping, driven through a fake launcher and hand-made rank reports."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import pytest
+
+from launcher import START_FAILED
+from melissa_dl.assembly import Progress
+from melissa_dl.receiver import ReceiverReport
+from melissa_dl.study import State, Study
+
+pytestmark = pytest.mark.timeout(60)
+
+TIMEOUT = 10.0
+RANKS = 2  # server ranks: each simulation's progress has one entry per rank
+
+
+class FakeLauncher:
+    """Records submissions and kills; the test decides what runs and what ended."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[int, int, dict[str, str]]] = []
+        self.killed: list[int] = []
+        self.waiting: list[int] = []
+        self.active: set[int] = set()
+        self.ended: list[tuple[int, int]] = []
+
+    def submit(self, simulation_id: int, attempt: int, env: dict[str, str]) -> None:
+        self.submitted.append((simulation_id, attempt, env))
+        self.waiting.append(simulation_id)
+
+    def poll(self) -> list[tuple[int, int]]:
+        ended, self.ended = self.ended, []
+        return ended
+
+    def kill(self, simulation_id: int) -> None:
+        self.killed.append(simulation_id)
+        self.active.discard(simulation_id)
+        self.waiting = [s for s in self.waiting if s != simulation_id]
+
+    def running(self) -> set[int]:
+        return set(self.active)
+
+    def queued(self) -> list[int]:
+        return list(self.waiting)
+
+    # what the test does to the jobs
+    def start(self, *simulation_ids: int) -> None:
+        self.waiting = [s for s in self.waiting if s not in simulation_ids]
+        self.active.update(simulation_ids)
+
+    def exit(self, simulation_id: int, code: int) -> None:
+        self.waiting = [s for s in self.waiting if s != simulation_id]  # START_FAILED: ended without running
+        self.active.discard(simulation_id)
+        self.ended.append((simulation_id, code))
+
+    def attempts(self, simulation_id: int) -> list[int]:
+        return [attempt for s, attempt, _ in self.submitted if s == simulation_id]
+
+
+class Harness:
+    def __init__(self, simulations: int = 2, max_retries: int = 2) -> None:
+        self.launcher = FakeLauncher()
+        self.expected: list[tuple[int, bool]] = []
+        self.study = Study(
+            simulations, RANKS, self.launcher,  # type: ignore[arg-type]
+            environment=lambda sim, attempt: {"SIM": str(sim), "ATTEMPT": str(attempt)},
+            expect=lambda sim, flag: self.expected.append((sim, flag)),
+            max_retries=max_retries, timeout=TIMEOUT,
+        )
+        self.study.start()
+
+    def tick(self, now: float, *reports: ReceiverReport) -> None:
+        self.study.tick(list(reports) or [ReceiverReport() for _ in range(RANKS)], now=now)
+
+    def state(self, sim: int) -> State:
+        return self.study.simulations[sim].state
+
+    def running(self, now: float, *sims: int) -> None:
+        """Start the jobs and let a tick see them."""
+        self.launcher.start(*sims)
+        self.tick(now)
+        assert all(self.state(s) is State.RUNNING for s in sims)
+
+
+def reports(
+    progress: dict[int, Iterable[tuple[int, int | None] | None]] | None = None,
+    active: Iterable[int] = (),
+    blocked: bool = False,
+) -> list[ReceiverReport]:
+    """One report per rank; ``progress[sim]`` gives (received, expected) per rank, None where it did not change."""
+    per_rank: list[ReceiverReport] = [ReceiverReport() for _ in range(RANKS)]
+    for sim, ranks in (progress or {}).items():
+        for rank, entry in enumerate(ranks):
+            if entry is not None:
+                per_rank[rank].progress[sim] = Progress(*entry)
+                per_rank[rank].active.add(sim)
+    for sim in active:
+        per_rank[0].active.add(sim)
+    per_rank[0].blocked = blocked
+    return per_rank
+
+
+@pytest.fixture
+def h() -> Harness:
+    return Harness()
+
+
+def test_start_submits_every_simulation_as_attempt_0(h: Harness) -> None:
+    assert h.launcher.submitted == [(0, 0, {"SIM": "0", "ATTEMPT": "0"}), (1, 0, {"SIM": "1", "ATTEMPT": "0"})]
+    assert h.expected == [(0, True), (1, True)]
+    assert [s.attempts for s in h.study.simulations] == [1, 1]
+    assert h.study.counts() == {"queued": 2, "running": 0, "done": 0, "failed": 0}
+    assert not h.study.over
+
+
+def test_queued_becomes_running_when_its_job_runs(h: Harness) -> None:
+    h.tick(0.0)
+    assert h.study.counts()["queued"] == 2
+    h.running(1.0, 1)
+    assert (h.state(0), h.state(1)) == (State.QUEUED, State.RUNNING)
+    h.tick(100.0, *reports(active=[1]))  # a queued simulation waiting for a slot never times out
+    assert h.state(0) is State.QUEUED and h.launcher.killed == [] and h.launcher.queued() == [0]
+    assert len(h.launcher.submitted) == 2
+
+
+def test_done_needs_every_rank_to_hold_every_announced_step(h: Harness) -> None:
+    h.running(0.0, 0)
+    h.tick(1.0, *reports({0: [(3, 3), (2, None)]}))
+    assert h.state(0) is State.RUNNING
+    h.tick(2.0, *reports({0: [None, (2, 3)]}))
+    assert h.state(0) is State.RUNNING and h.study.simulations[0].received == 5
+    h.tick(3.0, *reports({0: [None, (3, 3)]}))  # rank 0's last report still holds
+    assert h.state(0) is State.DONE and h.study.simulations[0].received == 6
+    assert h.expected[-1] == (0, False)
+    assert h.study.counts() == {"queued": 1, "running": 0, "done": 1, "failed": 0}
+    assert h.launcher.killed == [] and h.launcher.attempts(0) == [0]
+
+
+@pytest.mark.parametrize(
+    "code, progress, state, attempts, reason",
+    [
+        (0, [(3, 3), (2, 2)], State.DONE, [0], ""),
+        (5, [(3, 3), (2, 2)], State.DONE, [0], ""),  # all data is in: the exit code does not matter
+        (0, [(3, 3), (1, 2)], State.QUEUED, [0, 1], "exited with steps missing"),
+        (5, [(3, 3), (1, 2)], State.QUEUED, [0, 1], "exit code 5"),
+        (5, [(0, None), (0, None)], State.QUEUED, [0, 1], "exit code 5"),
+        (0, [(3, 3), (1, None)], State.RUNNING, [0], ""),  # frames may still be in flight: wait
+    ],
+)
+def test_fate_of_an_ended_job(
+    h: Harness, code: int, progress: list[tuple[int, int | None]], state: State, attempts: list[int], reason: str
+) -> None:
+    h.running(0.0, 0)
+    h.launcher.exit(0, code)
+    h.tick(1.0, *reports({0: progress}))
+    sim = h.study.simulations[0]
+    assert (sim.state, h.launcher.attempts(0), sim.reason) == (state, attempts, reason)
+    assert h.launcher.killed == []
+    if len(attempts) > 1:
+        assert h.launcher.submitted[-1] == (0, 1, {"SIM": "0", "ATTEMPT": "1"})
+        assert h.expected.count((0, True)) == 2 and sim.exit_code is None
+
+
+def test_exit_0_without_announcements_waits_for_the_timeout(h: Harness) -> None:
+    h.running(0.0, 0)
+    h.launcher.exit(0, 0)
+    h.tick(TIMEOUT)
+    assert h.state(0) is State.RUNNING
+    h.tick(TIMEOUT + 0.5)
+    assert h.state(0) is State.QUEUED and h.launcher.attempts(0) == [0, 1]
+    assert h.study.simulations[0].reason == "no data for 10 s"
+
+
+def test_silent_simulation_is_killed_and_relaunched_after_the_timeout(h: Harness) -> None:
+    h.running(0.0, 0, 1)
+    h.tick(TIMEOUT, *reports(active=[1]))
+    assert h.launcher.killed == []
+    h.tick(TIMEOUT + 0.5)
+    assert h.launcher.killed == [0]
+    assert (h.state(0), h.state(1)) == (State.QUEUED, State.RUNNING)
+    assert h.launcher.attempts(0) == [0, 1] and h.launcher.attempts(1) == [0]
+    assert h.study.simulations[0].reason == "no data for 10 s"
+
+
+def test_activity_resets_the_timeout_clock(h: Harness) -> None:
+    h.running(0.0, 0)
+    h.tick(8.0, *reports(active=[0]))
+    h.tick(15.0, *reports({0: [(1, None), (0, None)]}))  # progress counts as activity too
+    h.tick(25.0)
+    assert h.state(0) is State.RUNNING and h.launcher.killed == []
+    h.tick(25.5)
+    assert h.launcher.killed == [0] and h.state(0) is State.QUEUED
+
+
+def test_backpressure_suspends_the_timeout(h: Harness) -> None:
+    h.running(0.0, 0)
+    for now in (5.0, 14.0, 23.0, 40.0):
+        h.tick(now, *reports(blocked=True))  # the server made the receiver wait: not the simulation's fault
+    assert h.state(0) is State.RUNNING and h.launcher.killed == []
+    h.tick(50.0)
+    assert h.state(0) is State.RUNNING
+    h.tick(50.5)
+    assert h.launcher.killed == [0]
+
+
+@pytest.mark.parametrize("max_retries", [0, 1, 3])
+def test_retries_exhausted_fail_the_simulation_with_its_reason(max_retries: int) -> None:
+    h = Harness(simulations=1, max_retries=max_retries)
+    for attempt in range(max_retries + 1):
+        assert h.state(0) is State.QUEUED
+        h.running(float(attempt), 0)
+        h.launcher.exit(0, 9)
+        h.tick(attempt + 0.5)
+    sim = h.study.simulations[0]
+    assert (sim.state, sim.reason, sim.attempts) == (State.FAILED, "exit code 9", max_retries + 1)
+    assert h.launcher.attempts(0) == list(range(max_retries + 1))
+    assert h.expected == [(0, True)] * (max_retries + 1) + [(0, False)]
+    assert h.study.counts() == {"queued": 0, "running": 0, "done": 0, "failed": 1}
+    assert h.study.over
+    h.tick(100.0)
+    assert len(h.launcher.submitted) == max_retries + 1 and sim.state is State.FAILED
+
+
+def test_timeout_on_the_last_attempt_fails_after_killing() -> None:
+    h = Harness(simulations=1, max_retries=0)
+    h.running(0.0, 0)
+    h.tick(TIMEOUT + 1)
+    assert h.launcher.killed == [0]
+    assert h.state(0) is State.FAILED and h.study.simulations[0].reason == "no data for 10 s"
+
+
+def test_late_frames_complete_a_queued_relaunch(h: Harness) -> None:
+    h.running(0.0, 0)
+    h.launcher.exit(0, 1)
+    h.tick(1.0)
+    assert h.state(0) is State.QUEUED and h.launcher.attempts(0) == [0, 1]
+    h.tick(2.0, *reports({0: [(3, 3), (2, 2)]}))  # the first attempt's frames were only delayed
+    assert h.state(0) is State.DONE
+    assert h.launcher.killed == [0] and h.launcher.queued() == [1]  # the useless relaunch is dropped
+
+
+def test_over_only_when_all_terminal_and_nothing_runs(h: Harness) -> None:
+    h.running(0.0, 0, 1)
+    h.tick(1.0, *reports({0: [(1, 1), (1, 1)]}))
+    assert h.state(0) is State.DONE and not h.study.over
+    h.tick(2.0, *reports({1: [(2, 2), (0, 0)]}))
+    assert h.study.counts() == {"queued": 0, "running": 0, "done": 2, "failed": 0}
+    assert not h.study.over  # both jobs are still exiting
+    h.launcher.exit(1, 0)
+    h.tick(3.0)
+    assert not h.study.over and h.launcher.killed == []
+    h.tick(2.0 + TIMEOUT + 0.5)  # a done simulation whose process hangs is killed after the timeout
+    assert h.launcher.killed == [0]
+    assert h.study.over
+
+
+def test_attempt_that_could_not_start_is_retried(h: Harness) -> None:
+    h.launcher.exit(0, START_FAILED)
+    h.tick(1.0)
+    assert h.launcher.attempts(0) == [0, 1]
+    assert h.study.simulations[0].reason == f"exit code {START_FAILED}"
