@@ -32,6 +32,8 @@ demo: install
 
 test: install-test
 	$(BIN)/python -m pytest tests/unit tests/integration
+	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
+	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
 
 clean:
 	rm -rf $(VENV) examples/*/output

@@ -104,11 +104,25 @@ class LauncherConfig:
 
 
 @dataclass
+class TrainingConfig:
+    module: str = option(doc="Python file defining the TrainingModule, relative to the config file.")
+    class_name: str = option(doc="Name of the TrainingModule subclass in that file.")
+    options: dict[str, Any] = option({}, doc="Keyword arguments of the class's constructor.")
+    batch_size: int = option(32, doc="Samples per batch on each rank.")
+    nb_batches_update: int = option(100, doc="Batches between two validations.")
+    log_interval: int = option(10, doc="Batches between two TensorBoard points of the training scalars.")
+    validation_batch_size: int = option(256, doc="Samples per validation batch.")
+    device: Literal["auto", "cpu", "cuda"] = option("auto", doc="`auto`: CUDA when available (one GPU per rank).")
+    seed: int = option(0, doc="Seed of torch on every rank, so that all replicas start identical.")
+
+
+@dataclass
 class Config:
     study: StudyConfig = option(doc="What the study computes.")
     launcher: LauncherConfig = option(doc="How simulations are started.")
     server: ServerConfig = option(ServerConfig, doc="The server's sockets and bookkeeping.")
     buffer: BufferConfig = option(BufferConfig, doc="Each rank's sample buffer.")
+    training: TrainingConfig | None = option(None, doc="What to train; without it the server only receives and drains.")
     output_dir: str = option("output", doc="Folder of logs, reports and checkpoints, relative to the config file.")
     base_dir: Path = field(default=Path("."), metadata={"internal": True})
 
@@ -158,6 +172,8 @@ def _type_name(tp: Any) -> str:
 def _convert(tp: Any, value: Any, path: str) -> Any:
     """Check ``value`` against the type ``tp`` and build it; ``path`` names it in errors."""
     origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
     if origin in (typing.Union, types.UnionType):
         arms = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None and len(arms) < len(typing.get_args(tp)):
@@ -266,6 +282,17 @@ def _check(config: Config) -> None:
             f"{buffer.per_server_watermark} is above capacity_samples={buffer.capacity_samples}",
         )
     _require(buffer.pseudo_epochs >= 1, "buffer.pseudo_epochs", "must be at least 1")
+    training = config.training
+    if training is not None:
+        _require(training.batch_size >= 1, "training.batch_size", "must be at least 1")
+        if buffer.capacity_samples is not None:
+            _require(
+                training.batch_size <= buffer.capacity_samples,
+                "training.batch_size",
+                f"{training.batch_size} is above buffer.capacity_samples={buffer.capacity_samples}",
+            )
+        for key in ("nb_batches_update", "log_interval", "validation_batch_size"):
+            _require(getattr(training, key) >= 1, f"training.{key}", "must be at least 1")
     _require(len(launcher.command) > 0, "launcher.command", "must not be empty")
     _require(launcher.client_ranks >= 1, "launcher.client_ranks", "must be at least 1")
     _require(

@@ -108,6 +108,10 @@ class Receiver(threading.Thread):
         if self.error is not None:
             raise ReceiverDied(f"receiver thread failed: {self.error!r}") from self.error
 
+    @property
+    def bytes_received(self) -> int:
+        return self._assembler.bytes_received  # one int read: atomic under the GIL
+
     def report(self) -> ReceiverReport:
         with self._lock:
             progress = self._assembler.take_progress()

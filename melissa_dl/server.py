@@ -1,10 +1,11 @@
 """``melissa-server config.json``: one rank of the online-learning server.
 
 Run as ``mpirun -n K melissa-server config.json``. Every rank binds a data
-socket and receives into its buffer in a thread; the main thread consumes the
-buffer and, every ``control_interval`` seconds, joins the ranks' bookkeeping
-collective: each rank reports what it received, rank 0 advances the study
-(handshakes, launches, relaunches) and broadcasts whether it is over. MPI is
+socket and receives into its buffer in a thread; the main thread trains on the
+buffer (or only drains it) in lockstep with the other ranks and, every
+``control_interval`` seconds, joins the bookkeeping round: each rank reports
+what it received, rank 0 advances the study (handshakes, launches,
+relaunches) and broadcasts whether it is over, which ends reception. MPI is
 called from the main thread only.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import secrets
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from launcher import Launcher, LocalScheduler, MpirunScheduler, draw_parameters
 from melissa_dl import client
@@ -28,9 +29,12 @@ from melissa_dl.errors import ConfigError
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
 from melissa_dl.mpi import install_abort_on_error
+from melissa_dl.dataset import END
 from melissa_dl.receiver import Receiver
+from melissa_dl.sample import Sample
 from melissa_dl.report import StatusLine, final_report, write_report
 from melissa_dl.study import Study
+from melissa_dl.training import Trainer, lockstep
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +99,8 @@ class Server:
         )
         self.bind_address, self.host = addresses(config.server.interface)
         self.receiver = Receiver(spec, self.buffer, self.bind_address, config.server.receive_queue_bytes)
-        self.consumed = 0
+        self.drained = 0
+        self.consumed: Callable[[], int] = lambda: self.drained
 
     def run(self) -> int:
         """Run the study to its end; every rank returns the same exit code."""
@@ -130,18 +135,28 @@ class Server:
                     self.config.launcher.simulation_timeout,
                 )
                 study.start()
-            self._receive_until_over(study, handshake, start)
-            self.receiver.stop()
-            self.buffer.close()
-            self._drain()
+            control = StudyControl(self, study, handshake, start)
+            summary = None
+            if self.config.training is not None:
+                trainer = Trainer(self.config.training, self.config.base_dir, self.config.output_path, self.comm,
+                                  self.receiver)
+                self.consumed = lambda: trainer.summary.samples
+                summary = trainer.run(control)
+            else:
+                lockstep(self.comm, self._next_samples, self._count, control, synchronous=False)
             reports = self.comm.gather(self.receiver.report())
-            consumed = self.comm.reduce(self.consumed)
+            consumed = self.comm.reduce(self.consumed())
+            extra = {}
+            if summary is not None and self.rank == 0:
+                extra["training"] = {**summary.to_dict(), "samples_trained": consumed,
+                                     "model": str(trainer.save(self.config.output_path))}
+                (self.config.output_path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
             code = 0
             if self.rank == 0:
                 assert study is not None and handshake is not None
                 report = final_report(
                     study, reports, handshake.rejections.counts(), consumed, time.monotonic() - start,
-                    self.config.study.time_steps,
+                    self.config.study.time_steps, extra,
                 )
                 write_report(report, self.config.output_path / "report.json")
                 code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
@@ -165,35 +180,48 @@ class Server:
             client.ENV_SEND_QUEUE_BYTES: str(options.send_queue_bytes),
         }
 
-    def _receive_until_over(self, study: Study | None, handshake: HandshakeServer | None, start: float) -> None:
-        """Consume while receiving; synchronise the ranks every control interval."""
-        interval = self.config.server.control_interval
-        status = StatusLine(self.config.server.status_interval, start)
-        next_sync = time.monotonic() + interval
-        while True:
-            batch = self.buffer.get_batch(64, timeout=max(0.0, next_sync - time.monotonic()))
-            if batch:
-                self.consumed += len(batch)
-            if time.monotonic() < next_sync:
-                continue
-            self.receiver.check()
-            reports = self.comm.gather(self.receiver.report())
-            consumed = self.comm.reduce(self.consumed)
-            over = False
-            if study is not None:
-                assert handshake is not None
-                if handshake.error is not None:
-                    raise handshake.error
-                study.tick(reports)
-                status.maybe_log(time.monotonic(), study, reports, consumed)
-                over = study.over
-            if self.comm.bcast(over):
-                return
-            next_sync = time.monotonic() + interval
+    def _next_samples(self, wait: float) -> list[Sample] | object | None:
+        """Without training: whatever the buffer serves, for counting."""
+        samples = self.buffer.get_batch(64, timeout=wait)
+        return END if samples == [] else samples
 
-    def _drain(self) -> None:
-        while batch := self.buffer.get_batch(64):
-            self.consumed += len(batch)
+    def _count(self, samples: list[Sample]) -> None:
+        self.drained += len(samples)
+
+
+class StudyControl:
+    """The ranks' bookkeeping round: reports to rank 0, study decisions, end of reception."""
+
+    def __init__(self, server: Server, study: Study | None, handshake: HandshakeServer | None, start: float) -> None:
+        self.server = server
+        self.study = study
+        self.handshake = handshake
+        self.interval = server.config.server.control_interval
+        self.status = StatusLine(server.config.server.status_interval, start)
+        self.next_sync = time.monotonic() + self.interval
+        self.over = False
+
+    def due(self) -> bool:
+        return not self.over and time.monotonic() >= self.next_sync
+
+    def sync(self) -> None:
+        server, comm = self.server, self.server.comm
+        server.receiver.check()
+        reports = comm.gather(server.receiver.report())
+        consumed = comm.reduce(server.consumed())
+        over = False
+        if self.study is not None:
+            assert self.handshake is not None
+            if self.handshake.error is not None:
+                raise self.handshake.error
+            self.study.tick(reports)
+            self.status.maybe_log(time.monotonic(), self.study, reports, consumed)
+            over = self.study.over
+        self.over = comm.bcast(over)
+        if self.over:  # every simulation is done or failed: what is buffered is all there will be
+            server.receiver.stop()
+            server.buffer.close()
+        self.next_sync = time.monotonic() + self.interval
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

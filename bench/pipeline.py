@@ -1,0 +1,153 @@
+"""Buffer -> batch pipeline against iterating pre-stacked tensors (DESIGN.md §11).
+
+The pipeline side is the real path: a buffer from ``make_buffer(kind, ...)``
+holding ``Sample``s of numpy arrays (as the receiver builds them), pre-filled
+with capacity = number of samples and closed, so nothing ever waits; it is
+drained by ``StreamDataset(buffer, process, batch).next_batch()`` with
+``process = (from_numpy(parameters).float(), from_numpy(field))``. The baseline
+stacks the same samples into tensors X, Y once, then forms each batch as
+``X[idx], Y[idx]`` with the same batch composition (contiguous indices for
+FIFO, a random permutation for FIRO and Reservoir), so both sides copy the same
+bytes. Refilling the buffer between drains is not timed. Each repetition runs
+drains until at least ``--min-seconds`` of timed work. Pipeline and baseline
+repetitions alternate; each side's figure is the median of ``--repeat``
+repetitions and the ratio is the median of the per-pair ratios, so that a load
+burst from another process skews one pair rather than one side. Two sample
+sizes: small (5 float64 parameters + a 32x32 float32 field, ~4 KiB) and large
+(the same parameters + a 512x512 float32 field, 1 MiB). Torch runs
+``--threads`` intra-op threads (default 1) on both sides: on a shared machine,
+two OpenMP threads slow small ``index_select`` calls up to 100x whenever
+another process takes a core, which would make the baseline meaningless.
+
+    python bench/pipeline.py [--batch 32] [--repeat 5] [--samples 8192] [--large-samples 256] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from melissa_dl.buffers import BUFFER_KINDS, Buffer, make_buffer
+from melissa_dl.dataset import END, StreamDataset
+from melissa_dl.sample import Sample
+
+TARGET = 0.8
+SHAPES = {"small": (32, 32), "large": (512, 512)}
+
+
+def process(s: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(s.parameters).float(), torch.from_numpy(s.fields["f"])
+
+
+def make_samples(n: int, shape: tuple[int, ...], seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    params = rng.random((n, 5))  # float64 rows, as StreamSpec.parameters[sim]
+    return [Sample(i, 0, params[i], {"f": rng.random(shape, dtype=np.float32)}) for i in range(n)]
+
+
+def filled(kind: str, samples: list[Sample]) -> Buffer:
+    buffer = make_buffer(kind, capacity_samples=len(samples), capacity_bytes=None, watermark=0, seed=1)
+    for s in samples:
+        buffer.put(s)
+    buffer.close()
+    return buffer
+
+
+def batch_indices(kind: str, n: int, batch: int, gen: torch.Generator) -> list[torch.Tensor]:
+    order = torch.arange(n) if kind == "fifo" else torch.randperm(n, generator=gen)
+    return list(order.split(batch))
+
+
+def run_for(min_seconds: float, one_pass: Callable[[], tuple[float, int]]) -> float:
+    """Samples/s over as many passes as needed to time ``min_seconds``."""
+    elapsed, count = 0.0, 0
+    while elapsed < min_seconds:
+        t, c = one_pass()
+        elapsed, count = elapsed + t, count + c
+    return count / elapsed
+
+
+def pipeline_pass(kind: str, samples: list[Sample], batch: int) -> tuple[float, int]:
+    dataset = StreamDataset(filled(kind, samples), process, batch)
+    count = 0
+    start = time.perf_counter()
+    while (b := dataset.next_batch()) is not END:
+        count += len(b[0])
+    return time.perf_counter() - start, count
+
+
+def baseline_pass(x: torch.Tensor, y: torch.Tensor, indices: list[torch.Tensor]) -> tuple[float, int]:
+    count = 0
+    start = time.perf_counter()
+    for idx in indices:
+        b = (x[idx], y[idx])
+        count += len(b[0])
+    return time.perf_counter() - start, count
+
+
+def profile(samples: list[Sample], batch: int, kind: str = "firo") -> None:
+    """Where a small-sample batch's time goes, stage by stage."""
+    stages = {"get_batch": 0.0, "process": 0.0, "collate": 0.0}
+    buffer, batches = filled(kind, samples), 0
+    while got := buffer.get_batch(batch):
+        t0 = time.perf_counter()
+        items = [process(s) for s in got]
+        t1 = time.perf_counter()
+        default_collate(items)
+        t2 = time.perf_counter()
+        stages["process"] += t1 - t0
+        stages["collate"] += t2 - t1
+        batches += 1
+    buffer, start = filled(kind, samples), time.perf_counter()
+    while buffer.get_batch(batch):
+        pass
+    stages["get_batch"] = time.perf_counter() - start
+    total = sum(stages.values())
+    print(f"profile ({kind}, small, batch={batch}, {batches} batches): "
+          f"{total / batches * 1e6:.1f} us/batch = "
+          + ", ".join(f"{k} {v / batches * 1e6:.1f} us ({v / total:.0%})" for k, v in stages.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=8192, help="small samples in the buffer")
+    parser.add_argument("--large-samples", type=int, default=256, help="large samples in the buffer")
+    parser.add_argument("--min-seconds", type=float, default=0.2, help="timed work per side and repetition")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both sides")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    results: list[str] = []
+    for size, n in (("small", args.samples), ("large", args.large_samples)):
+        samples = make_samples(n, SHAPES[size])
+        x = torch.stack([process(s)[0] for s in samples])
+        y = torch.stack([process(s)[1] for s in samples])
+        nbytes = samples[0].nbytes
+        if size == "small":
+            profile(samples, args.batch)
+        for kind in BUFFER_KINDS:
+            indices = batch_indices(kind, n, args.batch, gen)
+            pipe, base = [], []
+            for _ in range(args.repeat):  # interleaved, so drifts hit both sides
+                pipe.append(run_for(args.min_seconds, lambda: pipeline_pass(kind, samples, args.batch)))
+                base.append(run_for(args.min_seconds, lambda: baseline_pass(x, y, indices)))
+            ratios = sorted(a / b for a, b in zip(pipe, base))
+            p, b = statistics.median(pipe), statistics.median(base)
+            print(f"{kind:9s} {size}: pipeline {p:10.0f}/s {p * nbytes / 1e6:7.0f} MB/s | "
+                  f"baseline {b:10.0f}/s {b * nbytes / 1e6:7.0f} MB/s | "
+                  f"ratios {ratios[0]:.3f}..{ratios[-1]:.3f}")
+            results.append(f"RESULT pipeline_{kind}_{size} ratio={statistics.median(ratios):.3f} target={TARGET} "
+                           f"pipeline={p:.0f} baseline={b:.0f} sample={nbytes}B batch={args.batch}")
+        del samples, x, y
+    print("\n".join(results))
+
+
+if __name__ == "__main__":
+    main()

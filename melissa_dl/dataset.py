@@ -1,0 +1,40 @@
+"""StreamDataset: a rank's buffer seen as a torch ``IterableDataset`` of batches.
+
+Batches are formed here rather than by a ``DataLoader``: the buffer already
+guarantees distinct samples, the user's ``process`` runs once per sample, and
+``default_collate`` stacks the results with one copy per tensor of the batch
+(no Python call per element). ``next_batch`` lets the training loop wait with
+a timeout, so that it can keep the ranks' bookkeeping going while data is late.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import IterableDataset, default_collate
+
+from melissa_dl.buffers import Buffer
+from melissa_dl.sample import Sample
+
+END = object()  # what next_batch returns once reception is over and the buffer drained
+
+
+class StreamDataset(IterableDataset):
+    def __init__(self, buffer: Buffer, process: Callable[[Sample], Any], batch_size: int) -> None:
+        super().__init__()
+        self.buffer = buffer
+        self.process = process
+        self.batch_size = batch_size
+
+    def next_batch(self, timeout: float | None = None) -> Any:
+        """A collated batch, None if none could be formed within ``timeout``, or END."""
+        samples = self.buffer.get_batch(self.batch_size, timeout=timeout)
+        if samples is None:
+            return None
+        if not samples:
+            return END
+        return default_collate([self.process(s) for s in samples])
+
+    def __iter__(self) -> Iterator[Any]:
+        while (batch := self.next_batch()) is not END:
+            yield batch

@@ -1,0 +1,82 @@
+"""The one class a user writes to train on a study: ``TrainingModule``.
+
+Like a LightningModule it *is* the model (an ``nn.Module``) and carries the
+hooks the server calls; the server owns the loop, the devices and every
+collective, so a user never writes MPI or ``torch.distributed`` code::
+
+    class Surrogate(TrainingModule):
+        def __init__(self, hidden: int = 256):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, hidden), nn.ReLU(), nn.Linear(hidden, 1024))
+
+        def configure_optimizer(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+        def process(self, sample):                    # once per sample, when a batch is formed
+            x = torch.tensor([*sample.parameters, sample.time_step], dtype=torch.float32)
+            return x, torch.from_numpy(sample.fields["temperature"]).flatten()
+
+        def training_step(self, batch):               # batch: the processed samples, stacked
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+The config names the file and the class (``training.module``,
+``training.class``); ``training.options`` are passed to the constructor.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from melissa_dl.errors import ConfigError
+from melissa_dl.sample import Sample
+
+
+class TrainingModule(nn.Module, ABC):
+    """Subclass it; define ``configure_optimizer``, ``process`` and ``training_step``."""
+
+    rank: int = 0  # set by the server before any hook runs
+    world_size: int = 1
+
+    @abstractmethod
+    def configure_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of the module's parameters."""
+
+    @abstractmethod
+    def process(self, sample: Sample) -> Any:
+        """Turn one buffered sample into tensors (a tensor, a tuple or a dict of them)."""
+
+    @abstractmethod
+    def training_step(self, batch: Any) -> torch.Tensor:
+        """The loss of one batch; the server averages it over ranks."""
+
+    def validation_step(self, batch: Any) -> torch.Tensor:
+        """The validation loss of one batch (by default the training loss)."""
+        return self.training_step(batch)
+
+    def validation_samples(self) -> Sequence[Sample]:
+        """Held-out samples for validation; none by default (no validation)."""
+        return ()
+
+
+def load_module_class(path: Path, class_name: str) -> type[TrainingModule]:
+    """Import the user's file and return its TrainingModule subclass."""
+    if not path.is_file():
+        raise ConfigError(f"training.module: no file {path}")
+    name = f"melissa_user_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so that cloudpickle and dataclasses find it
+    sys.path.insert(0, str(path.parent))  # its own helpers, next to it, import as usual
+    spec.loader.exec_module(module)
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, TrainingModule)):
+        raise ConfigError(f"training.class: {path.name} defines no TrainingModule subclass '{class_name}'")
+    return cls

@@ -1,0 +1,199 @@
+"""The server's consumer loop: online training (or plain draining) in lockstep.
+
+Every iteration each rank tries to form a batch (waiting at most ``WAIT``
+seconds), then all ranks join one small all-reduce of three counters: ranks
+with a batch ready, ranks whose stream ended, and whether rank 0 wants a
+bookkeeping round. So every rank takes the same decisions at the same
+iteration: a training step only when all K ranks hold a batch (the global loss
+is the mean of the K per-rank losses, DESIGN §5), a stop as soon as any rank
+has run dry (no rank ever waits in a collective that another will not join),
+and the study's bookkeeping while data is late. A rank keeps a batch it formed
+until the step happens, so nothing is skipped. Without training, ranks drain
+independently and stop when all are dry.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch.utils._pytree import tree_leaves
+from torch.utils.data import default_collate
+
+from melissa_dl.collectives import GradientAverager, make_collectives
+from melissa_dl.config import TrainingConfig
+from melissa_dl.dataset import END, StreamDataset
+from melissa_dl.module import TrainingModule, load_module_class
+from melissa_dl.receiver import Receiver
+
+logger = logging.getLogger(__name__)
+
+WAIT = 0.05  # seconds a rank waits for its buffer before joining the next round
+
+
+class Control(Protocol):
+    """The ranks' bookkeeping round (a collective), driven by rank 0's clock."""
+
+    def due(self) -> bool: ...
+
+    def sync(self) -> None: ...
+
+
+def lockstep(
+    comm: Any,
+    next_batch: Callable[[float], Any],
+    step: Callable[[Any], None],
+    control: Control,
+    synchronous: bool,
+) -> None:
+    """Consume batches until one rank (``synchronous``) or every rank is dry."""
+    size = comm.Get_size()
+    flags = np.zeros(3, dtype=np.int64)
+    pending = None
+    while True:
+        if pending is None:
+            pending = next_batch(WAIT)
+        ready, ended = pending is not None and pending is not END, pending is END
+        flags[:] = (ready, ended, comm.Get_rank() == 0 and control.due())
+        comm.Allreduce(MPI.IN_PLACE, flags)
+        if flags[2]:
+            control.sync()
+        if flags[1] >= (1 if synchronous else size):
+            return
+        if ready and (flags[0] == size or not synchronous):
+            step(pending)
+            pending = None
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def rss_megabytes() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize() / 1e6
+
+
+@dataclass
+class TrainingSummary:
+    batches: int = 0
+    samples: int = 0  # on this rank
+    duration_s: float = 0.0
+    validation: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        losses = [loss for _, loss in self.validation]
+        return {
+            "batches": self.batches,
+            "duration_s": round(self.duration_s, 3),
+            "batches_per_s": round(self.batches / self.duration_s, 3) if self.duration_s > 0 else 0.0,
+            "validation": [[b, loss] for b, loss in self.validation],
+            "first_validation_loss": losses[0] if losses else None,
+            "last_validation_loss": losses[-1] if losses else None,
+        }
+
+
+class Trainer:
+    """One rank's replica of the user's module, its optimizer and its TensorBoard writer."""
+
+    def __init__(self, options: TrainingConfig, base_dir: Path, output: Path, comm: Any, receiver: Receiver) -> None:
+        self.options = options
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.receiver = receiver
+        cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device(f"cuda:{self.rank % torch.cuda.device_count()}" if cuda else "cpu")
+        torch.manual_seed(options.seed)  # the same seed everywhere: replicas start identical
+        module_class = load_module_class(base_dir / options.module, options.class_name)
+        self.module: TrainingModule = module_class(**options.options)
+        self.module.rank, self.module.world_size = self.rank, self.size
+        self.module.to(self.device)
+        self.optimizer = self.module.configure_optimizer()
+        self.collectives = make_collectives(comm, self.device)
+        self.averager = GradientAverager(self.module.parameters(), self.collectives)
+        self.dataset = StreamDataset(receiver.buffer, self.module.process, options.batch_size)
+        self.validation_set = list(self.module.validation_samples())[self.rank :: self.size]
+        from torch.utils.tensorboard import SummaryWriter  # slow import, only when training
+
+        self.writer = SummaryWriter(str(output / "tensorboard" / f"rank{self.rank}"))
+        self.summary = TrainingSummary()
+        self._last_log = (time.monotonic(), 0, 0)  # time, batches, bytes received
+
+    def run(self, control: Control) -> TrainingSummary:
+        start = time.monotonic()
+        self.validate()
+        lockstep(self.comm, self.dataset.next_batch, self.step, control, synchronous=True)
+        self.summary.duration_s = time.monotonic() - start
+        logger.info("training stopped after %d batches", self.summary.batches)
+        if self.summary.batches % self.options.nb_batches_update:
+            self.validate()
+        self.writer.close()
+        self.collectives.close()
+        return self.summary
+
+    def step(self, batch: Any) -> None:
+        self.module.train()
+        self.averager.zero_grad()
+        loss = self.module.training_step(to_device(batch, self.device))
+        loss.backward()
+        self.averager.average()
+        self.optimizer.step()
+        self.summary.batches += 1
+        self.summary.samples += len(tree_leaves(batch)[0])
+        if self.summary.batches % self.options.log_interval == 0:
+            self.log_scalars(float(loss))
+        if self.summary.batches % self.options.nb_batches_update == 0:
+            self.validate()
+
+    def log_scalars(self, loss: float) -> None:
+        now, received = time.monotonic(), self.receiver.bytes_received
+        then, batches, bytes_then = self._last_log
+        elapsed = max(now - then, 1e-9)
+        step, buffer = self.summary.batches, self.receiver.buffer
+        for tag, value in (
+            ("train/loss", loss),
+            ("train/batches_per_s", (step - batches) / elapsed),
+            ("buffer/size", len(buffer)),
+            ("buffer/put_time", buffer.put_wait_seconds),
+            ("buffer/get_time", buffer.get_wait_seconds),
+            ("receive/bytes_per_s", (received - bytes_then) / elapsed),
+            ("memory/rss_mb", rss_megabytes()),
+        ):
+            self.writer.add_scalar(tag, value, step)
+        self._last_log = (now, step, received)
+
+    @torch.no_grad()
+    def validate(self) -> None:
+        """Mean validation loss over every rank's share of the held-out samples (a collective)."""
+        self.module.eval()
+        totals = np.zeros(2)  # sum of loss x samples, samples
+        chunk = self.options.validation_batch_size
+        for i in range(0, len(self.validation_set), chunk):
+            samples = self.validation_set[i : i + chunk]
+            batch = to_device(default_collate([self.module.process(s) for s in samples]), self.device)
+            totals += (float(self.module.validation_step(batch)) * len(samples), len(samples))
+        self.comm.Allreduce(MPI.IN_PLACE, totals)
+        if totals[1] == 0:
+            return
+        loss = totals[0] / totals[1]
+        self.summary.validation.append((self.summary.batches, loss))
+        self.writer.add_scalar("validation/loss", loss, self.summary.batches)
+        if self.rank == 0:
+            logger.info("validation loss %.6g after %d batches", loss, self.summary.batches)
+
+    def save(self, output: Path) -> Path:
+        path = output / "model.pt"
+        torch.save(self.module.state_dict(), path)
+        return path

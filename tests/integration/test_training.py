@@ -1,0 +1,73 @@
+"""Online training in whole studies: TensorBoard, lockstep stop, failures."""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import HERE, TOY_SIM, run_server, study_config
+
+pytestmark = pytest.mark.timeout(180)
+
+SCALARS = {"train/loss", "train/batches_per_s", "buffer/size", "buffer/put_time", "buffer/get_time",
+           "receive/bytes_per_s", "validation/loss", "memory/rss_mb"}
+
+
+def training(**options: object) -> dict:
+    return {"module": str(HERE / "tiny_module.py"), "class_name": "Tiny", "options": options,
+            "batch_size": 4, "nb_batches_update": 5, "log_interval": 1, "device": "cpu"}
+
+
+def stopped_at(output: Path, rank: int) -> int:
+    found = re.search(r"training stopped after (\d+) batches", (output / "logs" / f"rank{rank}.log").read_text())
+    assert found, f"rank {rank} did not log its stop"
+    return int(found.group(1))
+
+
+def test_training_logs_every_scalar_on_every_rank_and_saves_the_model(tmp_path: Path, output: Path) -> None:
+    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "20"], study={"time_steps": 20},
+                          buffer={"kind": "reservoir", "capacity_samples": 40, "per_server_watermark": 8})
+    config["training"] = training()
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    summary = run.report["training"]
+    assert summary["batches"] > 0 and summary["samples_trained"] == 2 * 4 * summary["batches"]
+    assert summary["validation"][0][0] == 0 and len(summary["validation"]) >= 2
+    for rank in (0, 1):
+        events = EventAccumulator(str(output / "tensorboard" / f"rank{rank}"))
+        events.Reload()
+        assert SCALARS <= set(events.Tags()["scalars"]), rank
+    state = torch.load(output / "model.pt")
+    assert set(state) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
+    assert (output / "config.json").exists()
+
+
+def test_a_rank_that_runs_dry_stops_every_rank_at_the_same_batch(tmp_path: Path, output: Path) -> None:
+    # simulations 0 and 2 go to rank 0, simulation 1 to rank 1: rank 1 runs dry first
+    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "40"],
+                          study={"simulations": 3, "time_steps": 40},
+                          server={"bind_simulation_to_server_rank": True},
+                          buffer={"kind": "fifo", "capacity_samples": 200, "per_server_watermark": 4})
+    config["training"] = training()
+    run = run_server(tmp_path, config, ranks=2, timeout=120)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert stopped_at(output, 0) == stopped_at(output, 1) == run.report["training"]["batches"] > 0
+    assert run.report["samples_consumed"] < run.report["samples_received"] == 120
+
+
+def test_a_user_exception_on_rank_1_ends_the_job_with_its_traceback(tmp_path: Path, output: Path) -> None:
+    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "40"], study={"time_steps": 40},
+                          buffer={"kind": "reservoir", "capacity_samples": 40, "per_server_watermark": 4})
+    config["training"] = training(fail_rank=1, fail_after=3)
+    start = time.monotonic()
+    run = run_server(tmp_path, config, ranks=2, timeout=60)
+    assert run.code != 0
+    assert time.monotonic() - start < 45
+    assert "Traceback" in run.log and "ValueError: boom from the user's training_step" in run.log

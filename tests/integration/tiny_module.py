@@ -1,0 +1,43 @@
+"""A small TrainingModule for the toy simulations of the integration tests."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from melissa_dl.module import TrainingModule
+from melissa_dl.sample import Sample
+
+
+class Tiny(TrainingModule):
+    """Predicts toy_sim's field (its value is ``1000 s + t``) from the parameters and t.
+
+    ``fail_rank``/``fail_after`` make ``training_step`` raise on one rank, to
+    test that a user's error ends the whole job.
+    """
+
+    def __init__(self, fail_rank: int = -1, fail_after: int = 3) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 32))
+        self.fail_rank, self.fail_after = fail_rank, fail_after
+        self.steps = 0
+
+    def configure_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def process(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.tensor([*sample.parameters, sample.time_step / 10], dtype=torch.float32)
+        return x, torch.from_numpy(sample.fields["field"]).flatten() / 1000
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.steps += 1
+        if self.rank == self.fail_rank and self.steps > self.fail_after:
+            raise ValueError("boom from the user's training_step")
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_samples(self) -> list[Sample]:
+        return [
+            Sample(s, t, np.array([0.5, 0.5]), {"field": np.full((4, 8), s * 1000 + t, np.float32)})
+            for s in range(2) for t in range(5)
+        ]

@@ -1,0 +1,237 @@
+"""Collectives and gradient averaging, under ``mpirun -n 1`` and ``mpirun -n 2``.
+
+Every rank runs the same tests in the same order and calls the same
+collectives; only the data differ by rank. CPU tensors are tested through MPI
+and through torch.distributed with gloo (the NCCL code path, minus the GPU).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch import nn
+
+from melissa_dl.collectives import (
+    Collectives,
+    GradientAverager,
+    MpiCollectives,
+    TorchCollectives,
+    _rendezvous_address,
+    make_collectives,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def comm() -> Iterator[MPI.Comm]:
+    duplicate = MPI.COMM_WORLD.Dup()
+    yield duplicate
+    duplicate.Free()
+
+
+@pytest.fixture(scope="module")
+def mpi(comm: MPI.Comm) -> MpiCollectives:
+    return MpiCollectives(comm)
+
+
+@pytest.fixture(scope="module")
+def gloo(comm: MPI.Comm) -> Iterator[TorchCollectives]:
+    collectives = TorchCollectives(comm, "gloo", CPU)
+    yield collectives
+    collectives.close()
+
+
+@pytest.fixture(params=["mpi", "gloo"])
+def coll(request: pytest.FixtureRequest) -> Collectives:
+    """Each transport in turn; function-scoped so that pytest keeps the file's test order."""
+    return request.getfixturevalue(request.param)
+
+
+# Runs before any test that opens the module's gloo group.
+def test_torch_backend_initialises_from_mpi_and_reinitialises_after_close(comm: MPI.Comm) -> None:
+    assert not dist.is_initialized()
+    for attempt in range(2):
+        collectives = TorchCollectives(comm, "gloo", CPU)
+        assert (dist.get_rank(), dist.get_world_size()) == (comm.rank, comm.size)
+        tensor = torch.full((3,), float(comm.rank + attempt))
+        collectives.allreduce_sum_(tensor)
+        expected = sum(r + attempt for r in range(comm.size))
+        assert torch.equal(tensor, torch.full((3,), float(expected)))
+        with pytest.raises(RuntimeError, match="already initialised"):
+            TorchCollectives(comm, "gloo", CPU)
+        collectives.close()
+        assert not dist.is_initialized()
+
+
+def test_rendezvous_address_is_rank_0_choice(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    host, port = _rendezvous_address(comm)
+    assert host == "127.0.0.1" and port > 0  # one host in these tests
+    assert comm.allgather((host, port)) == [(host, port)] * comm.size
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    assert _rendezvous_address(comm)[0] == "localhost"
+
+
+def test_make_collectives_uses_mpi_on_cpu(comm: MPI.Comm) -> None:
+    collectives = make_collectives(comm, CPU)
+    assert isinstance(collectives, MpiCollectives)
+    assert (collectives.rank, collectives.size) == (comm.rank, comm.size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_allreduce_sum_in_place(coll: Collectives, dtype: torch.dtype) -> None:
+    tensor = torch.arange(12, dtype=dtype).reshape(3, 4) * (coll.rank + 1)
+    pointer = tensor.data_ptr()
+    coll.allreduce_sum_(tensor)
+    factor = sum(r + 1 for r in range(coll.size))
+    assert tensor.data_ptr() == pointer
+    assert torch.equal(tensor, torch.arange(12, dtype=dtype).reshape(3, 4) * factor)
+
+
+def test_allreduce_refuses_non_contiguous(coll: Collectives) -> None:
+    with pytest.raises(ValueError, match="contiguous"):
+        coll.allreduce_sum_(torch.zeros(4, 4).t())
+
+
+def _rows(source: int, destination: int, count: int, width: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The rows ``source`` sends ``destination``: small integers exact in every dtype."""
+    values = torch.arange(count) + 16 * source + 4 * destination
+    if width is None:
+        return values.to(dtype)
+    return (values[:, None] + 32 * torch.arange(width)[None, :]).to(dtype)
+
+
+def _count(source: int, destination: int) -> int:
+    """Uneven counts; rank 0 sends nothing to rank 1."""
+    return (source + 2 * destination + 1) % 3
+
+
+@pytest.mark.parametrize(
+    ("width", "dtype"), [(None, torch.int64), (3, torch.float32), (3, torch.bfloat16), (None, torch.bool)]
+)
+def test_alltoallv_uneven_rows(coll: Collectives, width: int | None, dtype: torch.dtype) -> None:
+    me, size = coll.rank, coll.size
+    counts = [_count(me, d) for d in range(size)]
+    send = torch.cat([_rows(me, d, counts[d], width, dtype) for d in range(size)])
+    recv, recv_counts = coll.alltoallv(send, counts)
+    assert recv_counts == [_count(s, me) for s in range(size)]
+    assert recv.dtype == dtype
+    assert torch.equal(recv, torch.cat([_rows(s, me, _count(s, me), width, dtype) for s in range(size)]))
+
+
+def test_alltoallv_with_no_rows_anywhere(coll: Collectives) -> None:
+    recv, recv_counts = coll.alltoallv(torch.empty(0, 5), [0] * coll.size)
+    assert recv_counts == [0] * coll.size and recv.shape == (0, 5)
+
+
+def test_alltoallv_refuses_bad_counts(coll: Collectives) -> None:
+    with pytest.raises(ValueError, match="send_counts"):
+        coll.alltoallv(torch.zeros(3), [4] + [0] * (coll.size - 1))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``; sizes differ by rank so the mean of means matters."""
+    generator = torch.Generator().manual_seed(100 + rank + 1000 * step)
+    size = 4 + 3 * rank
+    return torch.randn(size, 5, generator=generator), torch.randn(size, 3, generator=generator)
+
+
+@pytest.mark.parametrize(("optimizer", "steps"), [(torch.optim.SGD, 1), (torch.optim.Adam, 2)])
+@pytest.mark.parametrize("bucket_bytes", [25 << 20, 256])
+def test_ranks_train_like_one_model_on_the_mean_loss(
+    coll: Collectives, optimizer: type[torch.optim.Optimizer], steps: int, bucket_bytes: int
+) -> None:
+    """DESIGN §5: K ranks on B_1..B_K equal one model whose loss is the mean of the K batch losses."""
+    model = _mlp()
+    averager = GradientAverager(model.parameters(), coll, bucket_bytes=bucket_bytes)
+    assert (len(averager.buckets) > 1) == (bucket_bytes == 256)
+    opt = optimizer(model.parameters(), lr=0.1)
+    for step in range(steps):
+        averager.zero_grad()
+        x, y = _batch(coll.rank, step)
+        nn.functional.mse_loss(model(x), y).backward()
+        averager.average()
+        opt.step()
+
+    reference = _mlp()
+    reference_opt = optimizer(reference.parameters(), lr=0.1)
+    for step in range(steps):
+        reference_opt.zero_grad()
+        losses = [nn.functional.mse_loss(reference(x), y) for x, y in (_batch(r, step) for r in range(coll.size))]
+        torch.stack(losses).mean().backward()
+        reference_opt.step()
+    for trained, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(trained, expected, atol=1e-6, rtol=0)
+
+
+def _in_bucket(grad: torch.Tensor, averager: GradientAverager) -> bool:
+    start, end = grad.data_ptr(), grad.data_ptr() + grad.numel() * grad.element_size()
+    return any(
+        b.data_ptr() <= start and end <= b.data_ptr() + b.numel() * b.element_size() for b in averager.buckets
+    )
+
+
+def test_autograd_accumulates_into_the_bucket_views(coll: Collectives) -> None:
+    """AccumulateGrad adds into an existing ``.grad`` in place, so backward fills the buckets."""
+    model = _mlp()
+    averager = GradientAverager(model.parameters(), coll)
+    views = {name: p.grad for name, p in model.named_parameters()}
+    assert all(v is not None and _in_bucket(v, averager) for v in views.values())
+    x, y = _batch(coll.rank, 0)
+    expected = torch.autograd.grad(nn.functional.mse_loss(model(x), y), list(model.parameters()))
+    for _ in range(2):
+        nn.functional.mse_loss(model(x), y).backward()
+    for (name, p), own in zip(model.named_parameters(), expected):
+        assert p.grad is views[name] and p.grad.data_ptr() == views[name].data_ptr()
+        torch.testing.assert_close(p.grad, 2 * own)
+
+    averager.average()
+    assert all(p.grad is views[name] and _in_bucket(p.grad, averager) for name, p in model.named_parameters())
+    averager.zero_grad()
+    for name, p in model.named_parameters():
+        assert p.grad is views[name] and not p.grad.any()
+
+
+def test_replaced_or_missing_grads_are_copied_into_the_buckets(coll: Collectives) -> None:
+    """Float32 and float64 parameters get separate flats; small buckets split them further."""
+    model = nn.ModuleDict({"single": nn.Linear(4, 4), "wide": nn.Linear(4, 2).double()})
+    frozen = nn.Parameter(torch.zeros(3), requires_grad=False)
+    averager = GradientAverager([*model.parameters(), frozen, model["single"].weight], coll, bucket_bytes=64)
+    assert len(averager.flats) == 2 and len(averager.buckets) == 4 and frozen.grad is None
+    me, size = coll.rank, coll.size
+    for flat in averager.flats:
+        flat.fill_(7.0)  # stale values a missing gradient must not contribute
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(me + 1))
+    model["single"].bias.grad = None if me == 0 else model["single"].bias.grad
+    averager.average()
+    mean = sum(r + 1 for r in range(size)) / size
+    for name, p in model.named_parameters():
+        assert p.grad is not None and _in_bucket(p.grad, averager)
+        expected = (mean - 1 / size) if name == "single.bias" else mean
+        torch.testing.assert_close(p.grad, torch.full_like(p, expected))
+
+    model["wide"].weight.grad = torch.ones(2, 4, dtype=torch.float64)
+    averager.zero_grad()
+    assert all(p.grad is not None and _in_bucket(p.grad, averager) and not p.grad.any() for p in model.parameters())
+
+
+def test_sparse_gradients_are_refused(coll: Collectives) -> None:
+    embedding = nn.Embedding(10, 4, sparse=True)
+    averager = GradientAverager(embedding.parameters(), coll)
+    embedding.weight.grad = None
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="sparse gradient"):
+        averager.average()
+
