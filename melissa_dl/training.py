@@ -24,11 +24,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 from torch.utils._pytree import tree_leaves
-from torch.utils.data import default_collate
 
 from melissa_dl.collectives import GradientAverager, make_collectives
 from melissa_dl.config import TrainingConfig
-from melissa_dl.dataset import END, StreamDataset
+from melissa_dl.dataset import END, StreamDataset, collate
 from melissa_dl.module import TrainingModule, load_module_class
 from melissa_dl.receiver import Receiver
 
@@ -182,7 +181,7 @@ class Trainer:
         chunk = self.options.validation_batch_size
         for i in range(0, len(self.validation_set), chunk):
             samples = self.validation_set[i : i + chunk]
-            batch = to_device(default_collate([self.module.process(s) for s in samples]), self.device)
+            batch = to_device(collate([self.module.process(s) for s in samples]), self.device)
             totals += (float(self.module.validation_step(batch)) * len(samples), len(samples))
         self.comm.Allreduce(MPI.IN_PLACE, totals)
         if totals[1] == 0:
