@@ -21,7 +21,7 @@ collective, so a user never writes MPI or ``torch.distributed`` code::
             return nn.functional.mse_loss(self.net(x), y)
 
 The config names the file and the class (``training.module``,
-``training.class``); ``training.options`` are passed to the constructor.
+``training.class_name``); ``training.options`` are passed to the constructor.
 """
 from __future__ import annotations
 

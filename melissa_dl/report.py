@@ -93,6 +93,15 @@ def write_report(report: dict[str, Any], path: Path) -> None:
         report["duplicate_frames_dropped"], report["rejected"] or "none", report["duration_s"],
         report["throughput_MB_per_s"], path,
     )
+    training = report.get("training")
+    if training is not None:
+        first, last = training["first_validation_loss"], training["last_validation_loss"]
+        logger.info(
+            "training: %d batches (%.1f batch/s), %d samples; validation loss %s; model saved to %s",
+            training["batches"], training["batches_per_s"], training["samples_trained"],
+            f"{first:.4g} -> {last:.4g} ({first / last:.0f}x lower)" if first and last else "not measured",
+            training["model"],
+        )
     for sim in report["per_simulation"]:
         if sim["state"] != State.DONE.value or sim["attempts"] > 1:
             logger.info(

@@ -14,6 +14,7 @@ independently and stop when all are dry.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -114,6 +115,8 @@ class Trainer:
         self.receiver = receiver
         cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
         self.device = torch.device(f"cuda:{self.rank % torch.cuda.device_count()}" if cuda else "cpu")
+        local_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))  # ranks on a node share its cores
         torch.manual_seed(options.seed)  # the same seed everywhere: replicas start identical
         module_class = load_module_class(base_dir / options.module, options.class_name)
         self.module: TrainingModule = module_class(**options.options)

@@ -24,10 +24,14 @@ batch size and validation schedule, in two phases:
    ``training.validation_batch_size``, weighted by chunk size).
 
 One process, no MPI: a "batch" here is ``batch_size`` samples, one optimizer
-step. Time budgets: ``--seconds`` bounds the training phase;
-``--total-seconds`` bounds the whole run from the start of this script
-(imports, generation, loading and training), so that it can be matched to the
-wall time of an online run.
+step. torch keeps its default thread count (one per core), the fastest on an
+otherwise idle machine; with other busy processes on the cores, ``--threads
+1`` is much faster (at this model size threads mostly wait for each other).
+Time budgets: ``--seconds`` bounds the training phase (timed as the server
+times its own); ``--total-seconds`` bounds the whole run from the start of
+this script (imports, generation, loading and training), so that it can be
+matched to the wall time of an online run; interpreter exit (0.5-1 s with
+torch loaded) comes on top of either. Training runs on the CPU.
 
     python examples/heat_pde/offline.py [--config examples/heat_pde/config.json]
         [--seconds S | --total-seconds S] [--batches N] [--output DIR] [--report out.json]
@@ -161,10 +165,16 @@ def train(
     samples: list[Sample],
     options: TrainingConfig,
     max_batches: int | None,
+    seconds: float | None,
     deadline: float,
     log: bool,
 ) -> dict[str, Any]:
-    """Phase 2: shuffled epochs over the loaded samples until the budget is spent."""
+    """Phase 2: shuffled epochs over the loaded samples until the budget is spent.
+
+    The clock starts where the server's does: module and optimizer built,
+    just before the first validation. ``seconds`` counts from there,
+    ``deadline`` is absolute (``time.monotonic()``); the first reached wins.
+    """
     optimizer = module.configure_optimizer()
     validation_set = list(module.validation_samples())
     generator = torch.Generator().manual_seed(options.seed)
@@ -182,10 +192,12 @@ def train(
                 print(f"  validation loss {loss:.6g} after {batches} batches", flush=True)
 
     start = time.monotonic()
+    if seconds is not None:
+        deadline = min(deadline, start + seconds)
     batches = trained = 0
     record(0)
     module.train()
-    done = max_batches == 0 or time.monotonic() >= deadline
+    done = max_batches == 0 or len(loader) == 0 or time.monotonic() >= deadline
     while not done:
         for batch in loader:
             optimizer.zero_grad(set_to_none=True)
@@ -222,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, help=f"stop after N batches (default {DEFAULT_BATCHES} without a time budget)")
     parser.add_argument("--output", type=Path, help="folder of the simulation files (default <config dir>/output_offline)")
     parser.add_argument("--report", type=Path, help="JSON report (default <output>/report.json)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own, one per core)")
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
     args = parser.parse_args(argv)
 
@@ -243,14 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     samples = load(output)
     load_s = time.monotonic() - t0
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(options.seed)  # as the server does, so that both start from the same weights
     module = load_module_class(config.base_dir / options.module, options.class_name)(**options.options)
-    if args.total_seconds is not None:
-        deadline = START + args.total_seconds
-    elif args.seconds is not None:
-        deadline = time.monotonic() + args.seconds
-    else:
-        deadline = math.inf
+    deadline = START + args.total_seconds if args.total_seconds is not None else math.inf
     if not args.quiet:
         print(
             f"generated {len(parameters)} simulations x {grid.steps} steps ({grid.nx}x{grid.ny}) "
@@ -258,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{options.class_name} (batch {options.batch_size}, validation every {options.nb_batches_update})",
             flush=True,
         )
-    training = train(module, samples, options, max_batches, deadline, log=not args.quiet)
+    training = train(module, samples, options, max_batches, args.seconds, deadline, log=not args.quiet)
     report = {
         "config": str(args.config),
         "simulations": len(parameters),
