@@ -99,7 +99,7 @@ def write_report(report: dict[str, Any], path: Path) -> None:
         logger.info(
             "training: %d batches (%.1f batch/s), %d samples; validation loss %s; model saved to %s",
             training["batches"], training["batches_per_s"], training["samples_trained"],
-            f"{first:.4g} -> {last:.4g} ({first / last:.0f}x lower)" if first and last else "not measured",
+            f"{first:.4g} -> {last:.4g} ({first / last:.1f}x lower)" if first and last else "not measured",
             training["model"],
         )
     for sim in report["per_simulation"]:
