@@ -5,7 +5,7 @@ The server decides what runs, retries and states; this package only runs process
 from __future__ import annotations
 
 from launcher.jobs import START_FAILED, Launcher
-from launcher.samplers import SAMPLERS, draw_parameters
+from launcher.samplers import SAMPLERS, draw_parameters, study_parameters
 from launcher.schedulers import (
     KILL_GRACE,
     Job,
@@ -26,4 +26,5 @@ __all__ = [
     "Scheduler",
     "child_environment",
     "draw_parameters",
+    "study_parameters",
 ]

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from melissa_dl.config import StudyConfig
 from melissa_dl.errors import ConfigError
 
 SAMPLERS = ("uniform", "sobol", "list")
@@ -68,3 +69,15 @@ def _explicit_values(values: Sequence[Sequence[float]], count: int, d: int) -> n
     if not np.all(np.isfinite(table)):
         raise ConfigError("parameter values must be finite")
     return table
+
+
+def study_parameters(study: StudyConfig) -> np.ndarray:
+    """The study's parameter table; every server rank (and the offline mode) draws the same."""
+    return draw_parameters(
+        study.sampler,
+        study.simulations,
+        [p.low for p in study.parameters],
+        [p.high for p in study.parameters],
+        study.seed,
+        study.parameter_values,
+    )

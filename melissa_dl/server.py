@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from launcher import Launcher, LocalScheduler, MpirunScheduler, draw_parameters
+from launcher import Launcher, LocalScheduler, MpirunScheduler, study_parameters
 from melissa_dl import client
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
@@ -68,14 +68,7 @@ class Server:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         study = config.study
-        self.parameters = draw_parameters(
-            study.sampler,
-            study.simulations,
-            [p.low for p in study.parameters],
-            [p.high for p in study.parameters],
-            study.seed,
-            study.parameter_values,
-        )
+        self.parameters = study_parameters(study)
         self.token: bytes = comm.bcast(secrets.token_bytes(32) if self.rank == 0 else None)
         options = config.buffer
         self.buffer = make_buffer(

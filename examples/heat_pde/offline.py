@@ -6,7 +6,7 @@ server and trains the same ``TrainingModule`` with the same options, seed,
 batch size and validation schedule, in two phases:
 
 1. **Generate**: draw the study's parameter sets exactly as the server does
-   (``launcher.samplers.draw_parameters``), run the solver for each with the
+   (``launcher.samplers.study_parameters``), run the solver for each with the
    grid and step count of ``launcher.command`` (``--nx``, ``--ny``,
    ``--steps``, ``--dt``), and write every simulation's steps to
    ``<output>/simulations/simulation<s>.npy`` (``[steps, nx, ny]`` float32),
@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 
-from launcher.samplers import draw_parameters  # noqa: E402
+from launcher.samplers import study_parameters  # noqa: E402
 from melissa_dl.config import Config, TrainingConfig, load_config  # noqa: E402
 from melissa_dl.module import TrainingModule, load_module_class  # noqa: E402
 from melissa_dl.sample import Sample  # noqa: E402
@@ -96,19 +96,6 @@ def training_config(config: Config, grid: Grid) -> TrainingConfig:
     high = max(p.high for p in config.study.parameters)
     options = {"nx": grid.nx, "ny": grid.ny, "steps": grid.steps, "dt": grid.dt, "low": low, "high": high}
     return TrainingConfig(module="surrogate.py", class_name="HeatSurrogate", options=options)
-
-
-def study_parameters(config: Config) -> np.ndarray:
-    """The parameter table, drawn with the very call the server makes."""
-    study = config.study
-    return draw_parameters(
-        study.sampler,
-        study.simulations,
-        [p.low for p in study.parameters],
-        [p.high for p in study.parameters],
-        study.seed,
-        study.parameter_values,
-    )
 
 
 def generate(parameters: np.ndarray, grid: Grid, folder: Path) -> None:
@@ -247,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if max_batches is None and args.seconds is None and args.total_seconds is None:
         max_batches = DEFAULT_BATCHES
 
-    parameters = study_parameters(config)
+    parameters = study_parameters(config.study)
     t0 = time.monotonic()
     generate(parameters, grid, output)
     generation_s = time.monotonic() - t0
