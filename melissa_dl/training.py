@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 from melissa_dl.collectives import GradientAverager, make_collectives
 from melissa_dl.config import TrainingConfig
 from melissa_dl.dataset import END, StreamDataset, collate
+from melissa_dl.embedding import ShardedEmbedding, set_default_collectives
 from melissa_dl.module import TrainingModule, load_module_class
 from melissa_dl.receiver import Receiver
 
@@ -118,12 +119,14 @@ class Trainer:
         local_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))  # ranks on a node share its cores
         torch.manual_seed(options.seed)  # the same seed everywhere: replicas start identical
+        self.collectives = make_collectives(comm, self.device)
+        set_default_collectives(self.collectives)  # the user's ShardedEmbeddings shard over these ranks
         module_class = load_module_class(base_dir / options.module, options.class_name)
         self.module: TrainingModule = module_class(**options.options)
         self.module.rank, self.module.world_size = self.rank, self.size
         self.module.to(self.device)
+        self.embeddings = [m for m in self.module.modules() if isinstance(m, ShardedEmbedding)]
         self.optimizer = self.module.configure_optimizer()
-        self.collectives = make_collectives(comm, self.device)
         self.averager = GradientAverager(self.module.parameters(), self.collectives)
         self.dataset = StreamDataset(receiver.buffer, self.module.process, options.batch_size)
         self.validation_set = list(self.module.validation_samples())[self.rank :: self.size]
@@ -131,6 +134,7 @@ class Trainer:
 
         self.writer = SummaryWriter(str(output / "tensorboard" / f"rank{self.rank}"))
         self.summary = TrainingSummary()
+        self.rows_updated = 0  # embedding rows this rank updated since the last TensorBoard point
         self._last_log = (time.monotonic(), 0, 0)  # time, batches, bytes received
 
     def run(self, control: Control) -> TrainingSummary:
@@ -152,6 +156,8 @@ class Trainer:
         loss.backward()
         self.averager.average()
         self.optimizer.step()
+        for embedding in self.embeddings:
+            self.rows_updated += embedding.apply_gradients()
         self.summary.batches += 1
         self.summary.samples += len(tree_leaves(batch)[0])
         if self.summary.batches % self.options.log_interval == 0:
@@ -172,8 +178,10 @@ class Trainer:
             ("buffer/get_time", buffer.get_wait_seconds),
             ("receive/bytes_per_s", (received - bytes_then) / elapsed),
             ("memory/rss_mb", rss_megabytes()),
+            *((("embeddings/rows_updated", self.rows_updated),) if self.embeddings else ()),
         ):
             self.writer.add_scalar(tag, value, step)
+        self.rows_updated = 0
         self._last_log = (now, step, received)
 
     @torch.no_grad()

@@ -1,0 +1,170 @@
+"""Sparse optimizer rows/s against ``nn.Embedding(sparse=True)`` + ``SparseAdam`` (DESIGN.md §11).
+
+A 1,000,000 x 64 float32 table, batches of 4096 ids from two distributions:
+uniform, and Zipf (numpy ``zipf(a=1.2)``, folded into the table and sent
+through a fixed random permutation so hot ids are scattered over the table as
+in real data). Both sides do the whole lookup + backward + update of one batch:
+
+- ours (each of sgd, adagrad, rowadagrad, adam): ``torch.unique(ids,
+  return_inverse=True)``, the lookup ``weight.index_select`` of the unique
+  rows, the gradient per unique row as the embedding's backward gives it (the
+  upstream gradient of a sum loss, ones, summed per id with ``index_add_``),
+  then ``opt.step(unique, grads)``;
+- baseline: ``nn.Embedding`` forward on the 4096 ids, backward of ``out.sum()``
+  (a sparse COO gradient), ``torch.optim.SparseAdam.step()``.
+
+rows/s counts batch ids per second on both sides (the ratio is the same as per
+unique row, since both see the same batches). The memory-bandwidth bound of
+each optimizer is the copy bandwidth of this machine (a 256 MiB clone, read +
+write) divided by the bytes each unique row moves (read + write of the weight
+row and of its state); ``bound_share`` is measured rows/s over that bound. All
+state is pre-faulted (zero-filled) so the first touch of a page is not timed.
+Sides alternate within each repetition; each figure is the median of
+``--repeat`` repetitions and the ratio the median of per-repetition ratios.
+Also prints a per-phase breakdown (us per batch) of our side.
+
+    python bench/sparse_optim.py [--rows 1000000] [--dim 64] [--batch 4096] [--batches 60] [--repeat 7] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from melissa_dl.sparse_optim import SparseOptimizer, make_sparse_optimizer
+
+OPTIMIZERS = ("sgd", "adagrad", "rowadagrad", "adam")
+TARGETS = {"rowadagrad": "10", "adam": "4"}
+LR = {"sgd": 1e-3, "adagrad": 1e-2, "rowadagrad": 1e-2, "adam": 1e-3}
+
+
+def make_ids(dist: str, rows: int, batch: int, batches: int, seed: int) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    if dist == "uniform":
+        flat = rng.integers(0, rows, size=batch * batches)
+    else:
+        flat = rng.permutation(rows)[(rng.zipf(1.2, size=batch * batches) - 1) % rows]
+    return list(torch.from_numpy(flat.astype(np.int64)).split(batch))
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeat: int = 5) -> float:
+    """Bytes per second moved (read + write) copying a large tensor into a pre-faulted one."""
+    src, dst = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
+    dst.copy_(src)
+    return 2 * nbytes / min(timed(lambda: dst.copy_(src)) for _ in range(repeat))
+
+
+def ours_pass(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor], ones: torch.Tensor) -> None:
+    for batch in ids:
+        unique, inverse = torch.unique(batch, return_inverse=True)
+        weight.index_select(0, unique)  # the lookup
+        grads = weight.new_zeros(len(unique), weight.shape[1]).index_add_(0, inverse, ones)
+        opt.step(unique, grads)
+
+
+def baseline_pass(emb: nn.Embedding, opt: torch.optim.Optimizer, ids: list[torch.Tensor]) -> None:
+    for batch in ids:
+        opt.zero_grad()
+        emb(batch).sum().backward()
+        opt.step()
+
+
+def breakdown(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor], ones: torch.Tensor) -> str:
+    """Microseconds per batch of each phase of our side, timed one phase at a time.
+
+    ``np_unique`` is ``numpy.unique(return_inverse=True)`` for comparison: numpy
+    sorts with SIMD, ``torch.unique`` with branchy comparisons.
+    """
+    uniq = [torch.unique(b, return_inverse=True) for b in ids]
+    grads = [weight.new_zeros(len(u), weight.shape[1]).index_add_(0, inv, ones) for u, inv in uniq]
+
+    def each(fn: Callable[[int], object]) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(len(ids)):
+                fn(i)  # the result is dropped at once, as in the real pass
+        return run
+
+    phases = {
+        "unique": each(lambda i: torch.unique(ids[i], return_inverse=True)),
+        "lookup": each(lambda i: weight.index_select(0, uniq[i][0])),
+        "grad": each(lambda i: weight.new_zeros(len(uniq[i][0]), weight.shape[1]).index_add_(0, uniq[i][1], ones)),
+        "step": each(lambda i: opt.step(uniq[i][0], grads[i])),
+        "np_unique": each(lambda i: np.unique(ids[i].numpy(), return_inverse=True)),
+    }
+    return " ".join(f"{k}={statistics.median(timed(f) for _ in range(3)) / len(ids) * 1e6:.0f}"
+                    for k, f in phases.items())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--batches", type=int, default=60, help="batches per timed pass")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both sides")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    print(f"torch {torch.__version__} threads={torch.get_num_threads()} "
+          f"table={args.rows}x{args.dim} float32 batch={args.batch} copy bandwidth={bandwidth / 1e9:.1f} GB/s")
+
+    weight = torch.randn(args.rows, args.dim)
+    row_bytes = args.dim * weight.element_size()
+    opts: dict[str, SparseOptimizer] = {}
+    for name in OPTIMIZERS:  # all bound to one table: values do not matter for timing, memory does
+        opts[name] = make_sparse_optimizer(name, LR[name])
+        opts[name].bind(weight)
+        for tensor in opts[name].state.values():
+            tensor.fill_(0)  # pre-fault
+    emb = nn.Embedding(args.rows, args.dim, sparse=True)
+    base_opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
+    baseline_pass(emb, base_opt, [torch.arange(2)])
+    for tensor in base_opt.state[emb.weight].values():
+        if isinstance(tensor, torch.Tensor) and tensor.dim():
+            tensor.zero_()  # pre-fault
+    ones = torch.ones(args.batch, args.dim)
+
+    results: list[str] = []
+    for d, dist in enumerate(("uniform", "zipf")):
+        ids = make_ids(dist, args.rows, args.batch, args.batches, seed=d)
+        mean_unique = statistics.mean(len(torch.unique(b)) for b in ids)
+        print(f"{dist}: {mean_unique:.0f} unique ids per batch of {args.batch} on average")
+        for name in OPTIMIZERS:  # warm up
+            ours_pass(opts[name], weight, ids[:2], ones)
+        baseline_pass(emb, base_opt, ids[:2])
+        base_t: list[float] = []
+        ours_t: dict[str, list[float]] = {n: [] for n in OPTIMIZERS}
+        for _ in range(args.repeat):  # interleaved, so drifts hit both sides
+            base_t.append(timed(lambda: baseline_pass(emb, base_opt, ids)))
+            for name in OPTIMIZERS:
+                ours_t[name].append(timed(lambda: ours_pass(opts[name], weight, ids, ones)))
+        n_ids = args.batch * len(ids)
+        base_rate = n_ids / statistics.median(base_t)
+        print(f"  baseline Embedding+SparseAdam: {base_rate:12.0f} rows/s (includes its lookup and backward)")
+        for name in OPTIMIZERS:
+            rate = n_ids / statistics.median(ours_t[name])
+            ratio = statistics.median(b / o for b, o in zip(base_t, ours_t[name]))
+            bytes_per_row = 2 * (row_bytes + opts[name].state_bytes_per_row)
+            bound = args.batch * bandwidth / (bytes_per_row * mean_unique)
+            print(f"  {name:10s}: {rate:12.0f} rows/s  ratio {ratio:6.2f}  {bytes_per_row} B/unique row  "
+                  f"bound {bound:12.0f} rows/s  us/batch: {breakdown(opts[name], weight, ids, ones)}")
+            results.append(f"RESULT sparse_{name}_{dist} ratio={ratio:.2f} target={TARGETS.get(name, '-')} "
+                           f"rows_per_s={rate:.0f} baseline_rows_per_s={base_rate:.0f} bound_share={rate / bound:.3f}")
+    print("\n".join(results))
+
+
+if __name__ == "__main__":
+    main()
