@@ -140,10 +140,11 @@ class Server:
             reports = self.comm.gather(self.receiver.report())
             consumed = self.comm.reduce(self.consumed())
             extra = {}
-            if summary is not None and self.rank == 0:
-                extra["training"] = {**summary.to_dict(), "samples_trained": consumed,
-                                     "model": str(trainer.save(self.config.output_path))}
-                (self.config.output_path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+            if summary is not None:
+                model = trainer.save(self.config.output_path)
+                extra["training"] = {**summary.to_dict(), "samples_trained": consumed, "model": str(model)}
+                if self.rank == 0:
+                    (self.config.output_path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
             code = 0
             if self.rank == 0:
                 assert study is not None and handshake is not None

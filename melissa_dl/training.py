@@ -204,6 +204,20 @@ class Trainer:
             logger.info("validation loss %.6g after %d batches", loss, self.summary.batches)
 
     def save(self, output: Path) -> Path:
+        """Rank 0 writes the module's state with every embedding table whole (a collective).
+
+        The tables are gathered so that the file loads into the module on one
+        rank (``load_state_dict(state, strict=False)``: the optimizer state of
+        the shards is left out; checkpoints keep it).
+        """
+        state = self.module.state_dict()
+        for name, module in self.module.named_modules():
+            if isinstance(module, ShardedEmbedding):
+                shards = self.comm.gather(module.shard.cpu().numpy())
+                if self.rank == 0:
+                    state[f"{name}.shard"] = torch.from_numpy(np.concatenate(shards))
+                    state.pop(f"{name}._extra_state", None)
         path = output / "model.pt"
-        torch.save(self.module.state_dict(), path)
+        if self.rank == 0:
+            torch.save(state, path)
         return path
