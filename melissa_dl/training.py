@@ -36,6 +36,7 @@ from melissa_dl.receiver import Receiver
 logger = logging.getLogger(__name__)
 
 WAIT = 0.05  # seconds a rank waits for its buffer before joining the next round
+POLL = 0.0002  # seconds between two checks of a pending collective
 
 
 class Control(Protocol):
@@ -62,7 +63,9 @@ def lockstep(
             pending = next_batch(WAIT)
         ready, ended = pending is not None and pending is not END, pending is END
         flags[:] = (ready, ended, comm.Get_rank() == 0 and control.due())
-        comm.Allreduce(MPI.IN_PLACE, flags)
+        request = comm.Iallreduce(MPI.IN_PLACE, flags)
+        while not request.Test():
+            time.sleep(POLL)  # do not spin: simulations and the other ranks may share these cores
         if flags[2]:
             control.sync()
         if flags[1] >= (1 if synchronous else size):
