@@ -12,10 +12,13 @@ import logging
 import signal
 import sys
 import threading
+import time
 from types import TracebackType
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+ABORT_GRACE = 0.5  # seconds
 
 
 def install_abort_on_error(comm: Any) -> None:
@@ -24,6 +27,7 @@ def install_abort_on_error(comm: Any) -> None:
     def abort(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
         logger.critical("fatal error, aborting the MPI job", exc_info=(kind, error, trace))
         logging.shutdown()
+        time.sleep(ABORT_GRACE)  # let mpirun forward what this rank printed before it tears the job down
         comm.Abort(1)
 
     sys.excepthook = abort

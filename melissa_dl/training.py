@@ -164,7 +164,7 @@ class Trainer:
         self.summary.batches += 1
         self.summary.samples += len(tree_leaves(batch)[0])
         if self.summary.batches % self.options.log_interval == 0:
-            self.log_scalars(float(loss))
+            self.log_scalars(loss.detach().item())
         if self.summary.batches % self.options.nb_batches_update == 0:
             self.validate()
 

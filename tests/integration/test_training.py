@@ -70,4 +70,5 @@ def test_a_user_exception_on_rank_1_ends_the_job_with_its_traceback(tmp_path: Pa
     run = run_server(tmp_path, config, ranks=2, timeout=60)
     assert run.code != 0
     assert time.monotonic() - start < 45
-    assert "Traceback" in run.log and "ValueError: boom from the user's training_step" in run.log
+    for log in (run.log, (output / "logs" / "rank1.log").read_text()):  # the terminal and the rank's file
+        assert "Traceback" in log and "ValueError: boom from the user's training_step" in log
