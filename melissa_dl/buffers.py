@@ -138,6 +138,11 @@ class Buffer(ABC):
             self._cond.notify_all()
 
     @property
+    def producer_waiting(self) -> bool:
+        """A put is waiting for room: the buffer is what holds reception back."""
+        return bool(self._blocked)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

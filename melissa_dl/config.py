@@ -114,6 +114,10 @@ class TrainingConfig:
     validation_batch_size: int = option(256, doc="Samples per validation batch.")
     device: Literal["auto", "cpu", "cuda"] = option("auto", doc="`auto`: CUDA when available (one GPU per rank).")
     seed: int = option(0, doc="Seed of torch on every rank, so that all replicas start identical.")
+    stall_timeout: float = option(
+        120.0,
+        doc="Seconds a rank may lack data while another rank's buffer is full before the job stops with an error.",
+    )
 
 
 @dataclass
@@ -291,6 +295,7 @@ def _check(config: Config) -> None:
                 "training.batch_size",
                 f"{training.batch_size} is above buffer.capacity_samples={buffer.capacity_samples}",
             )
+        _require(training.stall_timeout > 0, "training.stall_timeout", "must be positive")
         for key in ("nb_batches_update", "log_interval", "validation_batch_size"):
             _require(getattr(training, key) >= 1, f"training.{key}", "must be at least 1")
     _require(len(launcher.command) > 0, "launcher.command", "must not be empty")

@@ -35,5 +35,9 @@ class ReceiverDied(MelissaError, RuntimeError):
     """A receiver thread failed; carries its exception as ``__cause__``."""
 
 
+class TrainingStalled(MelissaError, RuntimeError):
+    """Lockstep training cannot progress: a rank has no data while another's buffer is full."""
+
+
 class ClientError(MelissaError, ValueError):
     """A simulation used the client API wrongly (environment, field, dtype, shape)."""

@@ -136,7 +136,7 @@ class Server:
                 self.consumed = lambda: trainer.summary.samples
                 summary = trainer.run(control)
             else:
-                lockstep(self.comm, self._next_samples, self._count, control, synchronous=False)
+                lockstep(self.comm, self._next_samples, self._count, control, self.buffer, stall_timeout=None)
             reports = self.comm.gather(self.receiver.report())
             consumed = self.comm.reduce(self.consumed())
             extra = {}

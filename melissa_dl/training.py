@@ -27,9 +27,11 @@ from mpi4py import MPI
 from torch.utils._pytree import tree_leaves
 
 from melissa_dl.collectives import GradientAverager, make_collectives
+from melissa_dl.buffers import Buffer
 from melissa_dl.config import TrainingConfig
 from melissa_dl.dataset import END, StreamDataset, collate
 from melissa_dl.embedding import ShardedEmbedding, set_default_collectives
+from melissa_dl.errors import TrainingStalled
 from melissa_dl.module import TrainingModule, load_module_class
 from melissa_dl.receiver import Receiver
 
@@ -52,17 +54,26 @@ def lockstep(
     next_batch: Callable[[float], Any],
     step: Callable[[Any], None],
     control: Control,
-    synchronous: bool,
+    buffer: Buffer,
+    stall_timeout: float | None,
 ) -> None:
-    """Consume batches until one rank (``synchronous``) or every rank is dry."""
+    """Consume batches until one rank (with a ``stall_timeout``: lockstep
+    training) or every rank (without: independent draining) is dry.
+
+    In lockstep, a rank without data while another rank's buffer is full can
+    wait forever (that buffer's clients are blocked, so the study cannot end):
+    after ``stall_timeout`` seconds of it the job stops with an error instead.
+    """
     size = comm.Get_size()
-    flags = np.zeros(3, dtype=np.int64)
+    synchronous = stall_timeout is not None
+    flags = np.zeros(4, dtype=np.int64)
     pending = None
+    stalled_since = None
     while True:
         if pending is None:
             pending = next_batch(WAIT)
         ready, ended = pending is not None and pending is not END, pending is END
-        flags[:] = (ready, ended, comm.Get_rank() == 0 and control.due())
+        flags[:] = (ready, ended, comm.Get_rank() == 0 and control.due(), buffer.producer_waiting)
         request = comm.Iallreduce(MPI.IN_PLACE, flags)
         while not request.Test():
             time.sleep(POLL)  # do not spin: simulations and the other ranks may share these cores
@@ -73,6 +84,16 @@ def lockstep(
         if ready and (flags[0] == size or not synchronous):
             step(pending)
             pending = None
+        if synchronous and flags[0] < size and flags[3] > 0:
+            stalled_since = stalled_since or time.monotonic()
+            if time.monotonic() - stalled_since > stall_timeout:  # type: ignore[operator]
+                raise TrainingStalled(
+                    f"training stalled for {stall_timeout:g} s: {size - flags[0]} of {size} ranks have no batch "
+                    f"while {flags[3]} have a full buffer (routing sends them no data: with "
+                    "server.bind_simulation_to_server_rank, run at least as many simulations at once as ranks)"
+                )
+        else:
+            stalled_since = None
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -143,7 +164,8 @@ class Trainer:
     def run(self, control: Control) -> TrainingSummary:
         start = time.monotonic()
         self.validate()
-        lockstep(self.comm, self.dataset.next_batch, self.step, control, synchronous=True)
+        lockstep(self.comm, self.dataset.next_batch, self.step, control, self.receiver.buffer,
+                 self.options.stall_timeout)
         self.summary.duration_s = time.monotonic() - start
         logger.info("training stopped after %d batches", self.summary.batches)
         if self.summary.batches % self.options.nb_batches_update:

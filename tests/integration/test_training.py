@@ -72,3 +72,15 @@ def test_a_user_exception_on_rank_1_ends_the_job_with_its_traceback(tmp_path: Pa
     assert time.monotonic() - start < 45
     for log in (run.log, (output / "logs" / "rank1.log").read_text()):  # the terminal and the rank's file
         assert "Traceback" in log and "ValueError: boom from the user's training_step" in log
+
+
+def test_a_rank_starved_by_routing_ends_the_job_with_a_clear_error(tmp_path: Path, output: Path) -> None:
+    # one simulation bound to rank 0, which fills up; rank 1 never gets a batch: lockstep cannot progress
+    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "200"],
+                          study={"simulations": 1, "time_steps": 200},
+                          server={"bind_simulation_to_server_rank": True},
+                          buffer={"kind": "fifo", "capacity_samples": 10, "per_server_watermark": 1})
+    config["training"] = {**training(), "stall_timeout": 3}
+    run = run_server(tmp_path, config, ranks=2, timeout=60)
+    assert run.code != 0
+    assert "TrainingStalled: training stalled for 3 s: 1 of 2 ranks have no batch while 1 have a full buffer" in run.log

@@ -1,0 +1,213 @@
+"""Versioned atomic checkpoints: round trip, commit point, corruption fallback, pruning, background writer.
+
+Two ranks are simulated by calling ``write_rank_files`` for rank 0 and 1 in one process.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from melissa_dl.checkpoint import (LATEST, MANIFEST, BackgroundWriter, CheckpointCorrupt, FileRecord, commit, dumps,
+                                   latest_valid, loads, next_version, verify, version_dir, write_rank_files)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def rank_files(rank: int, version: int) -> dict[str, bytes]:
+    return {"model.pt": dumps({"w": torch.full((4, 3), float(version)), "rank": rank}),
+            "buffer.pkl": dumps([np.arange(10) * rank, lambda x: x + version])}
+
+
+def save(root: Path, version: int | None = None, *, ranks: int = 2, keep: int = 3, do_commit: bool = True) -> int:
+    version = next_version(root) if version is None else version
+    records = [write_rank_files(version_dir(root, version), r, rank_files(r, version)) for r in range(ranks)]
+    if do_commit:
+        commit(root, version, records, {"progress": version}, batch=10 * version, config_digest="abc", keep=keep)
+    return version
+
+
+def folders(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    assert latest_valid(tmp_path) is None and next_version(tmp_path) == 1
+    assert save(tmp_path) == 1
+    version = latest_valid(tmp_path)
+    assert version is not None and version.number == 1 and version.path == tmp_path / "v1"
+    manifest = version.manifest
+    assert (manifest["format"], manifest["ranks"], manifest["batch"], manifest["config_digest"]) == (1, 2, 10, "abc")
+    assert manifest["meta"] == {"progress": 1} and version.meta == {"progress": 1}
+    assert {f["path"] for f in manifest["files"]} == {"rank0/model.pt", "rank0/buffer.pkl",
+                                                      "rank1/model.pt", "rank1/buffer.pkl"}
+    assert (tmp_path / LATEST).read_text().strip() == "v1"
+    assert sorted(version.names(1)) == ["buffer.pkl", "model.pt"]
+    model = loads(version.read(1, "model.pt"))
+    assert model["rank"] == 1 and torch.equal(model["w"], torch.full((4, 3), 1.0))
+    array, function = loads(version.read(1, "buffer.pkl"))
+    assert np.array_equal(array, np.arange(10)) and function(1) == 2
+    with pytest.raises(KeyError):
+        version.read(0, "missing.pt")
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_records_and_bad_names(tmp_path: Path) -> None:
+    records = write_rank_files(tmp_path / "v1", 3, {"a": b"hello", "b": memoryview(b"")})
+    assert records[0] == FileRecord("rank3/a", 5, "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824")
+    assert records[1].size == 0
+    for name in ("", "../x", "a/b", ".hidden"):
+        with pytest.raises(ValueError):
+            write_rank_files(tmp_path / "v1", 0, {name: b"x"})
+
+
+def test_latest_is_the_commit_point(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    save(tmp_path)
+    save(tmp_path, do_commit=False)  # crash between the rank files and the commit
+    assert (tmp_path / "v2" / "rank1" / "model.pt").exists() and not (tmp_path / "v2" / MANIFEST).exists()
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+        version = latest_valid(tmp_path)
+    assert version is not None and version.number == 1
+    assert "v2" in caplog.text and "never committed" in caplog.text
+    assert next_version(tmp_path) == 3  # the torn folder is never reused
+
+
+def test_missing_latest_pointer_walks_folders(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    save(tmp_path)
+    save(tmp_path, do_commit=False)
+    (tmp_path / LATEST).unlink()
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+        version = latest_valid(tmp_path)
+    assert version is not None and version.number == 1
+    assert "checkpoint v2: missing manifest" in caplog.text
+
+
+@pytest.mark.parametrize("damage, reason", [("truncate", "size"), ("flip", "checksum"), ("delete", "missing file")])
+def test_damaged_newest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str, reason: str) -> None:
+    save(tmp_path)
+    save(tmp_path)
+    path = tmp_path / "v2" / "rank1" / "buffer.pkl"
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(data[:-7])
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(data)
+    else:
+        path.unlink()
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+        version = latest_valid(tmp_path)
+    assert version is not None and version.number == 1
+    warning = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "v2" in warning and "rank1/buffer.pkl" in warning and reason in warning
+    with pytest.raises(CheckpointCorrupt, match=reason):
+        verify(tmp_path / "v2")
+
+
+@pytest.mark.parametrize("content, reason", [(None, "missing manifest"), (b"{not json", "unreadable manifest JSON"),
+                                             (b'{"format": 99}', "unsupported or malformed manifest")])
+def test_bad_manifest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                 content: bytes | None, reason: str) -> None:
+    save(tmp_path)
+    save(tmp_path)
+    manifest = tmp_path / "v2" / MANIFEST
+    if content is None:
+        manifest.unlink()
+    else:
+        manifest.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+        version = latest_valid(tmp_path)
+    assert version is not None and version.number == 1
+    assert f"checkpoint v2: {reason}" in caplog.text
+
+
+def test_everything_corrupt_gives_none(tmp_path: Path) -> None:
+    save(tmp_path)
+    (tmp_path / "v1" / MANIFEST).unlink()
+    assert latest_valid(tmp_path) is None
+    assert next_version(tmp_path) == 2
+
+
+def test_keep_prunes_only_after_commit(tmp_path: Path) -> None:
+    save(tmp_path, keep=2)
+    save(tmp_path, keep=2)
+    assert folders(tmp_path) == ["v1", "v2"]
+    save(tmp_path, keep=2, do_commit=False)  # v3 written, not committed: nothing pruned yet
+    assert folders(tmp_path) == ["v1", "v2", "v3"]
+    save(tmp_path, 4, keep=2)  # committing v4 prunes v1 and the torn v3
+    assert folders(tmp_path) == ["v2", "v4"]
+    version = latest_valid(tmp_path)
+    assert version is not None and version.number == 4 and version.manifest["batch"] == 40
+    assert next_version(tmp_path) == 5
+    with pytest.raises(ValueError):
+        commit(tmp_path, 5, [], {}, batch=0, config_digest="", keep=0)
+
+
+def test_manifest_is_json_with_sizes(tmp_path: Path) -> None:
+    save(tmp_path, ranks=1)
+    manifest = json.loads((tmp_path / "v1" / MANIFEST).read_text())
+    for record in manifest["files"]:
+        assert (tmp_path / "v1" / record["path"]).stat().st_size == record["size"]
+        assert len(record["sha256"]) == 64
+
+
+def test_large_file_hashed_in_parallel(tmp_path: Path) -> None:
+    data = np.random.default_rng(0).integers(0, 255, 40 << 20, dtype=np.uint8)
+    [record] = write_rank_files(tmp_path / "v1", 0, {"big": memoryview(data)})
+    commit(tmp_path, 1, [[record]], {}, batch=0, config_digest="")
+    version = latest_valid(tmp_path)
+    assert version is not None and version.read(0, "big") == data.tobytes()
+
+
+def test_background_writer_in_order_and_wait() -> None:
+    done: list[int] = []
+    with BackgroundWriter() as writer:
+        for i in range(5):
+            writer.submit(lambda i=i: (time.sleep(0.01), done.append(i)))
+        writer.wait()
+        assert done == list(range(5)) and not writer.busy
+        gate = threading.Event()
+        writer.submit(gate.wait)
+        assert writer.busy
+        gate.set()
+        writer.wait()
+    assert not writer._thread.is_alive()
+
+
+def test_background_writer_propagates_errors() -> None:
+    def fail() -> None:
+        raise OSError("disk full")
+
+    writer = BackgroundWriter()
+    writer.submit(fail)
+    with pytest.raises(OSError, match="disk full"):
+        writer.wait()
+    writer.wait()  # raised once
+    writer.submit(fail)
+    while writer.busy:  # the error is kept before the job counts as done
+        time.sleep(0.01)
+    with pytest.raises(OSError, match="disk full"):
+        writer.submit(lambda: None)
+    writer.submit(fail)
+    with pytest.raises(OSError, match="disk full"):
+        writer.close()
+    assert not writer._thread.is_alive()
+    with pytest.raises(RuntimeError):
+        writer.submit(lambda: None)
+    writer.close()
+
+
+def test_background_writer_close_finishes_jobs(tmp_path: Path) -> None:
+    writer = BackgroundWriter()
+    snapshot = rank_files(0, 1)
+    writer.submit(lambda: commit(tmp_path, 1, [write_rank_files(version_dir(tmp_path, 1), 0, snapshot)], {},
+                                 batch=1, config_digest="d"))
+    writer.close()
+    version = latest_valid(tmp_path)
+    assert version is not None and version.number == 1
