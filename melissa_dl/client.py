@@ -152,9 +152,13 @@ class Client:
 
     def finalize(self) -> None:
         """Announce the steps sent to each server rank, flush and close."""
-        for socket, steps in zip(self._sockets, self._steps):
-            body = encode_json({"steps": len(steps)})
-            self._send(socket, self._header(Kind.FINALIZE, 0, 0, "uint8", (), len(body)), body)
+        try:
+            for socket, steps in zip(self._sockets, self._steps):
+                body = encode_json({"steps": len(steps)})
+                self._send(socket, self._header(Kind.FINALIZE, 0, 0, "uint8", (), len(body)), body)
+        except BaseException:
+            self.close(linger=0)
+            raise
         self.close()
 
     def close(self, linger: float | None = None) -> None:
@@ -176,5 +180,5 @@ class Client:
     ) -> None:
         if kind is None:
             self.finalize()
-        else:  # no finalize: the server must not count this attempt as complete
-            self.close()
+        else:  # no finalize: the attempt will not count, and the user's exception must surface unchanged
+            self.close(linger=0)

@@ -296,6 +296,7 @@ def _check(config: Config) -> None:
                 f"{training.batch_size} is above buffer.capacity_samples={buffer.capacity_samples}",
             )
         _require(training.stall_timeout > 0, "training.stall_timeout", "must be positive")
+        _require((config.base_dir / training.module).is_file(), "training.module", f"no file {training.module}")
         for key in ("nb_batches_update", "log_interval", "validation_batch_size"):
             _require(getattr(training, key) >= 1, f"training.{key}", "must be at least 1")
     _require(len(launcher.command) > 0, "launcher.command", "must not be empty")

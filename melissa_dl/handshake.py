@@ -82,7 +82,7 @@ class HandshakeServer(threading.Thread):
                 self._ready.set()
                 while not self._stop_event.is_set():
                     try:
-                        request = socket.recv()
+                        request = socket.recv_multipart()
                     except zmq.Again:
                         continue
                     socket.send(encode_json(self._answer(request)))
@@ -92,9 +92,11 @@ class HandshakeServer(threading.Thread):
             self.error = error
             self._ready.set()
 
-    def _answer(self, request: bytes) -> dict[str, Any]:
+    def _answer(self, request: list[bytes]) -> dict[str, Any]:
         try:
-            self._check(decode_json(request, "handshake"))
+            if len(request) != 1:
+                raise ProtocolError(f"handshake: {len(request)} message parts instead of 1", "malformed")
+            self._check(decode_json(request[0], "handshake"))
         except ProtocolError as error:
             self.rejections.reject(f"handshake_{error.kind}", str(error))
             return {"ok": False, "kind": error.kind, "error": str(error)}

@@ -78,5 +78,5 @@ def load_module_class(path: Path, class_name: str) -> type[TrainingModule]:
     spec.loader.exec_module(module)
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, TrainingModule)):
-        raise ConfigError(f"training.class: {path.name} defines no TrainingModule subclass '{class_name}'")
+        raise ConfigError(f"training.class_name: {path.name} defines no TrainingModule subclass '{class_name}'")
     return cls

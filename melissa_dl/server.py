@@ -101,6 +101,16 @@ class Server:
         logger.info("server rank %d of %d, pid %d", self.rank, self.size, os.getpid())
         port = self.receiver.start_and_bind()
         endpoints = self.comm.gather(f"tcp://{self.host}:{port}")
+        options = self.config.training
+        trainer = None
+        try:  # before any simulation starts: a wrong module or class is a configuration error
+            if options is not None:
+                trainer = Trainer(options, self.config.base_dir, self.config.output_path, self.comm, self.receiver)
+        except ConfigError as error:
+            if self.rank == 0:
+                logger.error("%s", error)
+            self.receiver.stop()
+            return EXIT_CONFIG
         handshake = launcher = study = None
         try:
             if self.rank == 0:
@@ -130,9 +140,7 @@ class Server:
                 study.start()
             control = StudyControl(self, study, handshake, start)
             summary = None
-            if self.config.training is not None:
-                trainer = Trainer(self.config.training, self.config.base_dir, self.config.output_path, self.comm,
-                                  self.receiver)
+            if trainer is not None:
                 self.consumed = lambda: trainer.summary.samples
                 summary = trainer.run(control)
             else:

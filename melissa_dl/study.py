@@ -84,6 +84,8 @@ class Study:
     def _launch(self, sim: Simulation) -> None:
         sim.state = State.QUEUED
         sim.exit_code = None
+        # the new attempt announces its steps anew; a stale announcement could fail it before its frames are read
+        sim.progress = [Progress(p.received, None) for p in sim.progress]
         sim.last_activity = None
         self._expect(sim.id, True)
         self._launcher.submit(sim.id, sim.attempts, self._environment(sim.id, sim.attempts))

@@ -153,7 +153,9 @@ class Trainer:
         self.optimizer = self.module.configure_optimizer()
         self.averager = GradientAverager(self.module.parameters(), self.collectives)
         self.dataset = StreamDataset(receiver.buffer, self.module.process, options.batch_size)
-        self.validation_set = list(self.module.validation_samples())[self.rank :: self.size]
+        held_out = list(self.module.validation_samples())
+        # equal shares, so that every rank runs as many validation batches (lookups of sharded tables are collectives)
+        self.validation_set = held_out[: len(held_out) - len(held_out) % self.size][self.rank :: self.size]
         from torch.utils.tensorboard import SummaryWriter  # slow import, only when training
 
         self.writer = SummaryWriter(str(output / "tensorboard" / f"rank{self.rank}"))
@@ -167,7 +169,8 @@ class Trainer:
         lockstep(self.comm, self.dataset.next_batch, self.step, control, self.receiver.buffer,
                  self.options.stall_timeout)
         self.summary.duration_s = time.monotonic() - start
-        logger.info("training stopped after %d batches", self.summary.batches)
+        logger.info("training stopped after %d batches; %d buffered samples left untrained (training stops when "
+                    "the first rank runs dry)", self.summary.batches, len(self.receiver.buffer))
         if self.summary.batches % self.options.nb_batches_update:
             self.validate()
         self.writer.close()

@@ -20,10 +20,10 @@ SHAPE = (4, 8)
 GOOD = ["float32", list(SHAPE)]
 
 
-def handshake(context: zmq.Context, endpoint: str, request: bytes) -> dict:
+def handshake(context: zmq.Context, endpoint: str, request: bytes | list[bytes]) -> dict:
     socket = context.socket(zmq.REQ)
     socket.connect(endpoint)
-    socket.send(request)
+    socket.send_multipart(request if isinstance(request, list) else [request])
     assert socket.poll(10_000), "no handshake answer"
     reply = json.loads(socket.recv())
     socket.close(linger=0)
@@ -43,6 +43,7 @@ def bad_handshakes(context: zmq.Context, endpoint: str, token: str, sim: int) ->
         {"fields": {"field": ["float32", [1 << 20, 1 << 10]]}},
     ]
     assert not handshake(context, endpoint, b"not json")["ok"]
+    assert not handshake(context, endpoint, [encode_json(hello), b"more"])["ok"]
     for change in variants:
         reply = handshake(context, endpoint, encode_json({**hello, **change}))
         assert not reply["ok"], change

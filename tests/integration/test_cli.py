@@ -38,6 +38,19 @@ def test_a_misspelt_key_is_one_line_with_exit_code_2(tmp_path: Path, ranks: int)
     assert not (tmp_path / "out").exists()  # nothing started
 
 
+def test_a_wrong_training_class_is_one_line_with_exit_code_2_before_any_simulation(tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    config = study_config(output, [sys.executable, TOY_SIM])
+    config["training"] = {"module": str(Path(__file__).parent / "tiny_module.py"), "class_name": "Tinny"}
+    done = subprocess.run([MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)], env=clean_environment(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "training.class_name: tiny_module.py defines no TrainingModule subclass 'Tinny'" in errors[0]
+    assert "Traceback" not in done.stderr
+    assert not (output / "simulations").exists()  # no simulation was started
+
+
 def test_check_prints_the_resolved_configuration(tmp_path: Path) -> None:
     config = study_config(tmp_path / "out", ["true"])
     done = subprocess.run([*SERVER, "--check", write(tmp_path, config)], capture_output=True, text=True, timeout=60)

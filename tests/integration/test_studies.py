@@ -89,5 +89,6 @@ def test_bad_frames_and_handshakes_are_refused_counted_and_survived(tmp_path: Pa
                        "missing_field", "dtype", "oversize"]
     expected = {k: 1 for k in frame_kinds} | {f"handshake_{k}": 1 for k in handshake_kinds}
     expected["malformed"] = 2  # a one-frame message and a declaration that is not JSON
+    expected["handshake_malformed"] = 2  # not JSON, and two message parts
     assert rejected == expected
     assert "refused (credentials)" in run.log

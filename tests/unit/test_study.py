@@ -261,3 +261,17 @@ def test_attempt_that_could_not_start_is_retried(h: Harness) -> None:
     h.tick(1.0)
     assert h.launcher.attempts(0) == [0, 1]
     assert h.study.simulations[0].reason == f"exit code {START_FAILED}"
+
+
+def test_a_relaunch_is_not_judged_on_the_last_attempts_announcements(h: Harness) -> None:
+    h.running(0.0, 0)
+    h.launcher.exit(0, 0)
+    h.tick(1.0, *reports({0: [(3, 3), (1, 2)]}))  # attempt 0 announced 3 + 2 steps, one is missing
+    assert h.launcher.attempts(0) == [0, 1]
+    h.running(2.0, 0)
+    h.launcher.exit(0, 0)  # attempt 1 ends before any rank has read its frames (back-pressure)
+    h.tick(3.0)
+    sim = h.study.simulations[0]
+    assert sim.state is State.RUNNING and h.launcher.attempts(0) == [0, 1]  # waits for the new announcements
+    h.tick(4.0, *reports({0: [(3, 3), (2, 2)]}))
+    assert sim.state is State.DONE
