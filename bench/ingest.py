@@ -18,7 +18,6 @@ import argparse
 import multiprocessing as mp
 import secrets
 import statistics
-import threading
 import time
 from typing import Any, Callable
 

@@ -145,7 +145,7 @@ class Adagrad(SparseOptimizer):
         _scatter(weight, rows, w)
 
 
-class RowAdagrad(SparseOptimizer):
+class RowAdagrad(Adagrad):
     """Adagrad with one accumulator per row, as in PyTorch-BigGraph.
 
     ``G_r += mean_j(g_rj^2);  w_r -= lr * g_r / (sqrt(G_r) + eps)``. State:
@@ -153,13 +153,7 @@ class RowAdagrad(SparseOptimizer):
     with per-element Adagrad; the update touches little more than the row.
     """
 
-    name = "rowadagrad"
-
-    def __init__(self, lr: float, eps: float = 1e-10) -> None:
-        super().__init__(lr)
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        self.eps = float(eps)
+    name = "rowadagrad"  # shares Adagrad's hyperparameters, not its state or update
 
     def _new_state(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"sum": weight.new_zeros(weight.shape[0])}

@@ -6,7 +6,6 @@ and through torch.distributed with gloo (the NCCL code path, minus the GPU).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,23 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def comm() -> Iterator[MPI.Comm]:
-    duplicate = MPI.COMM_WORLD.Dup()
-    yield duplicate
-    duplicate.Free()
-
-
-@pytest.fixture(scope="module")
-def mpi(comm: MPI.Comm) -> MpiCollectives:
-    return MpiCollectives(comm)
-
-
-@pytest.fixture(scope="module")
-def gloo(comm: MPI.Comm) -> Iterator[TorchCollectives]:
-    collectives = TorchCollectives(comm, "gloo", CPU)
-    yield collectives
-    collectives.close()
 
 
 @pytest.fixture(params=["mpi", "gloo"])

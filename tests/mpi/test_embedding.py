@@ -23,24 +23,6 @@ NUM_ROWS, DIM = 37, 5
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def comm() -> Iterator[MPI.Comm]:
-    duplicate = MPI.COMM_WORLD.Dup()
-    yield duplicate
-    duplicate.Free()
-
-
-@pytest.fixture(scope="module")
-def mpi(comm: MPI.Comm) -> MpiCollectives:
-    return MpiCollectives(comm)
-
-
-@pytest.fixture(scope="module")
-def gloo(comm: MPI.Comm) -> Iterator[TorchCollectives]:
-    """This file's own process group, closed at the end of the file (one group per process at a time)."""
-    collectives = TorchCollectives(comm, "gloo", CPU)
-    yield collectives
-    collectives.close()
 
 
 @pytest.fixture(autouse=True)
