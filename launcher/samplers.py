@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from melissa_dl.config import StudyConfig
 from melissa_dl.errors import ConfigError
@@ -51,6 +50,8 @@ def draw_parameters(
         raise ConfigError(f"explicit parameter values are only used by sampler 'list', not {sampler!r}")
     if sampler == "uniform":
         return np.random.default_rng(seed).uniform(lo, hi, size=(count, d))
+    import torch  # here: the supervisor imports this package and should not pay for torch
+
     engine = torch.quasirandom.SobolEngine(d, scramble=True, seed=seed)
     unit = engine.draw(count, dtype=torch.float64).numpy()
     return lo + (hi - lo) * unit

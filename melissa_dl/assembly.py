@@ -194,6 +194,12 @@ class Assembler:
         self.ledger.add(sample.simulation_id, sample.time_step)
         self._changed.add(sample.simulation_id)
 
+    def restore(self, ledger: Ledger, bytes_received: int) -> None:
+        """Continue from a checkpoint: its steps count as received and will be dropped on arrival."""
+        self.ledger = ledger
+        self.bytes_received = bytes_received
+        self._changed.update(ledger.simulations())
+
     # -- bookkeeping ----------------------------------------------------------
 
     def take_progress(self) -> dict[int, Progress]:

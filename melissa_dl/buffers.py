@@ -28,14 +28,15 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import MutableSequence
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from melissa_dl.errors import ConfigError, MelissaError
 from melissa_dl.sample import Sample
 
 BUFFER_KINDS = ("fifo", "firo", "reservoir")
+T = TypeVar("T")
 
 
 class BufferClosed(MelissaError, RuntimeError):
@@ -79,8 +80,13 @@ class Buffer(ABC):
         self._closed = False
 
     # ----------------------------------------------------------- public API
-    def put(self, sample: Sample, timeout: float | None = None) -> bool:
-        """Store ``sample``, waiting for room; False if ``timeout`` expires first."""
+    def put(self, sample: Sample, timeout: float | None = None,
+            on_insert: Callable[[], None] | None = None) -> bool:
+        """Store ``sample``, waiting for room; False if ``timeout`` expires first.
+
+        ``on_insert`` runs under the buffer's lock once the sample is in, so
+        that ``state_dict_with`` sees the sample and its side effect together.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         nb = sample.nbytes
         blocked = False
@@ -106,6 +112,8 @@ class Buffer(ABC):
             self._insert(_Entry(sample))
             self._nbytes += nb
             self._total_put += 1
+            if on_insert is not None:
+                on_insert()
             self._cond.notify_all()
             return True
 
@@ -177,6 +185,10 @@ class Buffer(ABC):
 
     def state_dict(self) -> dict[str, Any]:
         """Picklable snapshot; arrays are shared with the buffer, not copied."""
+        return self.state_dict_with(lambda: None)[0]
+
+    def state_dict_with(self, other: Callable[[], T]) -> tuple[dict[str, Any], T]:
+        """``state_dict()`` and ``other()`` taken under the same lock (see ``put``'s ``on_insert``)."""
         with self._cond:
             return {
                 "kind": self.kind,
@@ -191,7 +203,7 @@ class Buffer(ABC):
                 "get_wait_seconds": self._get_wait,
                 "closed": self._closed,
                 "rng_state": self._rng.getstate(),
-            }
+            }, other()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the whole state with ``state`` from a buffer of the same kind."""

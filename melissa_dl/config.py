@@ -101,6 +101,10 @@ class LauncherConfig:
     )
     send_queue_bytes: int = option(64 * MiB, doc="Memory ZeroMQ may queue in each client rank per server rank.")
     env: dict[str, str] = option({}, doc="Extra environment variables of the simulations.")
+    server_timeout: float = option(
+        600.0, doc="`melissa-launcher`: seconds without a heartbeat of the server before it is killed and restarted."
+    )
+    max_server_restarts: int = option(3, doc="`melissa-launcher`: restarts of a dead server before giving up.")
 
 
 @dataclass
@@ -118,6 +122,10 @@ class TrainingConfig:
         120.0,
         doc="Seconds a rank may lack data while another rank's buffer is full before the job stops with an error.",
     )
+    checkpoint_interval: int = option(
+        500, doc="Batches between two checkpoints (one is also written at the end); 0 writes only the last."
+    )
+    keep_checkpoints: int = option(3, doc="Committed checkpoint versions kept on disk; older ones are deleted.")
 
 
 @dataclass
@@ -297,8 +305,9 @@ def _check(config: Config) -> None:
             )
         _require(training.stall_timeout > 0, "training.stall_timeout", "must be positive")
         _require((config.base_dir / training.module).is_file(), "training.module", f"no file {training.module}")
-        for key in ("nb_batches_update", "log_interval", "validation_batch_size"):
+        for key in ("nb_batches_update", "log_interval", "validation_batch_size", "keep_checkpoints"):
             _require(getattr(training, key) >= 1, f"training.{key}", "must be at least 1")
+        _require(training.checkpoint_interval >= 0, "training.checkpoint_interval", "must not be negative")
     _require(len(launcher.command) > 0, "launcher.command", "must not be empty")
     _require(launcher.client_ranks >= 1, "launcher.client_ranks", "must be at least 1")
     _require(
@@ -311,6 +320,8 @@ def _check(config: Config) -> None:
     _require(launcher.max_retries >= 0, "launcher.max_retries", "must not be negative")
     _require(launcher.client_timeout > 0, "launcher.client_timeout", "must be positive")
     _require(launcher.send_queue_bytes > 0, "launcher.send_queue_bytes", "must be positive")
+    _require(launcher.server_timeout > 0, "launcher.server_timeout", "must be positive")
+    _require(launcher.max_server_restarts >= 0, "launcher.max_server_restarts", "must not be negative")
 
 
 def parse_config(data: Any, base_dir: Path) -> Config:

@@ -216,6 +216,40 @@ class ShardedEmbedding(nn.Module):
         self._rebind_if_moved()
         self.optimizer.load_state_dict(state["optimizer"])  # copies into the bound state (any device)
 
+    def load_rows(self, pieces: list[dict[str, Any]]) -> None:
+        """Take this shard's rows and their optimizer state from shards of any partition of the table.
+
+        ``pieces`` are ``{"shard": rows, "extra": get_extra_state()}`` of old shards
+        (any K) that together cover this shard's rows: a restart on another
+        number of ranks re-shards the table this way.
+        """
+        self._rebind_if_moved()
+        rows: list[torch.Tensor] = []
+        states: dict[str, list[torch.Tensor]] = {key: [] for key in self.optimizer.state}
+        covered = self.start
+        for piece in sorted(pieces, key=lambda p: p["extra"]["start"]):
+            extra = piece["extra"]
+            if extra["num_rows"] != self.num_rows:
+                raise ValueError(f"ShardedEmbedding '{self.name}': checkpoint has {extra['num_rows']} rows, "
+                                 f"this table {self.num_rows}")
+            lo, hi = max(covered, extra["start"]), min(self.stop, extra["stop"])
+            if lo >= hi:
+                continue
+            if lo != covered:
+                break
+            rows.append(piece["shard"][lo - extra["start"] : hi - extra["start"]])
+            for key, parts in states.items():
+                parts.append(extra["optimizer"][key][lo - extra["start"] : hi - extra["start"]])
+            covered = hi
+        if covered != self.stop:
+            raise ValueError(f"ShardedEmbedding '{self.name}': the checkpoint lacks rows {covered}:{self.stop}")
+        if rows:  # else an empty shard (fewer rows than ranks): only the step count to take
+            self.shard.copy_(torch.cat(rows))
+        self.optimizer.load_state_dict({
+            "step": pieces[0]["extra"]["optimizer"]["step"],
+            **{key: torch.cat(parts) if parts else self.optimizer.state[key] for key, parts in states.items()},
+        })
+
     def _rebind_if_moved(self) -> None:
         """After ``module.to(device)`` replaced the shard, point the optimizer at it, keeping its state."""
         if self._bound is self.shard:

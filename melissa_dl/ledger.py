@@ -7,6 +7,10 @@ steps of relaunched simulations needs.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
+
 
 class Ledger:
     """Per-simulation bitmaps of received time steps."""
@@ -52,3 +56,22 @@ class Ledger:
     def load_state_dict(self, state: dict[int, bytes]) -> None:
         self._bits = {s: bytearray(b) for s, b in state.items()}
         self._counts = {s: sum(bin(x).count("1") for x in b) for s, b in self._bits.items()}
+
+    def merge(self, state: dict[int, bytes], keep: Callable[[int, np.ndarray], np.ndarray]) -> None:
+        """Add the steps of another ledger's ``state_dict`` for which ``keep(simulation, steps)`` is true.
+
+        A restart on another number of ranks rebuilds each rank's ledger this way
+        from all the old ones, keeping the steps that the new routing sends it.
+        """
+        for simulation_id, bits in state.items():
+            steps = np.flatnonzero(np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little"))
+            steps = steps[np.broadcast_to(keep(simulation_id, steps), steps.shape)]
+            if steps.size == 0:
+                continue
+            mine = np.frombuffer(bytes(self._bits.get(simulation_id, b"")), dtype=np.uint8)
+            wanted = np.zeros(max(len(bits), len(mine)) * 8, dtype=bool)
+            wanted[steps] = True
+            merged = np.packbits(wanted, bitorder="little")
+            merged[: len(mine)] |= mine
+            self._bits[simulation_id] = bytearray(merged.tobytes())
+            self._counts[simulation_id] = int(np.unpackbits(merged).sum())

@@ -2,9 +2,10 @@
 
 An uncaught exception in any thread of any rank is logged with its traceback
 and followed by ``MPI_Abort``, which makes ``mpirun`` kill every rank and exit
-non-zero. SIGTERM (sent by ``mpirun`` when another rank fails, or by a user)
-is turned into ``SystemExit`` so that ``finally`` blocks, which stop the
-simulation jobs, still run.
+non-zero. SIGTERM is turned into ``SystemExit`` so that ``finally`` blocks,
+which stop the simulation jobs, still run; while training, the first SIGTERM
+or SIGINT (``mpirun`` forwards both to every rank) asks for a graceful stop
+instead: the ranks agree on a batch, checkpoint and exit (``GracefulStop``).
 """
 from __future__ import annotations
 
@@ -33,3 +34,20 @@ def install_abort_on_error(comm: Any) -> None:
     sys.excepthook = abort
     threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)  # type: ignore[arg-type]
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+class GracefulStop:
+    """While installed, the first SIGTERM/SIGINT sets ``requested``; a second one exits at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            sys.exit(128 + signum)
+        self.requested = True
+        logger.warning("signal %d: stopping after a checkpoint at the next batch (send it again to exit now)", signum)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
 from melissa_dl.assembly import Assembler, Progress, StreamSpec
 from melissa_dl.buffers import Buffer
 from melissa_dl.errors import ProtocolError, ReceiverDied
+from melissa_dl.ledger import Ledger
 from melissa_dl.rejections import RejectionLog
+from melissa_dl.sample import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +94,28 @@ class Receiver(threading.Thread):
                 continue
             if sample is None:
                 continue
-            while not self.buffer.put(sample, timeout=POLL_MS / 1000):
+            while not self.buffer.put(sample, timeout=POLL_MS / 1000, on_insert=lambda: self._commit(sample)):
                 self._blocked = True
                 if self._stop_event.is_set():
                     return
+
+    def _commit(self, sample: Sample) -> None:
+        with self._lock:
+            self._assembler.commit(sample)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The buffer and the ledger, consistent: a step is in the ledger exactly when the buffer took it."""
+
+        def counters() -> tuple[dict[int, bytes], int]:
             with self._lock:
-                self._assembler.commit(sample)
+                return self._assembler.ledger.state_dict(), self._assembler.bytes_received
+
+        buffer, (ledger, bytes_received) = self.buffer.state_dict_with(counters)
+        return {"buffer": buffer, "ledger": ledger, "bytes_received": bytes_received}
+
+    def restore(self, ledger: Ledger, bytes_received: int) -> None:
+        """Before ``start``: the steps a checkpoint holds, so that their second arrival is dropped."""
+        self._assembler.restore(ledger, bytes_received)
 
     def stop(self) -> None:
         """Stop reading and wait for the thread; the socket closes with it."""

@@ -11,6 +11,7 @@ called from the main thread only.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import secrets
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from launcher import Launcher, LocalScheduler, MpirunScheduler, study_parameters
@@ -28,18 +30,44 @@ from melissa_dl.config import Config, load_config
 from melissa_dl.errors import ConfigError
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
-from melissa_dl.mpi import install_abort_on_error
+from melissa_dl.checkpoint import CheckpointCorrupt, next_version
+from melissa_dl.mpi import GracefulStop, install_abort_on_error
+from melissa_dl.recovery import (
+    Checkpointer,
+    checkpoint_root,
+    find_checkpoint,
+    restore_stream,
+    restore_study,
+    restore_trainer,
+    start_fresh,
+)
 from melissa_dl.dataset import END
 from melissa_dl.receiver import Receiver
 from melissa_dl.sample import Sample
 from melissa_dl.report import StatusLine, final_report, write_report
+from melissa_dl.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
 from melissa_dl.study import Study
 from melissa_dl.training import Trainer, lockstep
 
 logger = logging.getLogger(__name__)
 
-EXIT_CONFIG = 2
-EXIT_FAILED_SIMULATIONS = 3
+LOCK = "server.lock"
+
+
+def lock_output(output: Path) -> Any:
+    """Refuse a second server on the same output folder (the lock dies with the process, even on kill -9)."""
+    output.mkdir(parents=True, exist_ok=True)
+    handle = open(output / LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise ConfigError(f"output_dir: another melissa-server (pid {handle.read().strip() or '?'}) "
+                          f"is running on {output}") from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 def addresses(interface: str) -> tuple[str, str]:
@@ -63,9 +91,13 @@ def make_launcher(config: Config) -> Launcher:
 class Server:
     """One rank's receiver, buffer and consumer; on rank 0 also the study."""
 
-    def __init__(self, config: Config, comm: Any) -> None:
+    def __init__(self, config: Config, comm: Any, fresh: bool = False, export_model: bool = False) -> None:
         self.config = config
         self.comm = comm
+        self.fresh = fresh
+        self.export_model = export_model
+        self.stop = GracefulStop()
+        self.lock: Any = None  # rank 0's lock of the output folder, held until the process ends
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         study = config.study
         self.parameters = study_parameters(study)
@@ -99,18 +131,41 @@ class Server:
         """Run the study to its end; every rank returns the same exit code."""
         start = time.monotonic()
         logger.info("server rank %d of %d, pid %d", self.rank, self.size, os.getpid())
-        port = self.receiver.start_and_bind()
-        endpoints = self.comm.gather(f"tcp://{self.host}:{port}")
+        version, failure = None, None
+        if self.rank == 0:  # before anything is written: resume or not, and is this output folder ours?
+            try:
+                self.lock = lock_output(self.config.output_path)
+                if self.fresh:
+                    start_fresh(self.config)
+                if self.config.training is not None:
+                    version = find_checkpoint(self.config)
+                if self.export_model and version is None:
+                    raise ConfigError(f"--export-model: no checkpoint in {checkpoint_root(self.config)}")
+            except (ConfigError, CheckpointCorrupt) as error:
+                failure = str(error)
+        version, failure = self.comm.bcast((version, failure))
         options = self.config.training
         trainer = None
         try:  # before any simulation starts: a wrong module or class is a configuration error
+            if failure is not None:
+                raise ConfigError(failure)
             if options is not None:
                 trainer = Trainer(options, self.config.base_dir, self.config.output_path, self.comm, self.receiver)
+            if version is not None:
+                assert trainer is not None
+                restore_trainer(version, self.rank, self.size, trainer)
+                if self.export_model:
+                    model = trainer.save(self.config.output_path)
+                    if self.rank == 0:
+                        logger.info("model of checkpoint %s written to %s", version.path, model)
+                    return 0
+                restore_stream(version, self.rank, self.size, self.receiver, self.config.server.bind_simulation_to_server_rank)
         except ConfigError as error:
             if self.rank == 0:
                 logger.error("%s", error)
-            self.receiver.stop()
             return EXIT_CONFIG
+        port = self.receiver.start_and_bind()
+        endpoints = self.comm.gather(f"tcp://{self.host}:{port}")
         handshake = launcher = study = None
         try:
             if self.rank == 0:
@@ -137,12 +192,23 @@ class Server:
                     self.config.launcher.max_retries,
                     self.config.launcher.simulation_timeout,
                 )
-                study.start()
+                study.start(restore_study(version) if version is not None else None)
             control = StudyControl(self, study, handshake, start)
             summary = None
             if trainer is not None:
+                first_version = self.comm.bcast(next_version(checkpoint_root(self.config)) if self.rank == 0 else None)
+                checkpointer = Checkpointer(self.config, self.comm, trainer, self.receiver,
+                                            study.state_dict if study is not None else None, first_version)
+                control.checkpointer = checkpointer
                 self.consumed = lambda: trainer.summary.samples
-                summary = trainer.run(control)
+                self.stop.install()
+                if trainer.run(control, checkpointer):
+                    self.receiver.stop()
+                    if self.rank == 0:
+                        logger.warning("stopped on request; run the same command again to resume from %s",
+                                       checkpoint_root(self.config))
+                    return EXIT_STOPPED
+                summary = trainer.summary
             else:
                 lockstep(self.comm, self._next_samples, self._count, control, self.buffer, stall_timeout=None)
             reports = self.comm.gather(self.receiver.report())
@@ -202,9 +268,14 @@ class StudyControl:
         self.status = StatusLine(server.config.server.status_interval, start)
         self.next_sync = time.monotonic() + self.interval
         self.over = False
+        self.checkpointer: Checkpointer | None = None
+        self.heartbeat = server.config.output_path / HEARTBEAT
 
     def due(self) -> bool:
         return not self.over and time.monotonic() >= self.next_sync
+
+    def stop_requested(self) -> bool:
+        return self.server.stop.requested
 
     def sync(self) -> None:
         server, comm = self.server, self.server.comm
@@ -220,6 +291,10 @@ class StudyControl:
             self.status.maybe_log(time.monotonic(), self.study, reports, consumed)
             over = self.study.over
         self.over = comm.bcast(over)
+        if self.checkpointer is not None:
+            self.checkpointer.sync()
+        if self.study is not None:
+            self.heartbeat.touch()  # the ranks got through a collective round: the job is alive
         if self.over:  # every simulation is done or failed: what is buffered is all there will be
             server.receiver.stop()
             server.buffer.close()
@@ -230,6 +305,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="melissa-server", description="Online-learning server for simulation ensembles.")
     parser.add_argument("config", help="the study's JSON configuration")
     parser.add_argument("--check", action="store_true", help="validate the configuration, print it resolved, and exit")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over: delete the checkpoints and TensorBoard logs of an earlier run instead of resuming")
+    parser.add_argument("--export-model", action="store_true",
+                        help="write model.pt from the latest checkpoint (on any number of ranks) and exit")
     return parser.parse_args(argv)
 
 
@@ -249,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     setup_logging(comm.Get_rank(), config.output_path / "logs")
     install_abort_on_error(comm)
-    return Server(config, comm).run()
+    return Server(config, comm, fresh=args.fresh, export_model=args.export_model).run()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from launcher import Launcher
 from melissa_dl.assembly import Progress
@@ -35,6 +35,7 @@ class Simulation:
     ranks: int
     state: State = State.QUEUED
     attempts: int = 0  # launches so far
+    failures: int = 0  # attempts that failed (a relaunch after a server restart is not one)
     exit_code: int | None = None  # of the last attempt's process, once it ended
     last_activity: float | None = None  # when the last frame arrived, or the job started
     reason: str = ""  # why the last attempt failed
@@ -77,9 +78,19 @@ class Study:
         self._max_retries = max_retries
         self._timeout = timeout
 
-    def start(self) -> None:
-        for sim in self.simulations:
-            self._launch(sim)
+    def start(self, restored: Sequence[dict[str, Any]] | None = None) -> None:
+        """Launch every simulation; after a restart (``restored``: a ``state_dict``), the unfinished ones."""
+        for sim, saved in zip(self.simulations, restored or [{}] * len(self.simulations)):
+            sim.attempts, sim.failures, sim.reason = saved.get("attempts", 0), saved.get("failures", 0), saved.get("reason", "")
+            if saved.get("state") in (State.DONE, State.FAILED):
+                sim.state = State(saved["state"])
+            else:
+                self._launch(sim)
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """What a restart needs: done and failed simulations stay so, the others run again."""
+        return [{"state": s.state.value, "attempts": s.attempts, "failures": s.failures, "reason": s.reason}
+                for s in self.simulations]
 
     def _launch(self, sim: Simulation) -> None:
         sim.state = State.QUEUED
@@ -133,7 +144,8 @@ class Study:
 
     def _retry(self, sim: Simulation, reason: str) -> None:
         sim.reason = reason
-        if sim.attempts > self._max_retries:
+        sim.failures += 1
+        if sim.failures > self._max_retries:
             sim.state = State.FAILED
             self._expect(sim.id, False)
             logger.error("simulation %d failed after %d attempts: %s", sim.id, sim.attempts, reason)

@@ -1,25 +1,29 @@
 """The server's consumer loop: online training (or plain draining) in lockstep.
 
 Every iteration each rank tries to form a batch (waiting at most ``WAIT``
-seconds), then all ranks join one small all-reduce of three counters: ranks
-with a batch ready, ranks whose stream ended, and whether rank 0 wants a
-bookkeeping round. So every rank takes the same decisions at the same
-iteration: a training step only when all K ranks hold a batch (the global loss
-is the mean of the K per-rank losses, DESIGN §5), a stop as soon as any rank
-has run dry (no rank ever waits in a collective that another will not join),
-and the study's bookkeeping while data is late. A rank keeps a batch it formed
+seconds), then all ranks join one small all-reduce of five counters: ranks
+with a batch ready, ranks whose stream ended, whether rank 0 wants a
+bookkeeping round, ranks whose buffer is full, and ranks asked to stop
+(SIGTERM). So every rank takes the same decisions at the same iteration: a
+training step only when all K ranks hold a batch (the global loss is the mean
+of the K per-rank losses, DESIGN §5), a stop as soon as any rank has run dry
+(no rank ever waits in a collective that another will not join), and the
+study's bookkeeping while data is late. Checkpoints are taken right after a
+step, when no rank holds a formed batch. A rank keeps a batch it formed
 until the step happens, so nothing is skipped. Without training, ranks drain
 independently and stop when all are dry.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
+import random
 import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -28,12 +32,16 @@ from torch.utils._pytree import tree_leaves
 
 from melissa_dl.collectives import GradientAverager, make_collectives
 from melissa_dl.buffers import Buffer
+from melissa_dl.checkpoint import BackgroundCopy, copy_to_cpu
 from melissa_dl.config import TrainingConfig
 from melissa_dl.dataset import END, StreamDataset, collate
 from melissa_dl.embedding import ShardedEmbedding, set_default_collectives
-from melissa_dl.errors import TrainingStalled
+from melissa_dl.errors import ConfigError, TrainingStalled
 from melissa_dl.module import TrainingModule, load_module_class
 from melissa_dl.receiver import Receiver
+
+if TYPE_CHECKING:
+    from melissa_dl.recovery import Checkpointer
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +56,8 @@ class Control(Protocol):
 
     def sync(self) -> None: ...
 
+    def stop_requested(self) -> bool: ...
+
 
 def lockstep(
     comm: Any,
@@ -56,34 +66,43 @@ def lockstep(
     control: Control,
     buffer: Buffer,
     stall_timeout: float | None,
-) -> None:
+) -> bool:
     """Consume batches until one rank (with a ``stall_timeout``: lockstep
-    training) or every rank (without: independent draining) is dry.
+    training) or every rank (without: independent draining) is dry; True if
+    it stopped early because a rank was asked to (``control.stop_requested``).
 
-    In lockstep, a rank without data while another rank's buffer is full can
-    wait forever (that buffer's clients are blocked, so the study cannot end):
-    after ``stall_timeout`` seconds of it the job stops with an error instead.
+    An early stop happens at a round where no rank holds a formed batch, so
+    every sample taken from a buffer has been trained: a checkpoint taken
+    then loses none. In lockstep, a rank without data while another rank's
+    buffer is full can wait forever (that buffer's clients are blocked, so
+    the study cannot end): after ``stall_timeout`` seconds of it the job
+    stops with an error instead.
     """
     size = comm.Get_size()
     synchronous = stall_timeout is not None
-    flags = np.zeros(4, dtype=np.int64)
+    flags = np.zeros(5, dtype=np.int64)
     pending = None
     stalled_since = None
+    stopping = False
     while True:
         if pending is None:
             pending = next_batch(WAIT)
         ready, ended = pending is not None and pending is not END, pending is END
-        flags[:] = (ready, ended, comm.Get_rank() == 0 and control.due(), buffer.producer_waiting)
+        flags[:] = (ready, ended, comm.Get_rank() == 0 and control.due(), buffer.producer_waiting,
+                    control.stop_requested())
         request = comm.Iallreduce(MPI.IN_PLACE, flags)
         while not request.Test():
             time.sleep(POLL)  # do not spin: simulations and the other ranks may share these cores
         if flags[2]:
             control.sync()
         if flags[1] >= (1 if synchronous else size):
-            return
+            return False
         if ready and (flags[0] == size or not synchronous):
             step(pending)
             pending = None
+        stopping = stopping or bool(flags[4])
+        if stopping and (flags[0] in (0, size) or not synchronous):
+            return True
         if synchronous and flags[0] < size and flags[3] > 0:
             stalled_since = stalled_since or time.monotonic()
             if time.monotonic() - stalled_since > stall_timeout:  # type: ignore[operator]
@@ -149,33 +168,47 @@ class Trainer:
         self.module: TrainingModule = module_class(**options.options)
         self.module.rank, self.module.world_size = self.rank, self.size
         self.module.to(self.device)
-        self.embeddings = [m for m in self.module.modules() if isinstance(m, ShardedEmbedding)]
+        self.tables = {name: m for name, m in self.module.named_modules() if isinstance(m, ShardedEmbedding)}
         self.optimizer = self.module.configure_optimizer()
         self.averager = GradientAverager(self.module.parameters(), self.collectives)
         self.dataset = StreamDataset(receiver.buffer, self.module.process, options.batch_size)
         held_out = list(self.module.validation_samples())
         # equal shares, so that every rank runs as many validation batches (lookups of sharded tables are collectives)
         self.validation_set = held_out[: len(held_out) - len(held_out) % self.size][self.rank :: self.size]
-        from torch.utils.tensorboard import SummaryWriter  # slow import, only when training
-
-        self.writer = SummaryWriter(str(output / "tensorboard" / f"rank{self.rank}"))
+        self.output = output
+        self.writer: Any = None  # opened by run(), after a restore has set the step to continue from
+        self.checkpointer: Checkpointer | None = None
+        self._copy: BackgroundCopy | None = None  # of the last snapshot, until the next optimizer step
         self.summary = TrainingSummary()
         self.rows_updated = 0  # embedding rows this rank updated since the last TensorBoard point
         self._last_log = (time.monotonic(), 0, 0)  # time, batches, bytes received
 
-    def run(self, control: Control) -> TrainingSummary:
+    def run(self, control: Control, checkpointer: Checkpointer | None) -> bool:
+        """Train until the study ends (False) or a stop was asked for (True); checkpoints on the way and last."""
+        from torch.utils.tensorboard import SummaryWriter  # slow import, only when training
+
+        # purge_step: a resumed run replaces what the dead one logged after its checkpoint
+        self.writer = SummaryWriter(str(self.output / "tensorboard" / f"rank{self.rank}"),
+                                    purge_step=self.summary.batches or None)
+        self.checkpointer = checkpointer
         start = time.monotonic()
-        self.validate()
-        lockstep(self.comm, self.dataset.next_batch, self.step, control, self.receiver.buffer,
-                 self.options.stall_timeout)
-        self.summary.duration_s = time.monotonic() - start
-        logger.info("training stopped after %d batches; %d buffered samples left untrained (training stops when "
-                    "the first rank runs dry)", self.summary.batches, len(self.receiver.buffer))
-        if self.summary.batches % self.options.nb_batches_update:
+        if not self.summary.validation or self.summary.validation[-1][0] != self.summary.batches:
             self.validate()
+        stopped = lockstep(self.comm, self.dataset.next_batch, self.step, control, self.receiver.buffer,
+                           self.options.stall_timeout)
+        self.summary.duration_s += time.monotonic() - start
+        if stopped:
+            logger.info("training stopped on request after %d batches", self.summary.batches)
+        else:
+            logger.info("training stopped after %d batches; %d buffered samples left untrained (training stops "
+                        "when the first rank runs dry)", self.summary.batches, len(self.receiver.buffer))
+            if self.summary.batches % self.options.nb_batches_update:
+                self.validate()
+        if checkpointer is not None:
+            checkpointer.final()
         self.writer.close()
         self.collectives.close()
-        return self.summary
+        return stopped
 
     def step(self, batch: Any) -> None:
         self.module.train()
@@ -183,15 +216,21 @@ class Trainer:
         loss = self.module.training_step(to_device(batch, self.device))
         loss.backward()
         self.averager.average()
+        if self._copy is not None:  # a checkpoint's copy of what the optimizers are about to change
+            self._copy.wait()
+            self._copy = None
         self.optimizer.step()
-        for embedding in self.embeddings:
-            self.rows_updated += embedding.apply_gradients()
+        for table in self.tables.values():
+            self.rows_updated += table.apply_gradients()
         self.summary.batches += 1
         self.summary.samples += len(tree_leaves(batch)[0])
         if self.summary.batches % self.options.log_interval == 0:
             self.log_scalars(loss.detach().item())
         if self.summary.batches % self.options.nb_batches_update == 0:
             self.validate()
+        interval = self.options.checkpoint_interval
+        if self.checkpointer is not None and interval and self.summary.batches % interval == 0:
+            self.checkpointer.snapshot()
 
     def log_scalars(self, loss: float) -> None:
         now, received = time.monotonic(), self.receiver.bytes_received
@@ -206,7 +245,7 @@ class Trainer:
             ("buffer/get_time", buffer.get_wait_seconds),
             ("receive/bytes_per_s", (received - bytes_then) / elapsed),
             ("memory/rss_mb", rss_megabytes()),
-            *((("embeddings/rows_updated", self.rows_updated),) if self.embeddings else ()),
+            *((("embeddings/rows_updated", self.rows_updated),) if self.tables else ()),
         ):
             self.writer.add_scalar(tag, value, step)
         self.rows_updated = 0
@@ -239,13 +278,66 @@ class Trainer:
         the shards is left out; checkpoints keep it).
         """
         state = self.module.state_dict()
-        for name, module in self.module.named_modules():
-            if isinstance(module, ShardedEmbedding):
-                shards = self.comm.gather(module.shard.cpu().numpy())
-                if self.rank == 0:
-                    state[f"{name}.shard"] = torch.from_numpy(np.concatenate(shards))
-                    state.pop(f"{name}._extra_state", None)
+        for name, table in self.tables.items():
+            shards = self.comm.gather(table.shard.cpu().numpy())
+            if self.rank == 0:
+                state[f"{name}.shard"] = torch.from_numpy(np.concatenate(shards))
+                state.pop(f"{name}._extra_state", None)
         path = output / "model.pt"
         if self.rank == 0:
             torch.save(state, path)
         return path
+
+    def state(self) -> dict[str, Any]:
+        """What a restart needs from this rank, as CPU copies, so that training goes on while it is written.
+
+        ``dense`` (rank 0 only: replicas are identical) holds the module
+        without its sharded tables and the optimizer; ``tables`` this rank's
+        shards with their row ranges and sparse optimizer state. The
+        parameters, shards and optimizer states, which only the optimizer
+        steps change, are copied by a thread while the next batch's forward
+        and backward run (``step`` waits for it first): the ``BackgroundCopy``
+        under ``"copied"``. The module's other buffers (a forward may change
+        them), the RNG states and the counters are copied now.
+        """
+        module = self.module.state_dict()
+        tables = {name: {"shard": module.pop(f"{name}.shard"), "extra": module.pop(f"{name}._extra_state")}
+                  for name in self.tables}
+        parameters = {name for name, _ in self.module.named_parameters()}
+        later: dict[str, Any] = {"tables": tables}
+        now: dict[str, Any] = {"rng": rng_states(), "summary": copy.deepcopy(self.summary)}
+        if self.rank == 0:
+            later["parameters"] = {k: v for k, v in module.items() if k in parameters}
+            later["optimizer"] = self.optimizer.state_dict()
+            now["buffers"] = copy_to_cpu({k: v for k, v in module.items() if k not in parameters})
+        self._copy = BackgroundCopy(later)
+        return {**now, "copied": self._copy}
+
+    def load(self, dense: dict[str, Any], pieces: dict[str, list[dict[str, Any]]], rng: dict[str, Any],
+             summary: TrainingSummary) -> None:
+        """Continue from a checkpoint: ``pieces`` are, per table, old shards covering this rank's rows."""
+        missing, unexpected = self.module.load_state_dict(dense["module"], strict=False)
+        missing = [key for key in missing if key.split(".")[-1] not in ("shard", "_extra_state")
+                   or key.rsplit(".", 1)[0] not in self.tables]
+        if missing or unexpected:
+            raise ConfigError(f"training.class_name: the checkpoint's module does not match {self.options.class_name} "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]}); start over with --fresh")
+        self.optimizer.load_state_dict(dense["optimizer"])
+        for name, table in self.tables.items():
+            table.load_rows(pieces[name])
+        set_rng_states(rng)
+        self.summary = summary
+
+
+def rng_states() -> dict[str, Any]:
+    """Every generator a module may draw from, so that a resumed run draws what the dead one would have."""
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])

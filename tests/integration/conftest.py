@@ -40,7 +40,7 @@ def study_config(output: Path, command: list[str], **sections: dict[str, Any]) -
                      "client_timeout": 30},
     }
     for name, values in sections.items():
-        config[name].update(values)
+        config.setdefault(name, {}).update(values)
     return config
 
 
@@ -51,11 +51,16 @@ class Run:
     report: dict[str, Any] | None
 
 
-def run_server(tmp_path: Path, config: dict[str, Any], ranks: int, timeout: float = 120) -> Run:
-    """Run the server on ``config`` under mpirun and return its exit code, log and report."""
+def server_command(tmp_path: Path, config: dict[str, Any], ranks: int, *args: str) -> list[str]:
+    """``mpirun -n ranks melissa-server config.json args`` with ``config`` written to ``tmp_path``."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    command = [MPIRUN, "-n", str(ranks), sys.executable, "-m", "melissa_dl.server", str(path)]
+    return [MPIRUN, "-n", str(ranks), sys.executable, "-m", "melissa_dl.server", str(path), *args]
+
+
+def run_server(tmp_path: Path, config: dict[str, Any], ranks: int, timeout: float = 120, *args: str) -> Run:
+    """Run the server on ``config`` under mpirun and return its exit code, log and report."""
+    command = server_command(tmp_path, config, ranks, *args)
     done = subprocess.run(command, env=clean_environment(), capture_output=True, text=True, timeout=timeout)
     report_path = Path(config["output_dir"]) / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else None

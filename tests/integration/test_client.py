@@ -172,8 +172,29 @@ def test_a_full_buffer_blocks_the_client_and_loses_nothing() -> None:
     handshake.stop()
 
 
+def test_a_client_whose_server_vanishes_fails_after_its_timeout() -> None:
+    mib = 1 << 20
+    server, handshake = start_server(make_buffer("fifo", capacity_samples=1000, capacity_bytes=None, watermark=1,
+                                                 seed=0), max_message_bytes=mib)
+    server.environ.update(MELISSA_CLIENT_TIMEOUT="1", MELISSA_SEND_QUEUE_BYTES=str(2 * mib))
+    fields = {"a": ("float32", (mib // 4,)), "b": ("float32", (1,))}
+    start = 0.0
+    with pytest.raises(ServerUnreachable, match="the server accepted no data for 1 s"):
+        with Client(fields, environ=server.environ) as client:
+            client.send("a", 0, np.zeros(mib // 4, np.float32))
+            client.send("b", 0, np.zeros(1, np.float32))
+            assert len(server.drain(1)) == 1
+            server.receiver.stop()  # the server dies: its sockets close, nobody will read again
+            handshake.stop()
+            start = time.monotonic()
+            for t in range(1, 1000):
+                client.send("a", t, np.zeros(mib // 4, np.float32))
+                client.send("b", t, np.zeros(1, np.float32))
+    assert time.monotonic() - start < 10
+
+
 class BrokenBuffer:
-    def put(self, sample: Sample, timeout: float | None = None) -> bool:
+    def put(self, sample: Sample, timeout: float | None = None, on_insert: object = None) -> bool:
         raise RuntimeError("disk on fire")
 
     def __len__(self) -> int:

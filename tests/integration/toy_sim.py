@@ -4,7 +4,8 @@ Step t of simulation s sends the field ``s * 1000 + t`` (so a test can check
 what the server assembled). ``--fail`` makes simulation ``--fail-simulation``
 misbehave on its first ``--fail-attempts`` attempts, at step ``--fail-at``:
 ``crash`` exits 1, ``hang`` sleeps forever, ``no-finalize`` exits 0 without
-announcing its steps.
+announcing its steps. ``--step-delay`` paces the steps, so that a test can
+interrupt the server in the middle of a study.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--fail-simulation", type=int, default=-1)
     parser.add_argument("--fail-attempts", type=int, default=1)
     parser.add_argument("--fail-at", type=int, default=3)
+    parser.add_argument("--step-delay", type=float, default=0.0)
     args = parser.parse_args()
     comm = None
     if args.mpi:
@@ -43,6 +45,7 @@ def main() -> None:
                 time.sleep(3600)
             client.close()
             return
+        time.sleep(args.step_delay)
         value = client.simulation_id * 1000 + t + rank * 0.5
         client.send("field", t, np.full(args.shape, value, dtype=np.float32))
     client.finalize()

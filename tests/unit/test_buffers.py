@@ -430,3 +430,23 @@ def test_make_buffer_rejects_unknown_kind():
 def test_make_buffer_rejects_bad_numbers(kwargs):
     with pytest.raises(ConfigError):
         buf("firo", **kwargs)
+
+
+def test_on_insert_and_state_dict_with_see_a_put_together() -> None:
+    buffer = make_buffer("fifo", capacity_samples=10, capacity_bytes=None, watermark=1, seed=0)
+    committed: list[int] = []
+    stop = threading.Event()
+
+    def produce() -> None:
+        for t in range(2000):
+            buffer.put(Sample(0, t, np.zeros(1), {"x": np.zeros(1)}), on_insert=lambda t=t: committed.append(t))
+            if t % 10 == 9:
+                buffer.get_batch(10)
+        stop.set()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    while not stop.is_set():
+        state, count = buffer.state_dict_with(lambda: len(committed))
+        assert state["total_put"] == count  # never a sample without its side effect, or the reverse
+    thread.join()

@@ -185,3 +185,29 @@ def test_moving_the_module_rebinds_the_optimizer() -> None:
     emb(torch.tensor([1])).sum().backward()
     emb.apply_gradients()
     assert not torch.equal(emb.shard[1], before[1]) and torch.equal(emb.shard[2], before[2])
+
+
+@pytest.mark.parametrize(("before", "after"), [(3, 2), (2, 3), (1, 4), (4, 1)])
+def test_load_rows_re_shards_rows_and_optimizer_state_to_another_k(before: int, after: int) -> None:
+    whole = table(optimizer="adam")
+    for ids in ([1, 2, 19], [2, 7, 13]):
+        whole(torch.tensor(ids)).pow(2).sum().backward()
+        whole.apply_gradients()
+    state = whole.state_dict()
+    extra = state["_extra_state"]
+
+    def piece(start: int, stop: int) -> dict:
+        optimizer = {"step": extra["optimizer"]["step"], "moments": extra["optimizer"]["moments"][start:stop]}
+        return {"shard": state["shard"][start:stop],
+                "extra": {"num_rows": 20, "start": start, "stop": stop, "optimizer": optimizer}}
+
+    pieces = [piece(*shard_range(20, before, r)) for r in range(before)]
+    for rank in range(after):
+        shard = table(optimizer="adam", collectives=NoCommunication(rank, after))
+        shard.load_rows(list(reversed(pieces)))  # any order
+        start, stop = shard_range(20, after, rank)
+        assert torch.equal(shard.shard, whole.shard[start:stop])
+        loaded = shard.optimizer.state_dict()
+        assert loaded["step"] == 2 and torch.equal(loaded["moments"], extra["optimizer"]["moments"][start:stop])
+    with pytest.raises(ValueError, match="lacks rows 0:"):
+        table(optimizer="adam").load_rows(pieces[1:])

@@ -76,3 +76,15 @@ def test_load_state_dict_replaces_the_previous_state() -> None:
     ledger.load_state_dict(filled({5: [0]}).state_dict())
     assert ledger.simulations() == [5]
     assert (1, 1) not in ledger and ledger.count(1) == 0 and ledger.total() == 1
+
+
+def test_merge_keeps_the_selected_steps_of_other_ledgers() -> None:
+    first, second = filled({0: [0, 1, 9], 3: [4]}), filled({0: [2, 17], 5: [1]})
+    merged = filled({0: [1]})
+    for other in (first, second):
+        merged.merge(other.state_dict(), lambda sim, steps: (sim + steps) % 2 == 1)
+    assert merged.steps(0) == [1, 9, 17] and merged.count(0) == 3
+    assert merged.steps(3) == [4] and merged.simulations() == [0, 3]  # (5 + 1) % 2 == 0: not kept
+    everything = Ledger()
+    everything.merge(first.state_dict(), lambda sim, steps: True)
+    assert everything.state_dict() == first.state_dict() and everything.total() == first.total()

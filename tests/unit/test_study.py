@@ -60,7 +60,7 @@ class FakeLauncher:
 
 
 class Harness:
-    def __init__(self, simulations: int = 2, max_retries: int = 2) -> None:
+    def __init__(self, simulations: int = 2, max_retries: int = 2, restored: list[dict] | None = None) -> None:
         self.launcher = FakeLauncher()
         self.expected: list[tuple[int, bool]] = []
         self.study = Study(
@@ -69,7 +69,7 @@ class Harness:
             expect=lambda sim, flag: self.expected.append((sim, flag)),
             max_retries=max_retries, timeout=TIMEOUT,
         )
-        self.study.start()
+        self.study.start(restored)
 
     def tick(self, now: float, *reports: ReceiverReport) -> None:
         self.study.tick(list(reports) or [ReceiverReport() for _ in range(RANKS)], now=now)
@@ -275,3 +275,22 @@ def test_a_relaunch_is_not_judged_on_the_last_attempts_announcements(h: Harness)
     assert sim.state is State.RUNNING and h.launcher.attempts(0) == [0, 1]  # waits for the new announcements
     h.tick(4.0, *reports({0: [(3, 3), (2, 2)]}))
     assert sim.state is State.DONE
+
+
+def test_a_restored_study_relaunches_only_what_was_not_finished() -> None:
+    h = Harness(simulations=3, max_retries=1)
+    h.running(0.0, 0, 1, 2)
+    h.launcher.exit(1, 1)  # one failure of simulation 1: its retry is spent
+    h.tick(1.0)
+    h.tick(2.0, *reports({0: [(5, 5), (5, 5)]}))
+    saved = h.study.state_dict()
+    assert [s["state"] for s in saved] == ["done", "queued", "running"]
+    restored = Harness(simulations=3, max_retries=1, restored=saved)
+    assert [(sim, attempt) for sim, attempt, _ in restored.launcher.submitted] == [(1, 2), (2, 1)]
+    assert restored.expected == [(1, True), (2, True)]
+    assert restored.state(0) is State.DONE and restored.study.simulations[1].failures == 1
+    restored.launcher.start(1)
+    restored.tick(3.0)
+    restored.launcher.exit(1, 1)
+    restored.tick(4.0)
+    assert restored.state(1) is State.FAILED  # the failure before the restart still counts

@@ -1,0 +1,195 @@
+"""Checkpoints and restarts of whole studies (DESIGN §7): stop, crash, hang, corruption, another K.
+
+Every study here is paced (toy_sim ``--step-delay``) so that the server can
+be interrupted in its middle, after its first checkpoint is committed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from conftest import HERE, TOY_SIM, clean_environment, run_server, server_command, study_config
+from melissa_dl.checkpoint import latest_valid, loads
+from melissa_dl.ledger import Ledger
+from melissa_dl.status import EXIT_STOPPED
+from tiny_module import Tiny
+
+pytestmark = pytest.mark.timeout(240)
+
+SIMULATIONS, STEPS = 6, 12
+
+
+def paced_config(output: Path, class_name: str = "Tiny", job_limit: int = 2, **launcher: Any) -> dict:
+    """A study of 6 simulations x 12 steps of 0.05 s, trained with a checkpoint every 2 batches."""
+    module, options = ("tiny_module.py", {}) if class_name == "Tiny" else \
+        ("table_module.py", {"simulations": SIMULATIONS, "steps": STEPS})
+    return study_config(
+        output,
+        [sys.executable, TOY_SIM, "--steps", str(STEPS), "--step-delay", "0.05"],
+        study={"simulations": SIMULATIONS, "time_steps": STEPS},
+        buffer={"kind": "fifo", "capacity_samples": 1000},
+        launcher={"job_limit": job_limit, **launcher},
+        training={"module": str(HERE / module), "class_name": class_name, "options": options, "batch_size": 4,
+                  "checkpoint_interval": 2, "nb_batches_update": 1000, "device": "cpu", "seed": 3},
+    )
+
+
+def wait_for(condition: Callable[[], bool], process: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"exited with {process.returncode} before the condition held"
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def committed(output: Path) -> bool:
+    return (output / "checkpoints" / "LATEST").exists()
+
+
+def start(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def stop_after_first_checkpoint(tmp_path: Path, config: dict, ranks: int) -> str:
+    """Start a study, SIGTERM its mpirun once a checkpoint is committed; the log of the graceful stop."""
+    process = start(server_command(tmp_path, config, ranks))
+    wait_for(lambda: committed(Path(config["output_dir"])), process)
+    process.send_signal(signal.SIGTERM)
+    log, _ = process.communicate(timeout=60)
+    assert process.returncode == EXIT_STOPPED, log
+    assert "stopped on request" in log
+    assert not (Path(config["output_dir"]) / "report.json").exists(), "the study should have been cut short"
+    return log
+
+
+def final_ledgers(output: Path) -> list[Ledger]:
+    version = latest_valid(output / "checkpoints")
+    assert version is not None
+    ledgers = []
+    for rank in range(version.ranks):
+        ledger = Ledger()
+        ledger.load_state_dict(loads(version.read(rank, "stream.pt"))["ledger"])
+        ledgers.append(ledger)
+    return ledgers
+
+
+def assert_every_step_once(output: Path, ranks: int) -> None:
+    """The final checkpoint's ledgers hold each (simulation, step) of the study on exactly one rank."""
+    ledgers = final_ledgers(output)
+    assert len(ledgers) == ranks
+    held = [{(s, t) for s in ledger.simulations() for t in ledger.steps(s)} for ledger in ledgers]
+    assert sum(len(h) for h in held) == SIMULATIONS * STEPS
+    assert set().union(*held) == {(s, t) for s in range(SIMULATIONS) for t in range(STEPS)}
+
+
+def parameters(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def test_resuming_after_a_stop_gives_the_parameters_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    """FIFO, one rank, one simulation at a time, fixed seeds: the sample order is fixed, so are the batches."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for folder in (straight, resumed):
+        folder.mkdir()
+    reference = run_server(straight, paced_config(straight / "output", job_limit=1), ranks=1)
+    assert reference.code == 0, reference.log
+    config = paced_config(resumed / "output", job_limit=1)
+    stop_after_first_checkpoint(resumed, config, ranks=1)
+    run = run_server(resumed, config, ranks=1)
+    assert run.code == 0, run.log
+    assert "resuming from checkpoint" in run.log
+    assert run.report is not None and run.report["samples_received"] == SIMULATIONS * STEPS
+    assert run.report["training"]["batches"] == reference.report["training"]["batches"] == SIMULATIONS * STEPS // 4
+    expected, found = parameters(straight / "output" / "model.pt"), parameters(resumed / "output" / "model.pt")
+    assert expected.keys() == found.keys()
+    for name in expected:
+        torch.testing.assert_close(found[name], expected[name], rtol=0, atol=0, msg=name)
+    assert_every_step_once(resumed / "output", ranks=1)
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path, output: Path) -> None:
+    config = paced_config(output)
+    config["launcher"]["command"].remove("--step-delay")  # no pause needed: the study runs to its end
+    config["launcher"]["command"].remove("0.05")
+    first = run_server(tmp_path, config, ranks=2)
+    assert first.code == 0, first.log
+    newest = latest_valid(output / "checkpoints")
+    assert newest is not None and newest.number >= 2
+    victim = newest.path / "rank1" / "stream.pt"
+    victim.write_bytes(victim.read_bytes()[:-10])
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert f"checkpoint v{newest.number}: size mismatch of rank1/stream.pt" in run.log
+    assert re.search(rf"resuming from checkpoint \S*v{newest.number - 1} ", run.log), run.log
+    assert_every_step_once(output, ranks=2)
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_a_restart_on_another_number_of_ranks_keeps_every_row_and_completes(
+    tmp_path: Path, output: Path, before: int, after: int
+) -> None:
+    config = paced_config(output, class_name="Table")
+    stop_after_first_checkpoint(tmp_path, config, ranks=before)
+    version = latest_valid(output / "checkpoints")
+    assert version is not None and version.ranks == before
+    shards = [loads(version.read(rank, "trainer.pt"))["tables"]["table"] for rank in range(before)]
+    rows = torch.cat([s["shard"] for s in sorted(shards, key=lambda s: s["extra"]["start"])])
+    dense = loads(version.read(0, "dense.pt"))["module"]
+
+    export = run_server(tmp_path, config, after, 120, "--export-model")
+    assert export.code == 0, export.log
+    model = parameters(output / "model.pt")
+    torch.testing.assert_close(model["table.shard"], rows, rtol=0, atol=0)
+    for name, tensor in dense.items():
+        torch.testing.assert_close(model[name], tensor, rtol=0, atol=0, msg=name)
+
+    run = run_server(tmp_path, config, ranks=after)
+    assert run.code == 0, run.log
+    assert f"written by {before} ranks" in run.log
+    assert run.report is not None and run.report["simulations"]["done"] == SIMULATIONS
+    assert_every_step_once(output, ranks=after)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("failure", ["kill -9 rank 1", "rank 1 hangs"])
+def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
+    tmp_path: Path, output: Path, failure: str
+) -> None:
+    config = paced_config(output, server_timeout=3.0, max_server_restarts=2)
+    command = server_command(tmp_path, config, 2)
+    supervisor = start([sys.executable, "-m", "launcher.supervisor", command[-1], "-n", "2"])
+    wait_for(lambda: committed(output), supervisor)
+    pid = int(re.search(r"server rank 1 of 2, pid (\d+)", (output / "logs" / "rank1.log").read_text()).group(1))
+    os.kill(pid, signal.SIGKILL if failure.startswith("kill") else signal.SIGSTOP)
+    log, _ = supervisor.communicate(timeout=180)
+    assert supervisor.returncode == 0, log
+    assert "restarting it from its checkpoints (restart 1 of 2)" in log
+    if failure == "rank 1 hangs":
+        assert "no heartbeat from the server" in log
+    assert "resuming from checkpoint" in (output / "logs" / "rank0.log").read_text()
+    report = json.loads((output / "report.json").read_text())
+    assert report["simulations"]["done"] == SIMULATIONS and report["samples_received"] == SIMULATIONS * STEPS
+    assert_every_step_once(output, ranks=2)
+    Tiny().load_state_dict(parameters(output / "model.pt"))  # the final model loads
+    assert processes_mentioning(str(tmp_path)) == [], "a process of the study outlived the supervisor"
