@@ -28,7 +28,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 demo: install
-	$(BIN)/mpirun -n $(RANKS) $(BIN)/melissa-server examples/heat_pde/config.json
+	$(BIN)/mpirun -n $(RANKS) $(BIN)/melissa-server --fresh examples/heat_pde/config.json
 
 test: install-test
 	$(BIN)/python -m pytest tests/unit tests/integration

@@ -104,7 +104,8 @@ class Checkpointer:
             "trainer.pt": {"tables": copied["tables"], "rng": state["rng"], "summary": state["summary"]},
         }
         if self.rank == 0:
-            files["dense.pt"] = {"module": {**copied["parameters"], **state["buffers"]}, "optimizer": copied["optimizer"]}
+            module = {**copied["parameters"], **state["buffers"]}
+            files["dense.pt"] = {"module": module, "optimizer": copied["optimizer"]}
             files["study.pt"] = study
         data: dict[str, Any] = {name: dumps(obj) for name, obj in files.items()}
         if self.rank == 0:

@@ -131,6 +131,9 @@ class Server:
         """Run the study to its end; every rank returns the same exit code."""
         start = time.monotonic()
         logger.info("server rank %d of %d, pid %d", self.rank, self.size, os.getpid())
+        if self.rank == 0:  # alive: the supervisor's clock restarts after the imports and MPI's start
+            self.config.output_path.mkdir(parents=True, exist_ok=True)
+            (self.config.output_path / HEARTBEAT).touch()
         version, failure = None, None
         if self.rank == 0:  # before anything is written: resume or not, and is this output folder ours?
             try:
@@ -159,7 +162,8 @@ class Server:
                     if self.rank == 0:
                         logger.info("model of checkpoint %s written to %s", version.path, model)
                     return 0
-                restore_stream(version, self.rank, self.size, self.receiver, self.config.server.bind_simulation_to_server_rank)
+                restore_stream(version, self.rank, self.size, self.receiver,
+                               self.config.server.bind_simulation_to_server_rank)
         except ConfigError as error:
             if self.rank == 0:
                 logger.error("%s", error)
@@ -306,7 +310,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("config", help="the study's JSON configuration")
     parser.add_argument("--check", action="store_true", help="validate the configuration, print it resolved, and exit")
     parser.add_argument("--fresh", action="store_true",
-                        help="start over: delete the checkpoints and TensorBoard logs of an earlier run instead of resuming")
+                        help="start over: delete the checkpoints and TensorBoard logs of an earlier run "
+                        "instead of resuming")
     parser.add_argument("--export-model", action="store_true",
                         help="write model.pt from the latest checkpoint (on any number of ranks) and exit")
     return parser.parse_args(argv)

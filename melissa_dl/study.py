@@ -81,7 +81,8 @@ class Study:
     def start(self, restored: Sequence[dict[str, Any]] | None = None) -> None:
         """Launch every simulation; after a restart (``restored``: a ``state_dict``), the unfinished ones."""
         for sim, saved in zip(self.simulations, restored or [{}] * len(self.simulations)):
-            sim.attempts, sim.failures, sim.reason = saved.get("attempts", 0), saved.get("failures", 0), saved.get("reason", "")
+            sim.attempts, sim.failures = saved.get("attempts", 0), saved.get("failures", 0)
+            sim.reason = saved.get("reason", "")
             if saved.get("state") in (State.DONE, State.FAILED):
                 sim.state = State(saved["state"])
             else:

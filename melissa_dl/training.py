@@ -187,9 +187,9 @@ class Trainer:
         """Train until the study ends (False) or a stop was asked for (True); checkpoints on the way and last."""
         from torch.utils.tensorboard import SummaryWriter  # slow import, only when training
 
-        # purge_step: a resumed run replaces what the dead one logged after its checkpoint
+        # purge_step: a resumed run replaces what the dead one logged after its checkpoint (taken after batch b's points)
         self.writer = SummaryWriter(str(self.output / "tensorboard" / f"rank{self.rank}"),
-                                    purge_step=self.summary.batches or None)
+                                    purge_step=self.summary.batches + 1 if self.summary.batches else None)
         self.checkpointer = checkpointer
         start = time.monotonic()
         if not self.summary.validation or self.summary.validation[-1][0] != self.summary.batches:

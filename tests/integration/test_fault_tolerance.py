@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import HERE, TOY_SIM, clean_environment, run_server, server_command, study_config
 from melissa_dl.checkpoint import latest_valid, loads
@@ -40,7 +41,8 @@ def paced_config(output: Path, class_name: str = "Tiny", job_limit: int = 2, **l
         buffer={"kind": "fifo", "capacity_samples": 1000},
         launcher={"job_limit": job_limit, **launcher},
         training={"module": str(HERE / module), "class_name": class_name, "options": options, "batch_size": 4,
-                  "checkpoint_interval": 2, "nb_batches_update": 1000, "device": "cpu", "seed": 3},
+                  "checkpoint_interval": 2, "nb_batches_update": 1000, "log_interval": 1, "device": "cpu",
+                  "seed": 3},
     )
 
 
@@ -93,6 +95,13 @@ def assert_every_step_once(output: Path, ranks: int) -> None:
     assert set().union(*held) == {(s, t) for s in range(SIMULATIONS) for t in range(STEPS)}
 
 
+def loss_steps(output: Path, rank: int = 0) -> list[int]:
+    """The batches of the train/loss points TensorBoard shows (after its purge of a dead run's extra points)."""
+    events = EventAccumulator(str(output / "tensorboard" / f"rank{rank}"))
+    events.Reload()
+    return [event.step for event in events.Scalars("train/loss")]
+
+
 def parameters(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
@@ -116,6 +125,7 @@ def test_resuming_after_a_stop_gives_the_parameters_of_an_uninterrupted_run(tmp_
     for name in expected:
         torch.testing.assert_close(found[name], expected[name], rtol=0, atol=0, msg=name)
     assert_every_step_once(resumed / "output", ranks=1)
+    assert loss_steps(resumed / "output") == list(range(1, SIMULATIONS * STEPS // 4 + 1))
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path, output: Path) -> None:
@@ -176,7 +186,7 @@ def processes_mentioning(text: str) -> list[int]:
 def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
     tmp_path: Path, output: Path, failure: str
 ) -> None:
-    config = paced_config(output, server_timeout=3.0, max_server_restarts=2)
+    config = paced_config(output, server_timeout=10.0, max_server_restarts=2)  # startup on a loaded machine: seconds
     command = server_command(tmp_path, config, 2)
     supervisor = start([sys.executable, "-m", "launcher.supervisor", command[-1], "-n", "2"])
     wait_for(lambda: committed(output), supervisor)
@@ -191,5 +201,7 @@ def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
     report = json.loads((output / "report.json").read_text())
     assert report["simulations"]["done"] == SIMULATIONS and report["samples_received"] == SIMULATIONS * STEPS
     assert_every_step_once(output, ranks=2)
+    steps = loss_steps(output)  # the dead run's points after its checkpoint were replaced, not doubled
+    assert steps == list(range(1, report["training"]["batches"] + 1))
     Tiny().load_state_dict(parameters(output / "model.pt"))  # the final model loads
     assert processes_mentioning(str(tmp_path)) == [], "a process of the study outlived the supervisor"
