@@ -38,19 +38,25 @@ test: install-test
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
 
 # C and Fortran: the client library (native/) installed into $(NATIVE), and the
-# heat example's C and Fortran solvers in $(NATIVE)/bin, built through
-# pkg-config as a user builds. Debian's MPICH (libmpich-dev): the mpich wheel
-# has no Fortran bindings, and its mpirun launches these programs (README,
-# "C and Fortran").
+# programs linked to it in $(NATIVE)/bin: the heat example's C and Fortran
+# solvers and the tests' Fortran client (through pkg-config, as a user builds)
+# and the tests' C client (statically). Debian's MPICH (libmpich-dev): the
+# mpich wheel has no Fortran bindings, and its mpirun launches these programs
+# (README, "C and Fortran").
 NATIVE ?= build/native
 MPICC ?= mpicc.mpich
 MPIFC ?= mpifort.mpich
 NATIVE_DIR = $(abspath $(NATIVE))
+NATIVE_PC = PKG_CONFIG_PATH=$(NATIVE_DIR)/lib/pkgconfig pkg-config
 
 native:
 	$(MAKE) -C native install BUILD=$(NATIVE_DIR)/build PREFIX=$(NATIVE_DIR) MPICC=$(MPICC) MPIFC=$(MPIFC)
 	mkdir -p $(NATIVE_DIR)/bin
 	PKG_CONFIG_PATH=$(NATIVE_DIR)/lib/pkgconfig $(MAKE) -C examples/heat_pde BIN=$(NATIVE_DIR)/bin MPICC=$(MPICC) MPIFC=$(MPIFC)
+	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/c_client tests/integration/c_client.c $$($(NATIVE_PC) --cflags melissa_dl) \
+		$(NATIVE_DIR)/lib/libmelissa_dl.a $$($(NATIVE_PC) --libs libzmq) -lm
+	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/f_client tests/integration/f_client.f90 \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
 
 clean:
 	rm -rf $(VENV) build examples/*/output
