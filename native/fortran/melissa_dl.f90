@@ -75,21 +75,12 @@ module melissa_dl
       integer(c_int) :: status
     end function
 
-    function c_send_float(field, time_step, data, count) bind(C, name="melissa_dl_send_float") result(status)
-      import :: c_char, c_int, c_int64_t, c_ptr, c_size_t
+    function c_send(field, time_step, data, count, dtype) bind(C, name="melissa_dl_send_fortran") result(status)
+      import :: c_char, c_int, c_int64_t, c_ptr
       character(kind=c_char), intent(in) :: field(*)
-      integer(c_int64_t), value :: time_step
+      integer(c_int64_t), value :: time_step, count
       type(c_ptr), value :: data
-      integer(c_size_t), value :: count
-      integer(c_int) :: status
-    end function
-
-    function c_send_double(field, time_step, data, count) bind(C, name="melissa_dl_send_double") result(status)
-      import :: c_char, c_int, c_int64_t, c_ptr, c_size_t
-      character(kind=c_char), intent(in) :: field(*)
-      integer(c_int64_t), value :: time_step
-      type(c_ptr), value :: data
-      integer(c_size_t), value :: count
+      integer(c_int), value :: dtype
       integer(c_int) :: status
     end function
 
@@ -184,14 +175,16 @@ contains
     character(*), intent(in) :: field
     integer, intent(in) :: time_step
     real(c_float), intent(in), target, contiguous :: data(..)
-    status = c_send_float(c_string(field), int(time_step, c_int64_t), c_loc(data), int(size(data), c_size_t))
+    status = c_send(c_string(field), int(time_step, c_int64_t), c_loc(data), int(size(data), c_int64_t), &
+                    MELISSA_DL_FLOAT32)
   end function
 
   integer function send_real64(field, time_step, data) result(status)
     character(*), intent(in) :: field
     integer, intent(in) :: time_step
     real(c_double), intent(in), target, contiguous :: data(..)
-    status = c_send_double(c_string(field), int(time_step, c_int64_t), c_loc(data), int(size(data), c_size_t))
+    status = c_send(c_string(field), int(time_step, c_int64_t), c_loc(data), int(size(data), c_int64_t), &
+                    MELISSA_DL_FLOAT64)
   end function
 
   ! Announce the steps sent, flush and close.

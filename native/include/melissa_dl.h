@@ -100,9 +100,11 @@ MELISSA_DL_API int melissa_dl_finalize(void);
  * leave it unchanged. */
 MELISSA_DL_API const char *melissa_dl_error_message(void);
 
-/* melissa_dl_init for the Fortran module: comm is a Fortran handle, and a
- * negative count (a Fortran integer) is refused. */
+/* For the Fortran module: melissa_dl_init with a Fortran communicator handle
+ * (a negative count is refused), and the send of either dtype. */
 MELISSA_DL_API int melissa_dl_init_fortran(const char *field, int dtype, int64_t local_count, MPI_Fint comm);
+MELISSA_DL_API int melissa_dl_send_fortran(const char *field, int64_t time_step, const void *data, int64_t count,
+                                           int dtype);
 
 #ifdef __cplusplus
 }

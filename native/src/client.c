@@ -54,7 +54,7 @@ typedef struct {
 #define EMPTY_SLOT UINT64_MAX
 
 typedef struct {
-    uint32_t simulation_id, attempt;
+    uint32_t simulation_id;
     char *endpoint;
     char *token;
     uint8_t key[KEY_BYTES];
@@ -175,16 +175,9 @@ static int env_number(const char *name, double fallback, double low, double high
     *out = value.number;
     mdl_json_free(&value);
     if (!ok)
-        return fail(MELISSA_DL_ERR_ENVIRONMENT, "%s='%s' is not %s in [%g, %g]", name, text,
+        return fail(MELISSA_DL_ERR_ENVIRONMENT, "%s='%s' is not %s in [%.15g, %.15g]", name, text,
                     integer ? "an integer" : "a number", low, high);
     return MELISSA_DL_OK;
-}
-
-static int hex_value(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
 }
 
 /* The frames' key: HMAC-SHA256(token bytes, simulation id as 4 bytes LE)[:8]. */
@@ -195,9 +188,10 @@ static int make_key(const char *token, uint32_t simulation_id, uint8_t key[KEY_B
         return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     bool ok = strlen(token) % 2 == 0;
     for (size_t i = 0; ok && i < n; i++) {
-        int high = hex_value(token[2 * i]), low = hex_value(token[2 * i + 1]);
+        int high = mdl_hex_digit(token[2 * i]), low = mdl_hex_digit(token[2 * i + 1]);
         ok = high >= 0 && low >= 0;
-        secret[i] = (uint8_t)(high << 4 | low);
+        if (ok)
+            secret[i] = (uint8_t)(high << 4 | low);
     }
     uint8_t message[4] = {(uint8_t)simulation_id, (uint8_t)(simulation_id >> 8), (uint8_t)(simulation_id >> 16),
                           (uint8_t)(simulation_id >> 24)};
@@ -241,7 +235,6 @@ static int read_environment(environment *env) {
     if (code != MELISSA_DL_OK)
         return code;
     env->simulation_id = (uint32_t)simulation_id;
-    env->attempt = (uint32_t)attempt;
     env->endpoint = strdup(endpoint);
     env->token = strdup(token);
     if (env->endpoint == NULL || env->token == NULL) {
@@ -638,6 +631,13 @@ int melissa_dl_send_float(const char *name, int64_t time_step, const float *data
 
 int melissa_dl_send_double(const char *name, int64_t time_step, const double *data, size_t count) {
     return send_field(name, time_step, data, count, MELISSA_DL_FLOAT64);
+}
+
+int melissa_dl_send_fortran(const char *name, int64_t time_step, const void *data, int64_t count, int dtype) {
+    if (dtype != MELISSA_DL_FLOAT32 && dtype != MELISSA_DL_FLOAT64)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "send: dtype %d is neither MELISSA_DL_FLOAT32 (0) nor MELISSA_DL_FLOAT64 (1)",
+                    dtype);
+    return send_field(name, time_step, data, (size_t)count, dtype);
 }
 
 int melissa_dl_finalize(void) {

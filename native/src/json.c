@@ -1,4 +1,4 @@
-/* A small recursive-descent JSON parser (RFC 8259) and string escaper.
+/* A small recursive-descent JSON parser (RFC 8259).
  *
  * Numbers are read in the C locale whatever the simulation set with
  * setlocale, so that "0.5" never becomes 0 under a decimal-comma locale.
@@ -35,7 +35,7 @@ static bool literal(parser *p, const char *word) {
     return true;
 }
 
-static int hex_digit(char c) {
+int mdl_hex_digit(char c) {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
@@ -47,7 +47,7 @@ static bool read_hex4(parser *p, uint32_t *code) {
         return false;
     *code = 0;
     for (int i = 0; i < 4; i++) {
-        int d = hex_digit(*p->at++);
+        int d = mdl_hex_digit(*p->at++);
         if (d < 0)
             return false;
         *code = *code << 4 | (uint32_t)d;
@@ -264,31 +264,4 @@ const json_value *mdl_json_get(const json_value *object, const char *key) {
         if (strcmp(object->keys[i], key) == 0)
             return &object->items[i];
     return NULL;
-}
-
-bool mdl_json_append_string(char *out, size_t capacity, size_t *used, const char *text) {
-    size_t n = *used;
-    if (n + 1 >= capacity)
-        return false;
-    out[n++] = '"';
-    for (const unsigned char *c = (const unsigned char *)text; *c != '\0'; c++) {
-        char escaped[8];
-        int size;
-        if (*c == '"' || *c == '\\')
-            size = snprintf(escaped, sizeof escaped, "\\%c", *c);
-        else if (*c < 0x20)
-            size = snprintf(escaped, sizeof escaped, "\\u%04x", *c);
-        else
-            size = snprintf(escaped, sizeof escaped, "%c", *c);
-        if (n + (size_t)size + 1 >= capacity)
-            return false;
-        memcpy(out + n, escaped, (size_t)size);
-        n += (size_t)size;
-    }
-    if (n + 2 > capacity)
-        return false;
-    out[n++] = '"';
-    out[n] = '\0';
-    *used = n;
-    return true;
 }

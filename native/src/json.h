@@ -1,5 +1,5 @@
 /* The little JSON the client needs: parse the handshake reply and
- * MELISSA_PARAMETERS into a tree, and escape strings it writes. */
+ * MELISSA_PARAMETERS (and number variables) into a tree. */
 #ifndef MELISSA_DL_JSON_H
 #define MELISSA_DL_JSON_H
 
@@ -22,10 +22,9 @@ typedef struct json_value {
  * it is not one well-formed JSON value or memory ran out. */
 bool mdl_json_parse(const char *text, size_t size, json_value *out);
 void mdl_json_free(json_value *value);
+/* The value of a hexadecimal digit, or -1. */
+int mdl_hex_digit(char c);
 /* The member ``key`` of an object, or NULL. */
 const json_value *mdl_json_get(const json_value *object, const char *key);
-/* Append ``text`` as a quoted JSON string to ``out`` (of ``capacity`` bytes,
- * NUL-terminated, ``*used`` bytes filled); false if it does not fit. */
-bool mdl_json_append_string(char *out, size_t capacity, size_t *used, const char *text);
 
 #endif

@@ -88,24 +88,26 @@ void mdl_sha256(const uint8_t *data, size_t size, uint8_t digest[SHA256_BYTES]) 
     sha256_final(&ctx, digest);
 }
 
+/* SHA-256 of the key block XOR ``pad`` followed by the message: one half of HMAC. */
+static void padded_hash(const uint8_t block_key[64], uint8_t pad, const uint8_t *message, size_t size,
+                        uint8_t digest[SHA256_BYTES]) {
+    uint8_t padded[64];
+    for (int i = 0; i < 64; i++)
+        padded[i] = block_key[i] ^ pad;
+    sha256_ctx ctx;
+    sha256_init(&ctx);
+    sha256_update(&ctx, padded, sizeof padded);
+    sha256_update(&ctx, message, size);
+    sha256_final(&ctx, digest);
+}
+
 void mdl_hmac_sha256(const uint8_t *key, size_t key_size, const uint8_t *message, size_t message_size,
                      uint8_t mac[SHA256_BYTES]) {
-    uint8_t block_key[64] = {0}, pad[64], inner[SHA256_BYTES];
+    uint8_t block_key[64] = {0}, inner[SHA256_BYTES];
     if (key_size > 64)
         mdl_sha256(key, key_size, block_key);
     else
         memcpy(block_key, key, key_size);
-    sha256_ctx ctx;
-    for (int i = 0; i < 64; i++)
-        pad[i] = block_key[i] ^ 0x36;
-    sha256_init(&ctx);
-    sha256_update(&ctx, pad, 64);
-    sha256_update(&ctx, message, message_size);
-    sha256_final(&ctx, inner);
-    for (int i = 0; i < 64; i++)
-        pad[i] = block_key[i] ^ 0x5c;
-    sha256_init(&ctx);
-    sha256_update(&ctx, pad, 64);
-    sha256_update(&ctx, inner, SHA256_BYTES);
-    sha256_final(&ctx, mac);
+    padded_hash(block_key, 0x36, message, message_size, inner);
+    padded_hash(block_key, 0x5c, inner, sizeof inner, mac);
 }
