@@ -1,7 +1,8 @@
 /* A C simulation for the integration tests, linked statically to libmelissa_dl.
  *
- * Streams --steps steps of the float32 field "field", --count elements per
- * rank, of value 1000 s + t + rank / 2 (as toy_sim.py does). With --errors,
+ * Streams --steps steps of the float32 field "field" (or --field NAME),
+ * --count elements per rank, of value 1000 s + t + rank / 2 (as toy_sim.py
+ * does). With --errors,
  * the first attempt of simulation 0 first makes every mistake a C user can
  * make, and prints for each "<case>: <code> <message>", then behaves.
  */
@@ -12,6 +13,7 @@
 #include <melissa_dl.h>
 
 static int steps = 10, count = 32;
+static const char *field_name = "field";
 
 static void report(const char *name, int status) {
     printf("%s: %d %s\n", name, status, status == MELISSA_DL_OK ? "" : melissa_dl_error_message());
@@ -72,10 +74,12 @@ int main(int argc, char **argv) {
             steps = atoi(argv[++i]);
         else if (strcmp(argv[i], "--count") == 0 && i + 1 < argc)
             count = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--field") == 0 && i + 1 < argc)
+            field_name = argv[++i];
         else if (strcmp(argv[i], "--errors") == 0)
             errors = 1;
         else {
-            fprintf(stderr, "usage: %s [--steps N] [--count N] [--errors]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--steps N] [--count N] [--field NAME] [--errors]\n", argv[0]);
             return 2;
         }
     }
@@ -88,13 +92,13 @@ int main(int argc, char **argv) {
     if (mistakes)
         handshake_mistakes(data);
     if (status == MELISSA_DL_OK)
-        status = melissa_dl_init("field", MELISSA_DL_FLOAT32, (size_t)count, MPI_COMM_WORLD);
+        status = melissa_dl_init(field_name, MELISSA_DL_FLOAT32, (size_t)count, MPI_COMM_WORLD);
     if (mistakes)
         send_mistakes(data);
     for (int t = 0; status == MELISSA_DL_OK && t < steps; t++) {
         for (int i = 0; i < count; i++)
             data[i] = (float)(simulation * 1000 + t + rank * 0.5);
-        status = melissa_dl_send_float("field", t, data, (size_t)count);
+        status = melissa_dl_send_float(field_name, t, data, (size_t)count);
         if (mistakes && t == 0)
             report("init after the first send", melissa_dl_init("late", MELISSA_DL_FLOAT32, 1, MPI_COMM_WORLD));
     }

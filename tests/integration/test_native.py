@@ -1,9 +1,11 @@
 """The C library, its Fortran module and the C and Fortran heat solvers, built from source by `make native`."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import runpy
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -142,33 +144,53 @@ def receive_until_finalize(sockets: list[zmq.Socket]) -> list[list[list[bytes]]]
     return received
 
 
-@pytest.mark.parametrize("token_bytes, bind", [(32, False), (120, True)])
-def test_the_c_client_sends_the_python_clients_bytes(native: Path, token_bytes: int, bind: bool) -> None:
-    token = bytes((7 * i + 3) % 256 for i in range(token_bytes))  # a key longer than SHA-256's block, too
+@contextlib.contextmanager
+def data_sockets(token: bytes, bind: bool) -> Iterator[tuple[dict[str, str], list[zmq.Socket]]]:
+    """A handshake service for simulation 3 of a study with the field "field", and two bare PULL sockets
+    standing for two server ranks; yields the client's environment and the sockets."""
     sockets = [zmq.Context.instance().socket(zmq.PULL) for _ in range(2)]
     endpoints = [f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}" for socket in sockets]
     handshake = HandshakeServer(token=token, fields=["field"], simulations=4, endpoints=endpoints,
                                 bind_simulation=bind, max_message_bytes=1 << 20, bind_address="127.0.0.1")
     handshake.expect(3, True)
-    environ = {"MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}", "MELISSA_TOKEN": token.hex(),
-               "MELISSA_SIMULATION_ID": "3", "MELISSA_PARAMETERS": "[0.5]", "MELISSA_CLIENT_TIMEOUT": "10"}
     try:
-        done = subprocess.run([str(native / "c_client"), "--steps", "5", "--count", "6"],
-                              env={**clean_environment(), **environ}, capture_output=True, text=True, timeout=60)
+        yield {"MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}", "MELISSA_TOKEN": token.hex(),
+               "MELISSA_SIMULATION_ID": "3", "MELISSA_PARAMETERS": "[0.5]", "MELISSA_CLIENT_TIMEOUT": "10"}, sockets
+    finally:
+        handshake.stop()
+        for socket in sockets:
+            socket.close(linger=0)
+
+
+def run_c_client(native: Path, environ: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(native / "c_client"), *args], env={**clean_environment(), **environ},
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("token_bytes, bind", [(32, False), (120, True)])
+def test_the_c_client_sends_the_python_clients_bytes(native: Path, token_bytes: int, bind: bool) -> None:
+    token = bytes((7 * i + 3) % 256 for i in range(token_bytes))  # a key longer than SHA-256's block, too
+    with data_sockets(token, bind) as (environ, sockets):
+        done = run_c_client(native, environ, "--steps", "5", "--count", "6")
         assert done.returncode == 0, done.stdout + done.stderr
         from_c = receive_until_finalize(sockets)
         with Client({"field": ("float32", (6,))}, environ=environ) as client:
             for t in range(5):
                 client.send("field", t, np.full(6, 3000 + t, np.float32))
         from_python = receive_until_finalize(sockets)
-    finally:
-        handshake.stop()
-        for socket in sockets:
-            socket.close(linger=0)
     assert from_c == from_python
     kinds = [[unpack_header(message[0]).kind for message in messages] for messages in from_c]
     steps = [2, 3] if not bind else [0, 5]  # step t goes to rank (3 + t) mod 2, or every step to rank 3 mod 2
     assert kinds == [[Kind.DECLARE, *[Kind.DATA] * n, Kind.FINALIZE] for n in steps]
+
+
+def test_names_are_escaped_in_json_both_ways(native: Path) -> None:
+    name = 'ta"g\\ é 😀'  # sent in the hello, echoed back by the refusal as \" \\ \u00e9 and a surrogate pair
+    with data_sockets(b"secret", bind=False) as (environ, _):
+        done = run_c_client(native, environ, "--field", name)
+    assert done.returncode == 1
+    assert done.stderr == (f"c_client: melissa_dl error 7: simulation 3: handshake: simulation 3: unknown field "
+                           f"'{name}' (study has ['field'])\n")
 
 
 def test_the_c_client_links_the_static_library_and_the_solvers_the_shared_one(native: Path) -> None:
