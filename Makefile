@@ -7,8 +7,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 RANKS ?= 2
+SOLVER ?= python
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test install install-test native clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,13 +28,37 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
-demo: install
-	$(BIN)/mpirun -n $(RANKS) $(BIN)/melissa-server --fresh examples/heat_pde/config.json
+# SOLVER=c or SOLVER=fortran: the same study with the C or Fortran heat solver (2 ranks each)
+demo: install $(if $(filter-out python,$(SOLVER)),native)
+	$(BIN)/mpirun -n $(RANKS) $(BIN)/melissa-server --fresh examples/heat_pde/config$(if $(filter-out python,$(SOLVER)),_$(SOLVER)).json
 
 test: install-test
 	$(BIN)/python -m pytest tests/unit tests/integration
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
 
+# C and Fortran: the client library (native/) installed into $(NATIVE), and the
+# programs linked to it in $(NATIVE)/bin: the heat example's C and Fortran
+# solvers, the tests' Fortran client and the ingest bench's C client (through
+# pkg-config, as a user builds) and the tests' C client (statically). Debian's
+# MPICH (libmpich-dev): the mpich wheel has no Fortran bindings, and its mpirun
+# launches these programs (README, "C and Fortran").
+NATIVE ?= build/native
+MPICC ?= mpicc.mpich
+MPIFC ?= mpifort.mpich
+NATIVE_DIR = $(abspath $(NATIVE))
+NATIVE_PC = PKG_CONFIG_PATH=$(NATIVE_DIR)/lib/pkgconfig pkg-config
+
+native:
+	$(MAKE) -C native install BUILD=$(NATIVE_DIR)/build PREFIX=$(NATIVE_DIR) MPICC=$(MPICC) MPIFC=$(MPIFC)
+	mkdir -p $(NATIVE_DIR)/bin
+	PKG_CONFIG_PATH=$(NATIVE_DIR)/lib/pkgconfig $(MAKE) -C examples/heat_pde BIN=$(NATIVE_DIR)/bin MPICC=$(MPICC) MPIFC=$(MPIFC)
+	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/c_client tests/integration/c_client.c $$($(NATIVE_PC) --cflags melissa_dl) \
+		$(NATIVE_DIR)/lib/libmelissa_dl.a $$($(NATIVE_PC) --libs libzmq) -lm
+	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/f_client tests/integration/f_client.f90 \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
+	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/ingest_client bench/ingest_client.c \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
+
 clean:
-	rm -rf $(VENV) examples/*/output
+	rm -rf $(VENV) build examples/*/output

@@ -1,12 +1,14 @@
 """Ingest throughput of one server rank against raw pyzmq PUSH/PULL (DESIGN.md §11).
 
-Both sides move the same bytes in the same run: ``--clients`` processes each
+All sides move the same bytes in the same run: ``--clients`` processes each
 send ``--steps`` messages of ``--mib`` MiB of float32. The baseline is a bare
 PULL socket receiving them (zero-copy) and dropping them, with the same
 high-water marks as the server's sockets. The server side is
 the real path: handshake, ``melissa_dl.client.Client.send``, the receiver
 thread (header checks, credentials, non-finite check, assembly), the FIFO
-buffer and a consumer thread draining it. Throughput is bytes over the time
+buffer and a consumer thread draining it. The C-client side is the same
+server fed by ``bench/ingest_client.c`` through ``libmelissa_dl`` (built by
+``make native``, which this script runs). Throughput is bytes over the time
 from the first message received to the last one consumed; the median of
 ``--repeat`` runs of each is reported.
 
@@ -18,7 +20,9 @@ import argparse
 import multiprocessing as mp
 import secrets
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -32,6 +36,8 @@ from melissa_dl.receiver import Receiver
 
 TIMEOUT = 60
 SEND_QUEUE, RECEIVE_QUEUE = 8, 64  # messages queued per connection, the same on both sides
+ROOT = Path(__file__).resolve().parent.parent
+C_CLIENT = ROOT / "build" / "native" / "bin" / "ingest_client"
 
 
 def raw_sender(go: Any, endpoint: str, steps: int, nbytes: int) -> None:
@@ -71,6 +77,24 @@ class Senders:
             assert p.exitcode == 0, f"a sender ended with {p.exitcode}"
 
 
+class CSenders:
+    """``ingest_client`` processes that connect, say "ready", then all send at once when told to."""
+
+    def __init__(self, environs: list[dict[str, str]], steps: int, nbytes: int) -> None:
+        self._processes = [subprocess.Popen([str(C_CLIENT), str(steps), str(nbytes // 4)], env=env, text=True,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE) for env in environs]
+        for p in self._processes:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n", "a C sender did not start"
+        for p in self._processes:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.close()
+
+    def join(self) -> None:
+        for p in self._processes:
+            assert p.wait(TIMEOUT) == 0, f"a C sender ended with {p.returncode}"
+
+
 def raw_throughput(clients: int, steps: int, nbytes: int) -> float:
     socket = zmq.Context.instance().socket(zmq.PULL)
     socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
@@ -87,7 +111,7 @@ def raw_throughput(clients: int, steps: int, nbytes: int) -> float:
     return (clients * steps - 1) * nbytes / elapsed
 
 
-def server_throughput(clients: int, steps: int, nbytes: int) -> float:
+def server_throughput(clients: int, steps: int, nbytes: int, c_client: bool) -> float:
     token = secrets.token_bytes(32)
     spec = StreamSpec(["field"], np.zeros((clients, 1)), token, server_rank=0, server_size=1,
                       max_message_bytes=nbytes)
@@ -103,7 +127,10 @@ def server_throughput(clients: int, steps: int, nbytes: int) -> float:
     environs = [{"MELISSA_SERVER": endpoint, "MELISSA_TOKEN": token.hex(), "MELISSA_SIMULATION_ID": str(sim),
                  "MELISSA_PARAMETERS": "[0.0]", "MELISSA_SEND_QUEUE_BYTES": str(SEND_QUEUE * nbytes)}
                 for sim in range(clients)]
-    senders = Senders(client_sender, [(env, steps, nbytes) for env in environs])
+    if c_client:
+        senders: Senders | CSenders = CSenders(environs, steps, nbytes)
+    else:
+        senders = Senders(client_sender, [(env, steps, nbytes) for env in environs])
 
     def take(size: int) -> int:
         batch = buffer.get_batch(size, timeout=TIMEOUT)
@@ -129,14 +156,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     nbytes = int(args.mib * (1 << 20))
-    raw, served = [], []
-    for _ in range(args.repeat):  # interleaved so that drifts of the machine hit both sides
+    subprocess.run(["make", "-s", "-C", str(ROOT), "native"], check=True, stdout=subprocess.DEVNULL)
+    raw, served, served_c = [], [], []
+    for _ in range(args.repeat):  # interleaved so that drifts of the machine hit every side
         raw.append(raw_throughput(args.clients, args.steps, nbytes))
-        served.append(server_throughput(args.clients, args.steps, nbytes))
-    raw_mb, server_mb = statistics.median(raw) / 1e6, statistics.median(served) / 1e6
-    print(f"raw pyzmq: {[round(r / 1e6) for r in raw]} MB/s; server: {[round(s / 1e6) for s in served]} MB/s")
+        served.append(server_throughput(args.clients, args.steps, nbytes, c_client=False))
+        served_c.append(server_throughput(args.clients, args.steps, nbytes, c_client=True))
+    raw_mb, server_mb, c_mb = (statistics.median(runs) / 1e6 for runs in (raw, served, served_c))
+    print(f"raw pyzmq: {[round(r / 1e6) for r in raw]} MB/s; server: {[round(s / 1e6) for s in served]} MB/s; "
+          f"server from C clients: {[round(s / 1e6) for s in served_c]} MB/s")
     print(f"RESULT ingest ratio={server_mb / raw_mb:.3f} target=0.9 server={server_mb:.0f}MB/s raw_pyzmq={raw_mb:.0f}MB/s "
           f"clients={args.clients} field={args.mib:g}MiB")
+    print(f"RESULT ingest_c_client ratio={c_mb / raw_mb:.3f} target=0.9 server={c_mb:.0f}MB/s "
+          f"raw_pyzmq={raw_mb:.0f}MB/s clients={args.clients} field={args.mib:g}MiB")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+/* melissa_dl — stream the fields of an MPI simulation to a melissa_dl server.
+ *
+ * The C counterpart of the Python client (melissa_dl/client.py), speaking the
+ * same wire protocol. A simulation started by the server's launcher finds
+ * everything it needs in its environment (MELISSA_SERVER, MELISSA_TOKEN,
+ * MELISSA_SIMULATION_ID, MELISSA_ATTEMPT, MELISSA_PARAMETERS,
+ * MELISSA_CLIENT_TIMEOUT, MELISSA_SEND_QUEUE_BYTES):
+ *
+ *     double p[5]; int n;
+ *     melissa_dl_parameters(p, 5, &n);                       // this simulation's parameter set
+ *     melissa_dl_init("temperature", MELISSA_DL_FLOAT32, local_count, MPI_COMM_WORLD);
+ *     for (int t = 0; t < steps; t++)
+ *         melissa_dl_send_float("temperature", t, field, local_count);
+ *     melissa_dl_finalize();
+ *
+ * Every function returns MELISSA_DL_OK (0) or an error code below, and
+ * melissa_dl_error_message() then says what went wrong, naming the culprit;
+ * the library never exits, aborts or prints. Declare every field of the
+ * study with melissa_dl_init before the first send: the first send (or
+ * finalize) performs the handshake with the server, so its errors are the
+ * handshake's. In an MPI-parallel simulation every rank declares and sends its
+ * own slice; the server concatenates the slices in rank order (a field
+ * arrives as a 1-D array of the global element count). The library keeps one
+ * connection per process and is not thread-safe: call it from one thread.
+ */
+#ifndef MELISSA_DL_H
+#define MELISSA_DL_H
+
+#include <mpi.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MELISSA_DL_VERSION "0.1.0"      /* this header's library version */
+#define MELISSA_DL_PROTOCOL_VERSION 1   /* the wire protocol it speaks */
+
+#if defined(__GNUC__)
+#define MELISSA_DL_API __attribute__((visibility("default")))
+#else
+#define MELISSA_DL_API
+#endif
+
+/* Element types of a field (the protocol's dtype codes). */
+enum melissa_dl_dtype {
+    MELISSA_DL_FLOAT32 = 0,
+    MELISSA_DL_FLOAT64 = 1
+};
+
+/* Return codes. */
+enum melissa_dl_status {
+    MELISSA_DL_OK = 0,
+    MELISSA_DL_ERR_ENVIRONMENT = 1, /* a MELISSA_* variable is missing or malformed */
+    MELISSA_DL_ERR_ARGUMENT = 2,    /* a bad argument: NULL or empty name, unknown dtype, step out of range, ... */
+    MELISSA_DL_ERR_STATE = 3,       /* a call out of order, or after the connection failed */
+    MELISSA_DL_ERR_UNDECLARED = 4,  /* send of a field that melissa_dl_init did not declare */
+    MELISSA_DL_ERR_DTYPE = 5,       /* send of float data to a double field, or the reverse */
+    MELISSA_DL_ERR_COUNT = 6,       /* send of another element count than declared */
+    MELISSA_DL_ERR_REFUSED = 7,     /* the server refused the handshake (the message gives its reason) */
+    MELISSA_DL_ERR_UNREACHABLE = 8, /* no answer, or no progress, for MELISSA_CLIENT_TIMEOUT seconds */
+    MELISSA_DL_ERR_PROTOCOL = 9,    /* the server's answer is not what the protocol says */
+    MELISSA_DL_ERR_MPI = 10,        /* MPI is not initialised */
+    MELISSA_DL_ERR_SYSTEM = 11      /* out of memory, or a ZeroMQ failure */
+};
+
+/* The library's version ("0.1.0"); stores the protocol version in
+ * *protocol_version unless it is NULL. */
+MELISSA_DL_API const char *melissa_dl_version(int *protocol_version);
+
+/* This simulation's id and attempt (0 on its first launch); either pointer may be NULL. */
+MELISSA_DL_API int melissa_dl_simulation(int *simulation_id, int *attempt);
+
+/* This simulation's parameter set: stores their number in *count and, unless
+ * values is NULL, the parameters in values[0 .. *count - 1]
+ * (MELISSA_DL_ERR_ARGUMENT if capacity < *count). */
+MELISSA_DL_API int melissa_dl_parameters(double *values, int capacity, int *count);
+
+/* Declare a field: its name in the study, its dtype and the number of
+ * elements this rank sends per step. All fields share one communicator
+ * (the same rank and size); comm is only asked for its rank and size. */
+MELISSA_DL_API int melissa_dl_init(const char *field, int dtype, size_t local_count, MPI_Comm comm);
+
+/* Send this rank's slice of a field at a time step (an integer in
+ * [0, 2^32), e.g. 0, 1, 2, ...). The data is copied into ZeroMQ's queue, so
+ * the caller may overwrite it at once; the call blocks while the server is
+ * full and fails with MELISSA_DL_ERR_UNREACHABLE after MELISSA_CLIENT_TIMEOUT
+ * seconds without progress. count must be the declared local count. */
+MELISSA_DL_API int melissa_dl_send_float(const char *field, int64_t time_step, const float *data, size_t count);
+MELISSA_DL_API int melissa_dl_send_double(const char *field, int64_t time_step, const double *data, size_t count);
+
+/* Tell each server rank how many steps it should hold, wait (at most
+ * MELISSA_CLIENT_TIMEOUT seconds) until every queued frame has left, and
+ * release everything: melissa_dl_init may then start again. A simulation that
+ * ends without a successful finalize is relaunched by the server. */
+MELISSA_DL_API int melissa_dl_finalize(void);
+
+/* What the last failing call said ("" before any failure); successful calls
+ * leave it unchanged. */
+MELISSA_DL_API const char *melissa_dl_error_message(void);
+
+/* For the Fortran module: melissa_dl_init with a Fortran communicator handle
+ * (a negative count is refused), and the send of either dtype. */
+MELISSA_DL_API int melissa_dl_init_fortran(const char *field, int dtype, int64_t local_count, MPI_Fint comm);
+MELISSA_DL_API int melissa_dl_send_fortran(const char *field, int64_t time_step, const void *data, int64_t count,
+                                           int dtype);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

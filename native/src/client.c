@@ -1,0 +1,680 @@
+/* The C client: the wire protocol of melissa_dl/protocol.py, the behaviour of
+ * melissa_dl/client.py (see melissa_dl.h for the API).
+ *
+ * One process holds one connection, a state machine of four phases:
+ * EMPTY (nothing declared) -> DECLARED (melissa_dl_init) -> CONNECTED (the
+ * first send or finalize did the handshake and declared the fields to every
+ * server rank) -> EMPTY again after finalize. A failed handshake or a send
+ * that timed out leaves it BROKEN: further sends are refused until finalize
+ * releases everything. Mistakes of the caller (unknown field, wrong dtype or
+ * count) change nothing, as in Python.
+ *
+ * Frames are built by hand, little-endian, field by field: the 63-byte header
+ * is struct ``<4sHBB8sIIHHHB6IQ`` of protocol.py. ZeroMQ copies the payload
+ * (zmq_send), so the caller may reuse its array at once.
+ */
+#define _GNU_SOURCE /* clock_gettime */
+#include "melissa_dl.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "json.h"
+#include "sha256.h"
+
+enum { HEADER_BYTES = 63, KEY_BYTES = 8, MAX_NDIM = 6, DTYPE_UINT8 = 7, MESSAGE_BYTES = 1024 };
+enum { KIND_DATA = 1, KIND_DECLARE = 2, KIND_FINALIZE = 3 };
+
+static const char *const DTYPE_NAMES[] = {"float32", "float64"};
+static const size_t ITEM_BYTES[] = {4, 8};
+
+typedef enum { EMPTY, DECLARED, CONNECTED, BROKEN } phase;
+
+typedef struct {
+    char *name;
+    int dtype;
+    size_t count;
+    uint16_t id; /* its index in the study's fields, from the handshake */
+} field;
+
+/* The distinct time steps sent, an open-addressing hash set (FINALIZE
+ * announces, per server rank, how many distinct steps it was sent). */
+typedef struct {
+    uint64_t *slots; /* EMPTY_SLOT or a step */
+    size_t capacity, size;
+} step_set;
+
+#define EMPTY_SLOT UINT64_MAX
+
+typedef struct {
+    uint32_t simulation_id;
+    char *endpoint;
+    char *token;
+    uint8_t key[KEY_BYTES];
+    double timeout;
+    double queue_bytes;
+} environment;
+
+static struct {
+    phase phase;
+    environment env;
+    int rank, size;
+    field *fields;
+    size_t nfields;
+    void *context;
+    void **sockets; /* one PUSH socket per server rank */
+    size_t nsockets;
+    bool bind_simulation;
+    step_set steps;
+    char broken[MESSAGE_BYTES]; /* why the connection failed, while BROKEN */
+} client;
+
+static char last_message[MESSAGE_BYTES];
+
+static int fail(int code, const char *format, ...) __attribute__((format(printf, 2, 3)));
+
+static int fail(int code, const char *format, ...) {
+    va_list args;
+    va_start(args, format);
+    vsnprintf(last_message, sizeof last_message, format, args);
+    va_end(args);
+    return code;
+}
+
+/* -- growable strings ---------------------------------------------------- */
+
+typedef struct {
+    char *data;
+    size_t size, capacity;
+    bool failed; /* out of memory: the text is incomplete */
+} strbuf;
+
+static void sb_printf(strbuf *sb, const char *format, ...) __attribute__((format(printf, 2, 3)));
+
+static void sb_printf(strbuf *sb, const char *format, ...) {
+    for (;;) {
+        va_list args;
+        va_start(args, format);
+        size_t room = sb->capacity - sb->size;
+        int n = sb->failed ? -1 : vsnprintf(sb->data ? sb->data + sb->size : NULL, room, format, args);
+        va_end(args);
+        if (n < 0) {
+            sb->failed = true;
+            return;
+        }
+        if ((size_t)n < room) {
+            sb->size += (size_t)n;
+            return;
+        }
+        size_t capacity = 2 * (sb->size + (size_t)n + 1);
+        char *data = realloc(sb->data, capacity);
+        if (data == NULL) {
+            sb->failed = true;
+            return;
+        }
+        sb->data = data;
+        sb->capacity = capacity;
+    }
+}
+
+static void sb_json_string(strbuf *sb, const char *text) {
+    sb_printf(sb, "\"");
+    for (const unsigned char *c = (const unsigned char *)text; *c != '\0'; c++) {
+        if (*c == '"' || *c == '\\')
+            sb_printf(sb, "\\%c", *c);
+        else if (*c < 0x20)
+            sb_printf(sb, "\\u%04x", *c);
+        else
+            sb_printf(sb, "%c", *c);
+    }
+    sb_printf(sb, "\"");
+}
+
+/* {"name":["float32",[count]],...} */
+static void sb_fields(strbuf *sb) {
+    sb_printf(sb, "{");
+    for (size_t i = 0; i < client.nfields; i++) {
+        sb_printf(sb, i ? "," : "");
+        sb_json_string(sb, client.fields[i].name);
+        sb_printf(sb, ":[\"%s\",[%zu]]", DTYPE_NAMES[client.fields[i].dtype], client.fields[i].count);
+    }
+    sb_printf(sb, "}");
+}
+
+/* -- the environment ----------------------------------------------------- */
+
+static int require(const char *name, const char **value) {
+    *value = getenv(name);
+    if (*value == NULL)
+        return fail(MELISSA_DL_ERR_ENVIRONMENT, "%s is not set: start this simulation through melissa-server's launcher",
+                    name);
+    return MELISSA_DL_OK;
+}
+
+/* A number variable, read as JSON (so in the C locale), within [low, high];
+ * ``fallback`` when unset, or required if ``fallback`` is NAN. */
+static int env_number(const char *name, double fallback, double low, double high, bool integer, double *out) {
+    const char *text = getenv(name);
+    if (text == NULL) {
+        if (isnan(fallback))
+            return require(name, &text);
+        *out = fallback;
+        return MELISSA_DL_OK;
+    }
+    json_value value;
+    bool ok = mdl_json_parse(text, strlen(text), &value);
+    ok = ok && value.type == JSON_NUMBER && value.number >= low && value.number <= high &&
+         (!integer || value.number == floor(value.number));
+    *out = value.number;
+    mdl_json_free(&value);
+    if (!ok)
+        return fail(MELISSA_DL_ERR_ENVIRONMENT, "%s='%s' is not %s in [%.15g, %.15g]", name, text,
+                    integer ? "an integer" : "a number", low, high);
+    return MELISSA_DL_OK;
+}
+
+/* The frames' key: HMAC-SHA256(token bytes, simulation id as 4 bytes LE)[:8]. */
+static int make_key(const char *token, uint32_t simulation_id, uint8_t key[KEY_BYTES]) {
+    size_t n = strlen(token) / 2;
+    uint8_t *secret = malloc(n + 1);
+    if (secret == NULL)
+        return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    bool ok = strlen(token) % 2 == 0;
+    for (size_t i = 0; ok && i < n; i++) {
+        int high = mdl_hex_digit(token[2 * i]), low = mdl_hex_digit(token[2 * i + 1]);
+        ok = high >= 0 && low >= 0;
+        if (ok)
+            secret[i] = (uint8_t)(high << 4 | low);
+    }
+    uint8_t message[4] = {(uint8_t)simulation_id, (uint8_t)(simulation_id >> 8), (uint8_t)(simulation_id >> 16),
+                          (uint8_t)(simulation_id >> 24)};
+    uint8_t mac[SHA256_BYTES];
+    if (ok)
+        mdl_hmac_sha256(secret, n, message, sizeof message, mac);
+    free(secret);
+    if (!ok)
+        return fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_TOKEN is not a hexadecimal string");
+    memcpy(key, mac, KEY_BYTES);
+    return MELISSA_DL_OK;
+}
+
+static void free_environment(environment *env) {
+    free(env->endpoint);
+    free(env->token);
+    memset(env, 0, sizeof *env);
+}
+
+static int simulation_ids(double *simulation_id, double *attempt) {
+    int code = env_number("MELISSA_SIMULATION_ID", NAN, 0, INT32_MAX, true, simulation_id);
+    if (code == MELISSA_DL_OK)
+        code = env_number("MELISSA_ATTEMPT", 0, 0, INT32_MAX, true, attempt);
+    return code;
+}
+
+static int read_environment(environment *env) {
+    double simulation_id, attempt;
+    const char *endpoint, *token;
+    int code = simulation_ids(&simulation_id, &attempt);
+    if (code == MELISSA_DL_OK)
+        code = env_number("MELISSA_CLIENT_TIMEOUT", 300, 1e-3, 1e6, false, &env->timeout);
+    if (code == MELISSA_DL_OK)
+        code = env_number("MELISSA_SEND_QUEUE_BYTES", 64 << 20, 1, 1e18, true, &env->queue_bytes);
+    if (code == MELISSA_DL_OK)
+        code = require("MELISSA_SERVER", &endpoint);
+    if (code == MELISSA_DL_OK)
+        code = require("MELISSA_TOKEN", &token);
+    if (code == MELISSA_DL_OK)
+        code = make_key(token, (uint32_t)simulation_id, env->key);
+    if (code != MELISSA_DL_OK)
+        return code;
+    env->simulation_id = (uint32_t)simulation_id;
+    env->endpoint = strdup(endpoint);
+    env->token = strdup(token);
+    if (env->endpoint == NULL || env->token == NULL) {
+        free_environment(env);
+        return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    }
+    return MELISSA_DL_OK;
+}
+
+/* -- the set of steps ---------------------------------------------------- */
+
+static bool steps_add(step_set *set, uint32_t step) {
+    if (2 * (set->size + 1) > set->capacity) { /* at most half full: short probes */
+        size_t capacity = set->capacity ? 2 * set->capacity : 64;
+        step_set bigger = {.slots = malloc(sizeof(uint64_t) * capacity), .capacity = capacity, .size = 0};
+        if (bigger.slots == NULL)
+            return false;
+        for (size_t i = 0; i < bigger.capacity; i++)
+            bigger.slots[i] = EMPTY_SLOT;
+        for (size_t i = 0; i < set->capacity; i++)
+            if (set->slots[i] != EMPTY_SLOT)
+                steps_add(&bigger, (uint32_t)set->slots[i]);
+        free(set->slots);
+        *set = bigger;
+    }
+    size_t i = (step * (size_t)2654435761u) & (set->capacity - 1);
+    while (set->slots[i] != EMPTY_SLOT && set->slots[i] != step)
+        i = (i + 1) & (set->capacity - 1);
+    if (set->slots[i] == EMPTY_SLOT) {
+        set->slots[i] = step;
+        set->size++;
+    }
+    return true;
+}
+
+/* -- frames -------------------------------------------------------------- */
+
+static size_t owner_rank(uint32_t time_step) {
+    uint64_t order = client.bind_simulation ? client.env.simulation_id
+                                            : (uint64_t)client.env.simulation_id + time_step;
+    return (size_t)(order % client.nsockets);
+}
+
+static uint8_t *put(uint8_t *at, uint64_t value, int bytes) {
+    for (int i = 0; i < bytes; i++)
+        *at++ = (uint8_t)(value >> (8 * i));
+    return at;
+}
+
+static void pack_header(uint8_t out[HEADER_BYTES], int kind, uint32_t time_step, uint16_t field_id, int dtype,
+                        const size_t *shape, int ndim, uint64_t payload_bytes) {
+    uint8_t *at = out;
+    memcpy(at, "MLDL", 4);
+    at = put(at + 4, MELISSA_DL_PROTOCOL_VERSION, 2);
+    at = put(at, (uint64_t)kind, 1);
+    at = put(at, (uint64_t)dtype, 1);
+    memcpy(at, client.env.key, KEY_BYTES);
+    at = put(at + KEY_BYTES, client.env.simulation_id, 4);
+    at = put(at, time_step, 4);
+    at = put(at, (uint64_t)client.rank, 2);
+    at = put(at, (uint64_t)client.size, 2);
+    at = put(at, field_id, 2);
+    at = put(at, (uint64_t)ndim, 1);
+    for (int i = 0; i < MAX_NDIM; i++)
+        at = put(at, i < ndim ? shape[i] : 0, 4);
+    put(at, payload_bytes, 8);
+}
+
+/* The connection failed with ``code``: refuse further sends, saying why. */
+static int broken(int code) {
+    client.phase = BROKEN;
+    memcpy(client.broken, last_message, sizeof last_message);
+    return code;
+}
+
+/* Send a two-frame message; a full queue for the whole timeout breaks the connection. */
+static int send_message(void *socket, const uint8_t *header, const void *payload, size_t size) {
+    if (zmq_send(socket, header, HEADER_BYTES, ZMQ_SNDMORE) == HEADER_BYTES && zmq_send(socket, payload, size, 0) >= 0)
+        return MELISSA_DL_OK;
+    int error = errno;
+    int code = error == EAGAIN
+                   ? fail(MELISSA_DL_ERR_UNREACHABLE, "simulation %u: the server accepted no data for %g s",
+                          client.env.simulation_id, client.env.timeout)
+                   : fail(MELISSA_DL_ERR_SYSTEM, "simulation %u: zmq_send: %s", client.env.simulation_id,
+                          zmq_strerror(error));
+    return broken(code);
+}
+
+/* A control message (DECLARE or FINALIZE): a JSON payload, no shape. */
+static int send_control(void *socket, int kind, const strbuf *body) {
+    uint8_t header[HEADER_BYTES];
+    pack_header(header, kind, 0, 0, DTYPE_UINT8, NULL, 0, body->size);
+    return send_message(socket, header, body->data, body->size);
+}
+
+/* -- connection ---------------------------------------------------------- */
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Close the sockets (waiting ``linger`` seconds for queued frames) and the
+ * context; forget the connection and the declarations. */
+static double release(double linger) {
+    double start = now();
+    for (size_t i = 0; i < client.nsockets; i++) {
+        int ms = (int)(linger * 1000);
+        zmq_setsockopt(client.sockets[i], ZMQ_LINGER, &ms, sizeof ms);
+        zmq_close(client.sockets[i]);
+    }
+    if (client.context != NULL)
+        while (zmq_ctx_term(client.context) != 0 && errno == EINTR)
+            ;
+    double elapsed = now() - start;
+    for (size_t i = 0; i < client.nfields; i++)
+        free(client.fields[i].name);
+    free(client.fields);
+    free(client.sockets);
+    free(client.steps.slots);
+    free_environment(&client.env);
+    memset(&client, 0, sizeof client);
+    return elapsed;
+}
+
+/* The handshake's JSON request. */
+static bool hello(strbuf *sb) {
+    sb_printf(sb, "{\"protocol\":%d,\"token\":", MELISSA_DL_PROTOCOL_VERSION);
+    sb_json_string(sb, client.env.token);
+    sb_printf(sb, ",\"simulation_id\":%u,\"client_rank\":%d,\"client_size\":%d,\"fields\":", client.env.simulation_id,
+              client.rank, client.size);
+    sb_fields(sb);
+    sb_printf(sb, "}");
+    return !sb->failed;
+}
+
+/* Ask rank 0 for the data endpoints; the reply in *reply. */
+static int ask(json_value *reply) {
+    strbuf request = {0};
+    if (!hello(&request)) {
+        free(request.data);
+        return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    }
+    void *socket = zmq_socket(client.context, ZMQ_REQ);
+    int linger = 0, code = MELISSA_DL_OK;
+    if (socket == NULL)
+        code = fail(MELISSA_DL_ERR_SYSTEM, "zmq_socket: %s", zmq_strerror(errno));
+    else if (zmq_setsockopt(socket, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+             zmq_connect(socket, client.env.endpoint) != 0)
+        code = fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_SERVER='%s': %s", client.env.endpoint, zmq_strerror(errno));
+    else if (zmq_send(socket, request.data, request.size, 0) < 0)
+        code = fail(MELISSA_DL_ERR_SYSTEM, "zmq_send: %s", zmq_strerror(errno));
+    free(request.data);
+    if (code != MELISSA_DL_OK) {
+        if (socket != NULL)
+            zmq_close(socket);
+        return code;
+    }
+    zmq_pollitem_t item = {socket, 0, ZMQ_POLLIN, 0};
+    zmq_msg_t message;
+    zmq_msg_init(&message);
+    int ready = zmq_poll(&item, 1, (long)(client.env.timeout * 1000));
+    if (ready == 0)
+        code = fail(MELISSA_DL_ERR_UNREACHABLE, "no handshake answer from %s within %g s", client.env.endpoint,
+                    client.env.timeout);
+    else if (ready < 0 || zmq_msg_recv(&message, socket, 0) < 0)
+        code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", client.env.endpoint, zmq_strerror(errno));
+    else if (!mdl_json_parse(zmq_msg_data(&message), zmq_msg_size(&message), reply) || reply->type != JSON_OBJECT)
+        code = fail(MELISSA_DL_ERR_PROTOCOL, "the handshake answer of %s is not a JSON object", client.env.endpoint);
+    zmq_msg_close(&message);
+    zmq_close(socket);
+    return code;
+}
+
+/* Check an accepting reply and take the routing from it. */
+static int accept_reply(const json_value *reply) {
+    const json_value *endpoints = mdl_json_get(reply, "endpoints");
+    const json_value *fields = mdl_json_get(reply, "fields");
+    const json_value *bind = mdl_json_get(reply, "bind_simulation");
+    bool ok = endpoints && fields && bind && endpoints->type == JSON_ARRAY && endpoints->size > 0 &&
+              fields->type == JSON_ARRAY && bind->type == JSON_BOOL;
+    for (size_t i = 0; ok && i < endpoints->size; i++)
+        ok = endpoints->items[i].type == JSON_STRING;
+    for (size_t f = 0; ok && f < client.nfields; f++) {
+        ok = false;
+        for (size_t i = 0; i < fields->size && i <= UINT16_MAX; i++)
+            if (fields->items[i].type == JSON_STRING && strcmp(fields->items[i].string, client.fields[f].name) == 0) {
+                client.fields[f].id = (uint16_t)i;
+                ok = true;
+            }
+    }
+    if (!ok)
+        return fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: the handshake answer lacks endpoints, fields or routing",
+                    client.env.simulation_id);
+    client.bind_simulation = bind->boolean;
+    client.sockets = calloc(endpoints->size, sizeof *client.sockets);
+    if (client.sockets == NULL)
+        return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    double largest = 1;
+    for (size_t f = 0; f < client.nfields; f++)
+        largest = fmax(largest, (double)client.fields[f].count * (double)ITEM_BYTES[client.fields[f].dtype]);
+    int hwm = (int)fmin(fmax(2, floor(client.env.queue_bytes / largest)), INT32_MAX);
+    int timeout = (int)(client.env.timeout * 1000);
+    for (size_t i = 0; i < endpoints->size; i++) {
+        void *socket = zmq_socket(client.context, ZMQ_PUSH);
+        if (socket == NULL)
+            return fail(MELISSA_DL_ERR_SYSTEM, "zmq_socket: %s", zmq_strerror(errno));
+        client.sockets[client.nsockets++] = socket;
+        if (zmq_setsockopt(socket, ZMQ_SNDHWM, &hwm, sizeof hwm) != 0 ||
+            zmq_setsockopt(socket, ZMQ_SNDTIMEO, &timeout, sizeof timeout) != 0 ||
+            zmq_connect(socket, endpoints->items[i].string) != 0)
+            return fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: cannot connect to the data endpoint '%s': %s",
+                        client.env.simulation_id, endpoints->items[i].string, zmq_strerror(errno));
+    }
+    return MELISSA_DL_OK;
+}
+
+/* Handshake, connect to every server rank and declare the fields there. */
+static int handshake(void) {
+    json_value reply = {0};
+    client.context = zmq_ctx_new();
+    int code = client.context ? ask(&reply) : fail(MELISSA_DL_ERR_SYSTEM, "zmq_ctx_new: %s", zmq_strerror(errno));
+    if (code == MELISSA_DL_OK) {
+        const json_value *ok = mdl_json_get(&reply, "ok"), *error = mdl_json_get(&reply, "error");
+        if (ok == NULL || ok->type != JSON_BOOL || !ok->boolean)
+            code = fail(MELISSA_DL_ERR_REFUSED, "simulation %u: %s", client.env.simulation_id,
+                        error && error->type == JSON_STRING ? error->string : "refused without a reason");
+        else
+            code = accept_reply(&reply);
+    }
+    mdl_json_free(&reply);
+    if (code == MELISSA_DL_OK) {
+        client.phase = CONNECTED;
+        strbuf declaration = {0};
+        sb_printf(&declaration, "{\"fields\":");
+        sb_fields(&declaration);
+        sb_printf(&declaration, "}");
+        code = declaration.failed ? fail(MELISSA_DL_ERR_SYSTEM, "out of memory") : MELISSA_DL_OK;
+        for (size_t i = 0; code == MELISSA_DL_OK && i < client.nsockets; i++)
+            code = send_control(client.sockets[i], KIND_DECLARE, &declaration);
+        free(declaration.data);
+    }
+    return code == MELISSA_DL_OK ? code : broken(code);
+}
+
+/* -- the API ------------------------------------------------------------- */
+
+const char *melissa_dl_version(int *protocol_version) {
+    if (protocol_version != NULL)
+        *protocol_version = MELISSA_DL_PROTOCOL_VERSION;
+    return MELISSA_DL_VERSION;
+}
+
+int melissa_dl_simulation(int *simulation_id, int *attempt) {
+    double id, number;
+    int code = simulation_ids(&id, &number);
+    if (code != MELISSA_DL_OK)
+        return code;
+    if (simulation_id != NULL)
+        *simulation_id = (int)id;
+    if (attempt != NULL)
+        *attempt = (int)number;
+    return MELISSA_DL_OK;
+}
+
+int melissa_dl_parameters(double *values, int capacity, int *count) {
+    const char *text;
+    int code = require("MELISSA_PARAMETERS", &text);
+    if (code != MELISSA_DL_OK)
+        return code;
+    if (count == NULL)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_parameters: count is NULL");
+    json_value list;
+    bool ok = mdl_json_parse(text, strlen(text), &list) && list.type == JSON_ARRAY && list.size <= INT32_MAX;
+    for (size_t i = 0; ok && i < list.size; i++)
+        ok = list.items[i].type == JSON_NUMBER;
+    if (ok) {
+        *count = (int)list.size;
+        if (values != NULL && capacity < *count)
+            code = fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_parameters: %d parameters, room for %d", *count, capacity);
+        for (int i = 0; code == MELISSA_DL_OK && values != NULL && i < *count; i++)
+            values[i] = list.items[i].number;
+    }
+    mdl_json_free(&list);
+    if (!ok)
+        return fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_PARAMETERS='%s' is not a JSON list of numbers", text);
+    return code;
+}
+
+int melissa_dl_init(const char *name, int dtype, size_t local_count, MPI_Comm comm) {
+    if (name == NULL || name[0] == '\0')
+        return fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_init: the field name is NULL or empty");
+    if (dtype != MELISSA_DL_FLOAT32 && dtype != MELISSA_DL_FLOAT64)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': dtype %d is neither MELISSA_DL_FLOAT32 (0) nor "
+                    "MELISSA_DL_FLOAT64 (1)", name, dtype);
+    if (local_count > UINT32_MAX)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': %zu elements, the protocol allows at most 2^32 - 1",
+                    name, local_count);
+    if (client.phase == CONNECTED || client.phase == BROKEN)
+        return fail(MELISSA_DL_ERR_STATE, "field '%s': declare every field before the first send", name);
+    for (size_t i = 0; i < client.nfields; i++)
+        if (strcmp(client.fields[i].name, name) == 0)
+            return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s' is declared twice", name);
+    int initialized, rank, size;
+    if (MPI_Initialized(&initialized) != MPI_SUCCESS || !initialized)
+        return fail(MELISSA_DL_ERR_MPI, "field '%s': MPI is not initialised: call MPI_Init first", name);
+    if (MPI_Comm_rank(comm, &rank) != MPI_SUCCESS || MPI_Comm_size(comm, &size) != MPI_SUCCESS)
+        return fail(MELISSA_DL_ERR_MPI, "field '%s': the communicator gives no rank or size", name);
+    if (size > UINT16_MAX)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': %d client ranks, the protocol allows at most 65535", name,
+                    size);
+    if (client.phase == DECLARED && (rank != client.rank || size != client.size))
+        return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': its communicator (rank %d of %d) is not the first field's "
+                    "(rank %d of %d)", name, rank, size, client.rank, client.size);
+    field *fields = realloc(client.fields, (client.nfields + 1) * sizeof *fields);
+    char *copy = strdup(name);
+    if (fields != NULL)
+        client.fields = fields;
+    if (fields == NULL || copy == NULL) {
+        free(copy);
+        return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    }
+    if (client.phase == EMPTY) {
+        int code = read_environment(&client.env);
+        if (code != MELISSA_DL_OK) {
+            free(copy);
+            return code;
+        }
+        client.rank = rank;
+        client.size = size;
+        client.phase = DECLARED;
+    }
+    client.fields[client.nfields++] = (field){copy, dtype, local_count, 0};
+    return MELISSA_DL_OK;
+}
+
+int melissa_dl_init_fortran(const char *name, int dtype, int64_t local_count, MPI_Fint comm) {
+    if (local_count < 0)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': negative element count %lld", name ? name : "",
+                    (long long)local_count);
+    return melissa_dl_init(name, dtype, (size_t)local_count, MPI_Comm_f2c(comm));
+}
+
+static int send_field(const char *name, int64_t time_step, const void *data, size_t count, int dtype) {
+    if (name == NULL)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "send: the field name is NULL");
+    if (client.phase == EMPTY)
+        return fail(MELISSA_DL_ERR_STATE, "field '%s': no field is declared: call melissa_dl_init first", name);
+    if (client.phase == BROKEN)
+        return fail(MELISSA_DL_ERR_STATE, "field '%s': the connection failed earlier (%s): call melissa_dl_finalize",
+                    name, client.broken);
+    field *f = NULL;
+    for (size_t i = 0; i < client.nfields; i++)
+        if (strcmp(client.fields[i].name, name) == 0)
+            f = &client.fields[i];
+    if (f == NULL) {
+        strbuf declared = {0};
+        for (size_t i = 0; i < client.nfields; i++)
+            sb_printf(&declared, "%s'%s'", i ? ", " : "", client.fields[i].name);
+        fail(MELISSA_DL_ERR_UNDECLARED, "field '%s' was not declared (declared: %s)", name,
+             declared.failed ? "?" : declared.data);
+        free(declared.data);
+        return MELISSA_DL_ERR_UNDECLARED;
+    }
+    if (time_step < 0 || time_step > UINT32_MAX)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': time step %lld is not in [0, 2^32)", name,
+                    (long long)time_step);
+    if (dtype != f->dtype)
+        return fail(MELISSA_DL_ERR_DTYPE, "field '%s': got %s data, declared %s", name, DTYPE_NAMES[dtype],
+                    DTYPE_NAMES[f->dtype]);
+    if (count != f->count)
+        return fail(MELISSA_DL_ERR_COUNT, "field '%s': got %zu elements, declared %zu", name, count, f->count);
+    if (data == NULL && count > 0)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': the data pointer is NULL", name);
+    if (client.phase == DECLARED) {
+        int code = handshake();
+        if (code != MELISSA_DL_OK)
+            return code;
+    }
+    uint32_t step = (uint32_t)time_step;
+    size_t bytes = count * ITEM_BYTES[dtype];
+    uint8_t header[HEADER_BYTES];
+    pack_header(header, KIND_DATA, step, f->id, dtype, &count, 1, bytes);
+    int code = send_message(client.sockets[owner_rank(step)], header, data, bytes);
+    if (code == MELISSA_DL_OK && !steps_add(&client.steps, step))
+        code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    return code;
+}
+
+int melissa_dl_send_float(const char *name, int64_t time_step, const float *data, size_t count) {
+    return send_field(name, time_step, data, count, MELISSA_DL_FLOAT32);
+}
+
+int melissa_dl_send_double(const char *name, int64_t time_step, const double *data, size_t count) {
+    return send_field(name, time_step, data, count, MELISSA_DL_FLOAT64);
+}
+
+int melissa_dl_send_fortran(const char *name, int64_t time_step, const void *data, int64_t count, int dtype) {
+    if (dtype != MELISSA_DL_FLOAT32 && dtype != MELISSA_DL_FLOAT64)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "send: dtype %d is neither MELISSA_DL_FLOAT32 (0) nor MELISSA_DL_FLOAT64 (1)",
+                    dtype);
+    return send_field(name, time_step, data, (size_t)count, dtype);
+}
+
+int melissa_dl_finalize(void) {
+    if (client.phase == EMPTY)
+        return fail(MELISSA_DL_ERR_STATE, "nothing to finalize: no field is declared");
+    if (client.phase == BROKEN) {
+        fail(MELISSA_DL_ERR_STATE, "nothing announced: the connection failed earlier (%s)", client.broken);
+        release(0);
+        return MELISSA_DL_ERR_STATE;
+    }
+    int code = client.phase == DECLARED ? handshake() : MELISSA_DL_OK;
+    size_t *counts = calloc(client.nsockets ? client.nsockets : 1, sizeof *counts);
+    if (code == MELISSA_DL_OK && counts == NULL)
+        code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    for (size_t i = 0; code == MELISSA_DL_OK && i < client.steps.capacity; i++)
+        if (client.steps.slots[i] != EMPTY_SLOT)
+            counts[owner_rank((uint32_t)client.steps.slots[i])]++;
+    for (size_t r = 0; code == MELISSA_DL_OK && r < client.nsockets; r++) {
+        strbuf body = {0};
+        sb_printf(&body, "{\"steps\":%zu}", counts[r]);
+        code = body.failed ? fail(MELISSA_DL_ERR_SYSTEM, "out of memory")
+                           : send_control(client.sockets[r], KIND_FINALIZE, &body);
+        free(body.data);
+    }
+    free(counts);
+    if (code != MELISSA_DL_OK) {
+        release(0);
+        return code;
+    }
+    uint32_t simulation_id = client.env.simulation_id;
+    double timeout = client.env.timeout;
+    if (release(timeout) >= timeout)
+        return fail(MELISSA_DL_ERR_UNREACHABLE, "simulation %u: queued frames not delivered within %g s",
+                    simulation_id, timeout);
+    return MELISSA_DL_OK;
+}
+
+const char *melissa_dl_error_message(void) {
+    return last_message;
+}

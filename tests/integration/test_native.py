@@ -1,0 +1,202 @@
+"""The C library, its Fortran module and the C and Fortran heat solvers, built from source by `make native`."""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import runpy
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import HERE, clean_environment, run_server, study_config
+from melissa_dl.client import Client
+from melissa_dl.handshake import HandshakeServer
+from melissa_dl.protocol import PROTOCOL_VERSION, Kind, unpack_header
+from test_studies import assert_every_step_once
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = HERE.parent.parent
+HeatSolver = runpy.run_path(str(ROOT / "examples" / "heat_pde" / "solver.py"))["HeatSolver"]
+HEAT_PARAMETERS = [{"name": n, "low": 100.0, "high": 500.0} for n in ("initial", "left", "right", "bottom", "top")]
+VERSION = importlib.metadata.version("melissa_dl")
+
+
+@pytest.fixture(scope="session")
+def native(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make native` into a fresh folder; returns the folder of the programs it built."""
+    prefix = tmp_path_factory.mktemp("native")
+    done = subprocess.run(["make", "-C", str(ROOT), "native", f"NATIVE={prefix}"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return prefix / "bin"
+
+
+def recording(directory: Path) -> dict:
+    """A training section whose module saves every sample it gets into ``directory``."""
+    directory.mkdir()
+    return {"module": str(HERE / "recorder.py"), "class_name": "Recorder", "options": {"directory": str(directory)},
+            "batch_size": 1, "device": "cpu"}
+
+
+@pytest.mark.parametrize("program", ["heat_c", "heat_fortran"])
+def test_native_heat_solvers_stream_the_python_solvers_fields(tmp_path: Path, output: Path, native: Path,
+                                                              program: str) -> None:
+    steps, nx, ny, simulations = 12, 15, 8, 3  # 15 rows: 8 on client rank 0, 7 on rank 1
+    command = [str(native / program), "--nx", str(nx), "--ny", str(ny), "--steps", str(steps)]
+    config = study_config(output, command, launcher={"scheduler": "mpirun", "client_ranks": 2},
+                          study={"fields": ["temperature"], "parameters": HEAT_PARAMETERS,
+                                 "simulations": simulations, "time_steps": steps})
+    config["training"] = recording(tmp_path / "samples")
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert_every_step_once(run.report, simulations, steps)
+    assert run.report["rejected"] == {}
+    assert run.report["per_rank_samples"][0] > 0 and run.report["per_rank_samples"][1] > 0
+    samples = {tuple(map(int, path.stem.split("_"))): np.load(path) for path in (tmp_path / "samples").iterdir()}
+    assert sorted(samples) == [(s, t) for s in range(simulations) for t in range(steps)]
+    for s in range(simulations):
+        solver = HeatSolver(samples[s, 0]["parameters"], nx, ny)
+        for t in range(steps):
+            field = samples[s, t]["temperature"]
+            assert field.dtype == np.float32
+            np.testing.assert_allclose(field, solver.step().reshape(-1), rtol=1e-6, err_msg=f"simulation {s} step {t}")
+
+
+def lines(log: Path) -> list[tuple[str, str]]:
+    return [tuple(line.split(": ", 1)) for line in log.read_text().splitlines()]
+
+
+def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(tmp_path: Path, output: Path,
+                                                                         native: Path) -> None:
+    config = study_config(output, [str(native / "c_client"), "--errors"])
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert_every_step_once(run.report, 4, 10)
+    assert [s["attempts"] for s in run.report["per_simulation"]] == [1, 1, 1, 1]
+    assert run.report["rejected"] == {"handshake_credentials": 1, "handshake_unknown_field": 1}
+    refused_token = "simulation 0: handshake: bad or missing token"
+    refused_field = "simulation 0: handshake: simulation 0: unknown field 'bogus' (study has ['field'])"
+    unreachable = "no handshake answer from tcp://127.0.0.1:9 within 0.5 s"
+    assert lines(output / "simulations" / "simulation0.attempt0.log") == [
+        ("version", f"{VERSION} protocol {PROTOCOL_VERSION}"),
+        ("no simulation id", "1 MELISSA_SIMULATION_ID is not set: start this simulation through melissa-server's launcher"),
+        ("send before init", "3 field 'field': no field is declared: call melissa_dl_init first"),
+        ("finalize before init", "3 nothing to finalize: no field is declared"),
+        ("unknown dtype", "2 field 'field': dtype 7 is neither MELISSA_DL_FLOAT32 (0) nor MELISSA_DL_FLOAT64 (1)"),
+        ("wrong token", f"7 {refused_token}"),
+        ("send after that", f"3 field 'field': the connection failed earlier ({refused_token}): call melissa_dl_finalize"),
+        ("finalize after that", f"3 nothing announced: the connection failed earlier ({refused_token})"),
+        ("unknown field", f"7 {refused_field}"),
+        ("send after that", f"3 field 'field': the connection failed earlier ({refused_field}): call melissa_dl_finalize"),
+        ("finalize after that", f"3 nothing announced: the connection failed earlier ({refused_field})"),
+        ("no server", f"8 {unreachable}"),
+        ("send after that", f"3 field 'field': the connection failed earlier ({unreachable}): call melissa_dl_finalize"),
+        ("finalize after that", f"3 nothing announced: the connection failed earlier ({unreachable})"),
+        ("declared twice", "2 field 'field' is declared twice"),
+        ("undeclared field", "4 field 'pressure' was not declared (declared: 'field')"),
+        ("wrong count", "6 field 'field': got 31 elements, declared 32"),
+        ("wrong dtype", "5 field 'field': got float64 data, declared float32"),
+        ("negative step", "2 field 'field': time step -1 is not in [0, 2^32)"),
+        ("init after the first send", "3 field 'late': declare every field before the first send"),
+    ]
+
+
+def test_the_fortran_module_with_use_mpi_handles_and_float64(tmp_path: Path, output: Path, native: Path) -> None:
+    values = [[0.25, 2.0], [0.5, 1.5], [0.75, 1.0]]
+    config = study_config(output, [str(native / "f_client"), "6"],
+                          study={"simulations": 3, "time_steps": 6, "sampler": "list", "parameter_values": values},
+                          launcher={"scheduler": "mpirun", "client_ranks": 2})
+    config["training"] = recording(tmp_path / "samples")
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert_every_step_once(run.report, 3, 6)
+    assert run.report["rejected"] == {}
+    for s in range(3):
+        said = dict(lines(output / "simulations" / f"simulation{s}.attempt0.log"))
+        assert said["version"] == f"{VERSION} protocol {PROTOCOL_VERSION}"
+        assert said["simulation"] == f"{s} attempt 0"
+        assert [float(v) for v in said["parameters"].split()] == values[s]
+        assert said["undeclared field"] == "4 field 'pressure' was not declared (declared: 'field')"
+        assert said["wrong count"] == "6 field 'field': got 4 elements, declared 6"
+        for t in range(6):
+            field = np.load(tmp_path / "samples" / f"{s}_{t}.npz")["field"]
+            assert field.dtype == np.float64
+            assert field.tolist() == [1000 * s + t] * 6 + [1000 * s + t + 0.5] * 6
+
+
+def receive_until_finalize(sockets: list[zmq.Socket]) -> list[list[list[bytes]]]:
+    """Every message each socket gets, up to and including its FINALIZE."""
+    received: list[list[list[bytes]]] = []
+    for socket in sockets:
+        messages: list[list[bytes]] = []
+        while not messages or unpack_header(messages[-1][0]).kind is not Kind.FINALIZE:
+            assert socket.poll(10_000), "no FINALIZE"
+            messages.append(socket.recv_multipart())
+        received.append(messages)
+    return received
+
+
+@contextlib.contextmanager
+def data_sockets(token: bytes, bind: bool) -> Iterator[tuple[dict[str, str], list[zmq.Socket]]]:
+    """A handshake service for simulation 3 of a study with the field "field", and two bare PULL sockets
+    standing for two server ranks; yields the client's environment and the sockets."""
+    sockets = [zmq.Context.instance().socket(zmq.PULL) for _ in range(2)]
+    endpoints = [f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}" for socket in sockets]
+    handshake = HandshakeServer(token=token, fields=["field"], simulations=4, endpoints=endpoints,
+                                bind_simulation=bind, max_message_bytes=1 << 20, bind_address="127.0.0.1")
+    handshake.expect(3, True)
+    try:
+        yield {"MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}", "MELISSA_TOKEN": token.hex(),
+               "MELISSA_SIMULATION_ID": "3", "MELISSA_PARAMETERS": "[0.5]", "MELISSA_CLIENT_TIMEOUT": "10"}, sockets
+    finally:
+        handshake.stop()
+        for socket in sockets:
+            socket.close(linger=0)
+
+
+def run_c_client(native: Path, environ: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(native / "c_client"), *args], env={**clean_environment(), **environ},
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("token_bytes, bind", [(32, False), (120, True)])
+def test_the_c_client_sends_the_python_clients_bytes(native: Path, token_bytes: int, bind: bool) -> None:
+    token = bytes((7 * i + 3) % 256 for i in range(token_bytes))  # a key longer than SHA-256's block, too
+    with data_sockets(token, bind) as (environ, sockets):
+        done = run_c_client(native, environ, "--steps", "5", "--count", "6")
+        assert done.returncode == 0, done.stdout + done.stderr
+        from_c = receive_until_finalize(sockets)
+        with Client({"field": ("float32", (6,))}, environ=environ) as client:
+            for t in range(5):
+                client.send("field", t, np.full(6, 3000 + t, np.float32))
+        from_python = receive_until_finalize(sockets)
+    assert from_c == from_python
+    kinds = [[unpack_header(message[0]).kind for message in messages] for messages in from_c]
+    steps = [2, 3] if not bind else [0, 5]  # step t goes to rank (3 + t) mod 2, or every step to rank 3 mod 2
+    assert kinds == [[Kind.DECLARE, *[Kind.DATA] * n, Kind.FINALIZE] for n in steps]
+
+
+def test_names_are_escaped_in_json_both_ways(native: Path) -> None:
+    name = 'ta"g\\ é 😀'  # sent in the hello, echoed back by the refusal as \" \\ \u00e9 and a surrogate pair
+    with data_sockets(b"secret", bind=False) as (environ, _):
+        done = run_c_client(native, environ, "--field", name)
+    assert done.returncode == 1
+    assert done.stderr == (f"c_client: melissa_dl error 7: simulation 3: handshake: simulation 3: unknown field "
+                           f"'{name}' (study has ['field'])\n")
+
+
+def test_the_c_client_links_the_static_library_and_the_solvers_the_shared_one(native: Path) -> None:
+    def needed(program: str) -> str:
+        return subprocess.run(["readelf", "-d", str(native / program)], capture_output=True, text=True, check=True).stdout
+
+    assert "libmelissa_dl" not in needed("c_client")
+    assert "[libmelissa_dl.so.0]" in needed("heat_c")
+    assert "[libmelissa_dl_fortran.so.0]" in needed("heat_fortran")
