@@ -52,7 +52,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from melissa_dl.errors import MelissaError
 
@@ -375,28 +375,45 @@ def latest_valid(root: Path) -> Version | None:
     return None
 
 
-def copy_to_cpu(state: Any) -> Any:
-    """``state`` with every tensor replaced by a CPU copy (the containers are rebuilt, the rest shared)."""
-    return tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, state)
+def copy_to_cpu(state: Any, into: Any = None) -> Any:
+    """``state`` with every tensor replaced by a CPU copy (the containers are rebuilt, the rest shared).
+
+    ``into``, an earlier copy of a state of the same structure that nothing
+    uses any more, gives its tensors to be overwritten: copying into memory
+    already touched is several times faster than into new pages.
+    """
+    leaves, spec = tree_flatten(state)
+    old = tree_flatten(into)[0] if into is not None and tree_flatten(into)[1] == spec else [None] * len(leaves)
+    return tree_unflatten([_copy(leaf, previous) for leaf, previous in zip(leaves, old)], spec)
+
+
+def _copy(value: Any, into: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    if isinstance(into, torch.Tensor) and into.device.type == "cpu" and into.shape == value.shape \
+            and into.dtype == value.dtype and into.data_ptr() != value.data_ptr():
+        return into.copy_(value)
+    return value.to("cpu", copy=True)
 
 
 class BackgroundCopy:
-    """``copy_to_cpu(state)`` made by a thread (torch copies release the GIL).
+    """``copy_to_cpu(state, into)`` made by a thread (torch copies release the GIL).
 
     The caller may go on reading the tensors, and must call ``wait`` before
     it changes any of them: training runs its next forward and backward
     while the copy is made, and waits only before its optimizer step.
     """
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, into: Any = None) -> None:
         self._result: Any = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(state,), name="checkpoint-copy", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(state, into), name="checkpoint-copy", daemon=True)
         self._thread.start()
 
-    def _run(self, state: Any) -> None:
+    def _run(self, state: Any, into: Any) -> None:
         try:
-            self._result = copy_to_cpu(state)
+            self._result = copy_to_cpu(state, into)
         except BaseException as error:  # raised by wait(), in the caller's thread
             self._error = error
 

@@ -86,12 +86,15 @@ class Checkpointer:
         self._committer = BackgroundWriter(max_pending=8) if self.rank == 0 else None
         self._written: dict[int, tuple[int, int, list[FileRecord]]] = {}  # version -> batch, samples, records
         self._lock = threading.Lock()
+        self._arena: Any = None  # tensors of the last written snapshot, reused by the next one
 
     def snapshot(self) -> None:
         """Take this rank's state now and write it in the background (every rank, at the same batch)."""
         version, self.next_version = self.next_version, self.next_version + 1
         batch = self.last_batch = self.trainer.summary.batches
-        state = self.trainer.state()
+        with self._lock:
+            arena, self._arena = self._arena, None
+        state = self.trainer.state(into=arena)
         stream = self.receiver.snapshot()
         study = self.study_state() if self.study_state is not None else None
         self._writer.submit(lambda: self._write(version, batch, state, stream, study))
@@ -113,6 +116,7 @@ class Checkpointer:
         records = write_rank_files(version_dir(self.root, version), self.rank, data)
         with self._lock:
             self._written[version] = (batch, state["summary"].samples, records)
+            self._arena = copied  # written: the next snapshot may copy into this memory
 
     def sync(self) -> None:
         """Collective: rank 0 commits the newest version that every rank has finished writing."""

@@ -288,7 +288,7 @@ class Trainer:
             torch.save(state, path)
         return path
 
-    def state(self) -> dict[str, Any]:
+    def state(self, into: Any = None) -> dict[str, Any]:
         """What a restart needs from this rank, as CPU copies, so that training goes on while it is written.
 
         ``dense`` (rank 0 only: replicas are identical) holds the module
@@ -298,7 +298,8 @@ class Trainer:
         steps change, are copied by a thread while the next batch's forward
         and backward run (``step`` waits for it first): the ``BackgroundCopy``
         under ``"copied"``. The module's other buffers (a forward may change
-        them), the RNG states and the counters are copied now.
+        them), the RNG states and the counters are copied now. ``into``: a
+        written snapshot's ``"copied"`` whose memory may be reused.
         """
         module = self.module.state_dict()
         tables = {name: {"shard": module.pop(f"{name}.shard"), "extra": module.pop(f"{name}._extra_state")}
@@ -310,7 +311,7 @@ class Trainer:
             later["parameters"] = {k: v for k, v in module.items() if k in parameters}
             later["optimizer"] = self.optimizer.state_dict()
             now["buffers"] = copy_to_cpu({k: v for k, v in module.items() if k not in parameters})
-        self._copy = BackgroundCopy(later)
+        self._copy = BackgroundCopy(later, into)
         return {**now, "copied": self._copy}
 
     def load(self, dense: dict[str, Any], pieces: dict[str, list[dict[str, Any]]], rng: dict[str, Any],

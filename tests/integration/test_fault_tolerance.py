@@ -203,5 +203,8 @@ def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
     assert_every_step_once(output, ranks=2)
     steps = loss_steps(output)  # the dead run's points after its checkpoint were replaced, not doubled
     assert steps == list(range(1, report["training"]["batches"] + 1))
-    Tiny().load_state_dict(parameters(output / "model.pt"))  # the final model loads
+    Tiny().load_state_dict(parameters(output / "model.pt"))  # the final model loads, from model.pt
+    final = latest_valid(output / "checkpoints")  # and from the final checkpoint
+    assert final is not None and final.manifest["batch"] == report["training"]["batches"]
+    Tiny().load_state_dict(loads(final.read(0, "dense.pt"))["module"])
     assert processes_mentioning(str(tmp_path)) == [], "a process of the study outlived the supervisor"

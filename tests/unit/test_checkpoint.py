@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from melissa_dl.checkpoint import (LATEST, MANIFEST, BackgroundWriter, CheckpointCorrupt, FileRecord, commit, dumps,
+from melissa_dl.checkpoint import (LATEST, MANIFEST, BackgroundCopy, BackgroundWriter, CheckpointCorrupt, FileRecord, commit, dumps,
                                    latest_valid, loads, next_version, verify, version_dir, write_rank_files)
 
 pytestmark = pytest.mark.timeout(60)
@@ -235,3 +235,14 @@ def test_dumps_keeps_tensors_and_arrays_out_of_band_and_loads_them_writable() ->
     loaded["transposed"].add_(1)  # writable, without a warning about non-writable arrays
     with pytest.raises(ValueError, match="bad magic"):
         loads(b"not a checkpoint")
+
+
+def test_background_copy_reuses_an_earlier_copy_and_is_not_changed_by_later_steps() -> None:
+    weights = {"w": torch.zeros(1000), "step": 3, "nested": [torch.ones(2, 2)]}
+    first = BackgroundCopy(weights).wait()
+    weights["w"].add_(1)  # training goes on after the copy
+    assert float(first["w"].sum()) == 0 and first["step"] == 3
+    second = BackgroundCopy(weights, into=first).wait()
+    assert second["w"].data_ptr() == first["w"].data_ptr() and float(second["w"].sum()) == 1000
+    other_shape = BackgroundCopy({"w": torch.zeros(7), "step": 3, "nested": [torch.ones(2, 2)]}, into=second).wait()
+    assert other_shape["w"].data_ptr() != second["w"].data_ptr()  # nothing reused that does not fit
