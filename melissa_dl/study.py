@@ -89,9 +89,12 @@ class Study:
                 self._launch(sim)
 
     def state_dict(self) -> list[dict[str, Any]]:
-        """What a restart needs: done and failed simulations stay so, the others run again."""
-        return [{"state": s.state.value, "attempts": s.attempts, "failures": s.failures, "reason": s.reason}
-                for s in self.simulations]
+        """What a restart needs: done and failed simulations stay so, the others run again.
+
+        A queued attempt never ran, so it is not counted: the restart submits it again under its number.
+        """
+        return [{"state": s.state.value, "attempts": s.attempts - (s.state is State.QUEUED), "failures": s.failures,
+                 "reason": s.reason} for s in self.simulations]
 
     def _launch(self, sim: Simulation) -> None:
         sim.state = State.QUEUED

@@ -286,7 +286,7 @@ def test_a_restored_study_relaunches_only_what_was_not_finished() -> None:
     saved = h.study.state_dict()
     assert [s["state"] for s in saved] == ["done", "queued", "running"]
     restored = Harness(simulations=3, max_retries=1, restored=saved)
-    assert [(sim, attempt) for sim, attempt, _ in restored.launcher.submitted] == [(1, 2), (2, 1)]
+    assert [(sim, attempt) for sim, attempt, _ in restored.launcher.submitted] == [(1, 1), (2, 1)]
     assert restored.expected == [(1, True), (2, True)]
     assert restored.state(0) is State.DONE and restored.study.simulations[1].failures == 1
     restored.launcher.start(1)
