@@ -192,8 +192,7 @@ class Trainer:
                                     purge_step=self.summary.batches + 1 if self.summary.batches else None)
         self.checkpointer = checkpointer
         start = time.monotonic()
-        if not self.summary.validation or self.summary.validation[-1][0] != self.summary.batches:
-            self.validate()
+        self.validate_unless_done()
         stopped = lockstep(self.comm, self.dataset.next_batch, self.step, control, self.receiver.buffer,
                            self.options.stall_timeout)
         self.summary.duration_s += time.monotonic() - start
@@ -202,8 +201,7 @@ class Trainer:
         else:
             logger.info("training stopped after %d batches; %d buffered samples left untrained (training stops "
                         "when the first rank runs dry)", self.summary.batches, len(self.receiver.buffer))
-            if self.summary.batches % self.options.nb_batches_update:
-                self.validate()
+            self.validate_unless_done()
         if checkpointer is not None:
             checkpointer.final()
         self.writer.close()
@@ -250,6 +248,11 @@ class Trainer:
             self.writer.add_scalar(tag, value, step)
         self.rows_updated = 0
         self._last_log = (now, step, received)
+
+    def validate_unless_done(self) -> None:
+        """Validate, unless the model of this batch already was (by a step, or before a restart)."""
+        if not self.summary.validation or self.summary.validation[-1][0] != self.summary.batches:
+            self.validate()
 
     @torch.no_grad()
     def validate(self) -> None:
