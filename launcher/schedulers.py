@@ -158,7 +158,7 @@ def _spawn(
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a new session, stdin closed, stdout and stderr to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:  # append: a restarted server may launch an attempt number again
         return subprocess.Popen(
             argv,
             cwd=cwd,
@@ -167,11 +167,11 @@ def _spawn(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent(death_signal),
+            preexec_fn=die_with_parent(death_signal),
         )
 
 
-def _die_with_parent(death_signal: signal.Signals) -> Callable[[], None] | None:
+def die_with_parent(death_signal: signal.Signals) -> Callable[[], None] | None:
     """A preexec_fn making the kernel send ``death_signal`` to the child when the server dies.
 
     Linux sends it when the *thread* that forked the child exits, so jobs must

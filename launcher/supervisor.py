@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from launcher.schedulers import die_with_parent
 from melissa_dl.config import load_config
 from melissa_dl.errors import ConfigError
 from melissa_dl.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
@@ -104,15 +105,19 @@ class Supervisor:
 
     def _run_once(self, marker: str, fresh: bool) -> int:
         started = time.time()
+        if self.stopping:  # a signal between two runs
+            return EXIT_STOPPED
+        # start_new_session: a terminal's Ctrl-C reaches the server once, through _forward;
+        # die_with_parent: a supervisor killed outright stops its server (which checkpoints) too
         self.process = subprocess.Popen(self.command(fresh), env={**os.environ, MARKER: marker},
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
         while (code := self.process.poll()) is None:
             time.sleep(POLL)
             try:
                 beat = max(started, self.heartbeat.stat().st_mtime)
             except FileNotFoundError:
                 beat = started
-            if time.time() - beat > self.timeout and not self.stopping:
+            if time.time() - beat > self.timeout:
                 logger.error("no heartbeat from the server for %.0f s (launcher.server_timeout): killing it",
                              time.time() - beat)
                 kill_run(marker)

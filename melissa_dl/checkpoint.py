@@ -465,11 +465,6 @@ class BackgroundWriter:
         if error is not None:
             raise error
 
-    @property
-    def busy(self) -> bool:
-        """True while a job runs or waits (a caller may skip a checkpoint rather than stall)."""
-        return self._queue.unfinished_tasks > 0
-
     def submit(self, job: Callable[[], Any]) -> None:
         self._raise()
         if self._closed:

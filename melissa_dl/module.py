@@ -54,7 +54,12 @@ class TrainingModule(nn.Module, ABC):
 
     @abstractmethod
     def training_step(self, batch: Any) -> torch.Tensor:
-        """The loss of one batch; the server averages it over ranks."""
+        """The loss of one batch; the server averages it over ranks.
+
+        It must not change parameters or embedding shards in place: only the
+        optimizers do, after it, and a checkpoint's copy of them may be in the
+        making while it runs.
+        """
 
     def validation_step(self, batch: Any) -> torch.Tensor:
         """The validation loss of one batch (by default the training loss)."""

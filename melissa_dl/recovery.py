@@ -34,6 +34,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
+
 from melissa_dl.buffers import Buffer
 from melissa_dl.checkpoint import (
     LATEST,
@@ -81,7 +83,6 @@ class Checkpointer:
         self.digest = config.digest()
         self.config_json = json.dumps(config.to_dict(), indent=2).encode()
         self.next_version = first_version
-        self.last_batch: int | None = None
         self._writer = BackgroundWriter()
         self._committer = BackgroundWriter(max_pending=8) if self.rank == 0 else None
         self._written: dict[int, tuple[int, int, list[FileRecord]]] = {}  # version -> batch, samples, records
@@ -91,7 +92,7 @@ class Checkpointer:
     def snapshot(self) -> None:
         """Take this rank's state now and write it in the background (every rank, at the same batch)."""
         version, self.next_version = self.next_version, self.next_version + 1
-        batch = self.last_batch = self.trainer.summary.batches
+        batch = self.trainer.summary.batches
         with self._lock:
             arena, self._arena = self._arena, None
         state = self.trainer.state(into=arena)
@@ -139,9 +140,9 @@ class Checkpointer:
             with self._lock:
                 self._written = {v: w for v, w in self._written.items() if v > chosen}
 
-    def final(self) -> None:
+    def final(self, snapshot: bool = True) -> None:
         """Collective, when training ends or stops: a last checkpoint, committed before this returns."""
-        if self.last_batch != self.trainer.summary.batches:
+        if snapshot:
             self.snapshot()
         self._writer.close()
         self.sync()
@@ -200,7 +201,7 @@ def restore_stream(version: Version, rank: int, size: int, receiver: Receiver, b
         stream = loads(version.read(rank, "stream.pt"))
         ledger = Ledger()
         ledger.load_state_dict(stream["ledger"])
-        buffer.load_state_dict({**stream["buffer"], "closed": False})
+        buffer.load_state_dict({**stream["buffer"], "entries": _owned(stream["buffer"]["entries"]), "closed": False})
         receiver.restore(ledger, stream["bytes_received"])
         return
     streams = [loads(version.read(old, "stream.pt")) for old in range(version.ranks)]
@@ -208,8 +209,14 @@ def restore_stream(version: Version, rank: int, size: int, receiver: Receiver, b
     for stream in streams:
         ledger.merge(stream["ledger"], lambda sim, steps: owner_rank(sim, steps, size, bind_simulation) == rank)
     entries = [entry for stream in streams for entry in stream["buffer"]["entries"]][rank::size]
-    _load_entries(buffer, entries)
+    _load_entries(buffer, _owned(entries))
     receiver.restore(ledger, sum(s["bytes_received"] for s in streams) if rank == 0 else 0)
+
+
+def _owned(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples with arrays of their own: views would pin the whole checkpoint file while one sample stays."""
+    return [{**entry, "parameters": np.array(entry["parameters"]),
+             "fields": {name: np.array(array) for name, array in entry["fields"].items()}} for entry in entries]
 
 
 def _load_entries(buffer: Buffer, entries: list[dict[str, Any]]) -> None:

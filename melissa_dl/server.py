@@ -47,7 +47,7 @@ from melissa_dl.sample import Sample
 from melissa_dl.report import StatusLine, final_report, write_report
 from melissa_dl.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
 from melissa_dl.study import Study
-from melissa_dl.training import Trainer, lockstep
+from melissa_dl.training import Outcome, Trainer, lockstep
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +198,7 @@ class Server:
                 )
                 study.start(restore_study(version) if version is not None else None)
             control = StudyControl(self, study, handshake, start)
+            control.beat()  # the restore and the start of the study may have taken a while
             summary = None
             if trainer is not None:
                 first_version = self.comm.bcast(next_version(checkpoint_root(self.config)) if self.rank == 0 else None)
@@ -206,7 +207,7 @@ class Server:
                 control.checkpointer = checkpointer
                 self.consumed = lambda: trainer.summary.samples
                 self.stop.install()
-                if trainer.run(control, checkpointer):
+                if trainer.run(control, checkpointer) is not Outcome.ENDED:
                     self.receiver.stop()
                     if self.rank == 0:
                         logger.warning("stopped on request; run the same command again to resume from %s",
@@ -276,7 +277,8 @@ class StudyControl:
         self.heartbeat = server.config.output_path / HEARTBEAT
 
     def due(self) -> bool:
-        return not self.over and time.monotonic() >= self.next_sync
+        """Also after the study is over: draining the buffers still commits checkpoints and beats the heart."""
+        return time.monotonic() >= self.next_sync
 
     def stop_requested(self) -> bool:
         return self.server.stop.requested
@@ -294,15 +296,19 @@ class StudyControl:
             self.study.tick(reports)
             self.status.maybe_log(time.monotonic(), self.study, reports, consumed)
             over = self.study.over
-        self.over = comm.bcast(over)
+        was_over, self.over = self.over, comm.bcast(over)
         if self.checkpointer is not None:
             self.checkpointer.sync()
-        if self.study is not None:
-            self.heartbeat.touch()  # the ranks got through a collective round: the job is alive
-        if self.over:  # every simulation is done or failed: what is buffered is all there will be
+        self.beat()
+        if self.over and not was_over:  # every simulation is done or failed: what is buffered is all there will be
             server.receiver.stop()
             server.buffer.close()
         self.next_sync = time.monotonic() + self.interval
+
+    def beat(self) -> None:
+        """Rank 0 tells ``melissa-launcher`` that the ranks got through a collective round."""
+        if self.study is not None:
+            self.heartbeat.touch()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -22,6 +22,7 @@ import random
 import resource
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -47,6 +48,13 @@ logger = logging.getLogger(__name__)
 
 WAIT = 0.05  # seconds a rank waits for its buffer before joining the next round
 POLL = 0.0002  # seconds between two checks of a pending collective
+STOP_WAIT = 20.0  # seconds a requested stop waits for a round where no rank holds a formed batch
+
+
+class Outcome(Enum):
+    ENDED = "ended"  # a rank (lockstep) or every rank (draining) ran dry after reception ended
+    STOPPED = "stopped"  # on request, at a round where no rank held a formed batch: safe to checkpoint
+    STOPPED_MIDWAY = "stopped midway"  # on request, but no such round came within STOP_WAIT seconds
 
 
 class Control(Protocol):
@@ -66,43 +74,49 @@ def lockstep(
     control: Control,
     buffer: Buffer,
     stall_timeout: float | None,
-) -> bool:
+) -> Outcome:
     """Consume batches until one rank (with a ``stall_timeout``: lockstep
-    training) or every rank (without: independent draining) is dry; True if
-    it stopped early because a rank was asked to (``control.stop_requested``).
+    training) or every rank (without: independent draining) is dry, or a
+    rank was asked to stop (``control.stop_requested``).
 
-    An early stop happens at a round where no rank holds a formed batch, so
-    every sample taken from a buffer has been trained: a checkpoint taken
-    then loses none. In lockstep, a rank without data while another rank's
-    buffer is full can wait forever (that buffer's clients are blocked, so
-    the study cannot end): after ``stall_timeout`` seconds of it the job
-    stops with an error instead.
+    A stop happens at a round where no rank holds a formed batch, so every
+    sample taken from a buffer has been trained: a checkpoint taken then
+    loses none. If no such round comes within ``STOP_WAIT`` seconds (by rank
+    0's clock, so that all ranks agree), the stop happens anyway, midway,
+    and no checkpoint may be taken (it could lose samples). In lockstep, a
+    rank without data while another rank's buffer is full can wait forever
+    (that buffer's clients are blocked, so the study cannot end): after
+    ``stall_timeout`` seconds of it the job stops with an error instead.
     """
     size = comm.Get_size()
     synchronous = stall_timeout is not None
     flags = np.zeros(5, dtype=np.int64)
     pending = None
     stalled_since = None
-    stopping = False
+    stopping_since = None
     while True:
         if pending is None:
             pending = next_batch(WAIT)
         ready, ended = pending is not None and pending is not END, pending is END
+        overdue = comm.Get_rank() == 0 and stopping_since is not None and time.monotonic() - stopping_since > STOP_WAIT
         flags[:] = (ready, ended, comm.Get_rank() == 0 and control.due(), buffer.producer_waiting,
-                    control.stop_requested())
+                    control.stop_requested() + overdue * (size + 1))
         request = comm.Iallreduce(MPI.IN_PLACE, flags)
         while not request.Test():
             time.sleep(POLL)  # do not spin: simulations and the other ranks may share these cores
         if flags[2]:
             control.sync()
         if flags[1] >= (1 if synchronous else size):
-            return False
+            return Outcome.ENDED
         if ready and (flags[0] == size or not synchronous):
             step(pending)
             pending = None
-        stopping = stopping or bool(flags[4])
-        if stopping and (flags[0] in (0, size) or not synchronous):
-            return True
+        if flags[4] or stopping_since is not None:
+            stopping_since = stopping_since or time.monotonic()
+            if flags[0] in (0, size) or not synchronous:
+                return Outcome.STOPPED
+            if flags[4] > size:
+                return Outcome.STOPPED_MIDWAY
         if synchronous and flags[0] < size and flags[3] > 0:
             stalled_since = stalled_since or time.monotonic()
             if time.monotonic() - stalled_since > stall_timeout:  # type: ignore[operator]
@@ -183,30 +197,35 @@ class Trainer:
         self.rows_updated = 0  # embedding rows this rank updated since the last TensorBoard point
         self._last_log = (time.monotonic(), 0, 0)  # time, batches, bytes received
 
-    def run(self, control: Control, checkpointer: Checkpointer | None) -> bool:
-        """Train until the study ends (False) or a stop was asked for (True); checkpoints on the way and last."""
+    def run(self, control: Control, checkpointer: Checkpointer | None) -> Outcome:
+        """Train until the study ends or a stop is asked for; checkpoints on the way and last."""
         from torch.utils.tensorboard import SummaryWriter  # slow import, only when training
 
-        # purge_step: a resumed run replaces what the dead one logged after its checkpoint (taken after batch b's points)
+        # purge_step: a resumed run replaces what a dead one logged after its checkpoint (taken after batch b's points)
         self.writer = SummaryWriter(str(self.output / "tensorboard" / f"rank{self.rank}"),
-                                    purge_step=self.summary.batches + 1 if self.summary.batches else None)
+                                    purge_step=self.summary.batches + 1)
         self.checkpointer = checkpointer
         start = time.monotonic()
-        self.validate_unless_done()
-        stopped = lockstep(self.comm, self.dataset.next_batch, self.step, control, self.receiver.buffer,
+        if self.summary.batches == 0:  # a resumed run validates where an uninterrupted one would
+            self.validate()
+        outcome = lockstep(self.comm, self.dataset.next_batch, self.step, control, self.receiver.buffer,
                            self.options.stall_timeout)
         self.summary.duration_s += time.monotonic() - start
-        if stopped:
+        if outcome is Outcome.STOPPED_MIDWAY:
+            logger.warning("stop requested, but for %g s some ranks always held a batch the others could not "
+                           "match: stopping without a last checkpoint (a restart resumes from the last one written)",
+                           STOP_WAIT)
+        elif outcome is Outcome.STOPPED:
             logger.info("training stopped on request after %d batches", self.summary.batches)
         else:
             logger.info("training stopped after %d batches; %d buffered samples left untrained (training stops "
                         "when the first rank runs dry)", self.summary.batches, len(self.receiver.buffer))
             self.validate_unless_done()
         if checkpointer is not None:
-            checkpointer.final()
+            checkpointer.final(snapshot=outcome is not Outcome.STOPPED_MIDWAY)
         self.writer.close()
         self.collectives.close()
-        return stopped
+        return outcome
 
     def step(self, batch: Any) -> None:
         self.module.train()

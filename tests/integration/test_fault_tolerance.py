@@ -208,3 +208,17 @@ def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
     assert final is not None and final.manifest["batch"] == report["training"]["batches"]
     Tiny().load_state_dict(loads(final.read(0, "dense.pt"))["module"])
     assert processes_mentioning(str(tmp_path)) == [], "a process of the study outlived the supervisor"
+
+
+def test_the_heartbeat_goes_on_while_the_buffers_drain_after_the_study(tmp_path: Path, output: Path) -> None:
+    """Simulations done in a second, training of their 72 samples ~4 s: longer than server_timeout."""
+    config = paced_config(output, server_timeout=2.0, max_server_restarts=1)
+    config["launcher"]["command"] = [sys.executable, TOY_SIM, "--steps", str(STEPS)]
+    config["training"]["options"] = {"step_delay": 0.2}
+    command = server_command(tmp_path, config, 1)
+    done = subprocess.run([sys.executable, "-m", "launcher.supervisor", command[-1]], env=clean_environment(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no heartbeat" not in done.stderr and "restarting" not in done.stderr
+    rank0 = (output / "logs" / "rank0.log").read_text()
+    assert rank0[rank0.index("simulation 5 done"):].count(" committed ") >= 2  # during the drain, and the last

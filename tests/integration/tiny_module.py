@@ -1,6 +1,8 @@
 """A small TrainingModule for the toy simulations of the integration tests."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from torch import nn
@@ -13,13 +15,14 @@ class Tiny(TrainingModule):
     """Predicts toy_sim's field (its value is ``1000 s + t``) from the parameters and t.
 
     ``fail_rank``/``fail_after`` make ``training_step`` raise on one rank, to
-    test that a user's error ends the whole job.
+    test that a user's error ends the whole job; ``step_delay`` makes training
+    slower than the simulations.
     """
 
-    def __init__(self, fail_rank: int = -1, fail_after: int = 3) -> None:
+    def __init__(self, fail_rank: int = -1, fail_after: int = 3, step_delay: float = 0.0) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 32))
-        self.fail_rank, self.fail_after = fail_rank, fail_after
+        self.fail_rank, self.fail_after, self.step_delay = fail_rank, fail_after, step_delay
         self.steps = 0
 
     def configure_optimizer(self) -> torch.optim.Optimizer:
@@ -33,6 +36,7 @@ class Tiny(TrainingModule):
         self.steps += 1
         if self.rank == self.fail_rank and self.steps > self.fail_after:
             raise ValueError("boom from the user's training_step")
+        time.sleep(self.step_delay)
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 

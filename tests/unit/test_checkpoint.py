@@ -171,12 +171,15 @@ def test_background_writer_in_order_and_wait() -> None:
         for i in range(5):
             writer.submit(lambda i=i: (time.sleep(0.01), done.append(i)))
         writer.wait()
-        assert done == list(range(5)) and not writer.busy
+        assert done == list(range(5))
         gate = threading.Event()
         writer.submit(gate.wait)
-        assert writer.busy
+        waiter = threading.Thread(target=writer.wait)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # wait() waits for the running job
         gate.set()
-        writer.wait()
+        waiter.join()
     assert not writer._thread.is_alive()
 
 
@@ -190,7 +193,7 @@ def test_background_writer_propagates_errors() -> None:
         writer.wait()
     writer.wait()  # raised once
     writer.submit(fail)
-    while writer.busy:  # the error is kept before the job counts as done
+    while writer._queue.unfinished_tasks:  # the error is kept before the job counts as done
         time.sleep(0.01)
     with pytest.raises(OSError, match="disk full"):
         writer.submit(lambda: None)
