@@ -15,8 +15,10 @@ Why it works this way:
   the model or in a buffer, so a resumed run loses none and trains none twice
   as new. Steps received after the snapshot are in no ledger and arrive
   again from the relaunched simulations.
-* Copying the state to memory is the only stall; serialising and writing run
-  in a background thread.
+* Training barely pauses: the tensors are copied by a thread while the next
+  batch's forward and backward run (``Trainer.state``), into the memory of
+  the last written snapshot, and serialising and writing run in a
+  background thread.
 * MPI stays in the main thread: what a rank has written reaches rank 0 in the
   next bookkeeping round (``sync``), and rank 0 commits the newest version
   every rank has written, in another thread.
