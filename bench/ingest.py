@@ -123,7 +123,7 @@ def server_throughput(clients: int, steps: int, nbytes: int, c_client: bool) -> 
                                 max_message_bytes=nbytes, bind_address="127.0.0.1")
     endpoint = f"tcp://127.0.0.1:{handshake.start_and_bind()}"
     for sim in range(clients):
-        handshake.expect(sim, True)
+        handshake.expect(sim, 0)
     environs = [{"MELISSA_SERVER": endpoint, "MELISSA_TOKEN": token.hex(), "MELISSA_SIMULATION_ID": str(sim),
                  "MELISSA_PARAMETERS": "[0.0]", "MELISSA_SEND_QUEUE_BYTES": str(SEND_QUEUE * nbytes)}
                 for sim in range(clients)]

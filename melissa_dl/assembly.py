@@ -6,13 +6,25 @@ of each ``(simulation, step)`` until all fields from all client ranks are in,
 drops steps the ledger already holds, and tracks what each simulation
 announced in its finalize messages. It raises ``ProtocolError`` for a bad
 frame and is otherwise unaffected by it, so nothing already received is lost.
-A single-rank client's field is a view on the received frame (no copy); slices
-of MPI-parallel clients are concatenated along axis 0 in client-rank order.
+
+Everything a peer can make a rank hold here is bounded: pieces of incomplete
+steps share a byte budget (``max_partial_bytes``; the oldest incomplete step
+is evicted and counted as an ``incomplete`` refusal), a newer attempt of a
+simulation drops its older attempt's pieces and refuses its later frames, and
+a finished simulation's pieces are freed. A single-rank client's field of at
+least ``COPY_FROM`` bytes is a view on the received frame (no copy); smaller
+payloads are copied, because a view would pin the whole ZeroMQ receive chunk
+it sits in and make the buffer's byte count a lie. Slices of MPI-parallel
+clients are concatenated along axis 0 in client-rank order. Every assembled
+field must match the study's pinned dtype and shape (from the configuration,
+or from the first complete sample), so one odd simulation cannot break a batch.
 """
 from __future__ import annotations
 
+import hmac
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -20,17 +32,21 @@ from melissa_dl.errors import ProtocolError
 from melissa_dl.ledger import Ledger
 from melissa_dl.protocol import (
     Header,
-    check_layout,
     Kind,
+    Layout,
+    check_layout,
     decode_json,
+    describe,
     owner_rank,
     payload_bytes,
+    quote,
     simulation_key,
     unpack_header,
 )
+from melissa_dl.rejections import RejectionLog
 from melissa_dl.sample import Sample
 
-Layout = tuple[str, tuple[int, ...]]  # dtype and local shape of one field slice
+COPY_FROM = 1 << 16  # smaller payloads are copied out of ZeroMQ's shared receive chunks
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,8 @@ class StreamSpec:
     time_steps: int | None = None
     max_message_bytes: int = 1 << 26
     reject_non_finite: bool = True
+    max_partial_bytes: int = 1 << 28
+    layouts: Mapping[str, Layout] | None = None  # pinned dtype and whole shape per field, if configured
 
     @property
     def simulations(self) -> int:
@@ -59,7 +77,7 @@ class _Stream:
     client_size: int
     layouts: dict[int, dict[int, Layout]] = field(default_factory=dict)  # client rank -> field -> layout
     finalized: dict[int, int] = field(default_factory=dict)  # client rank -> steps announced
-    pending: dict[int, dict[tuple[int, int], np.ndarray]] = field(default_factory=dict)
+    pending: dict[int, dict[tuple[int, int], np.ndarray]] = field(default_factory=dict)  # step -> pieces
 
 
 @dataclass
@@ -71,13 +89,20 @@ class Progress:
 
 
 class Assembler:
-    def __init__(self, spec: StreamSpec) -> None:
+    def __init__(self, spec: StreamSpec, rejections: RejectionLog | None = None) -> None:
         self.spec = spec
+        self.rejections = RejectionLog() if rejections is None else rejections
         self.ledger = Ledger()
         self.duplicates = 0
         self.bytes_received = 0
+        self.partial_bytes = 0
         self._streams: dict[int, _Stream] = {}
-        self._keys = [simulation_key(spec.token, s) for s in range(spec.simulations)]
+        self._attempts: dict[int, int] = {}  # simulation -> newest attempt seen or announced
+        self._finished: set[int] = set()
+        self._partial: OrderedDict[tuple[int, int], int] = OrderedDict()  # (simulation, step) -> bytes, oldest first
+        self._pins: dict[int, Layout] = {
+            fid: spec.layouts[name] for fid, name in enumerate(spec.fields) if spec.layouts and name in spec.layouts
+        }
         self._changed: set[int] = set()
 
     # -- frames ---------------------------------------------------------------
@@ -88,15 +113,22 @@ class Assembler:
             raise ProtocolError(f"message of {len(frames)} frames instead of 2", "malformed")
         header = unpack_header(frames[0])
         payload = frames[1]
-        sim = header.simulation_id
+        sim, attempt = header.simulation_id, header.attempt
         if sim >= self.spec.simulations:
             raise ProtocolError(f"simulation {sim} is not in the study", "unknown_simulation")
-        if header.key != self._keys[sim]:
+        if not hmac.compare_digest(header.key, simulation_key(self.spec.token, sim, attempt)):
             raise ProtocolError(f"simulation {sim}: bad credentials", "credentials")
         if header.payload_bytes != len(payload):
             raise ProtocolError(
                 f"simulation {sim}: payload of {len(payload)} bytes, header says {header.payload_bytes}", "malformed"
             )
+        if sim in self._finished:
+            raise ProtocolError(f"simulation {sim} is already done or failed", "finished")
+        current = self._attempts.get(sim, 0)
+        if attempt < current:
+            raise ProtocolError(f"simulation {sim}: frame of attempt {attempt}, replaced by attempt {current}", "stale_attempt")
+        if attempt > current:
+            self.start_attempt(sim, attempt)
         self._changed.add(sim)
         if header.kind is Kind.DECLARE:
             self._declare(header, decode_json(payload, f"simulation {sim} declaration"))
@@ -119,9 +151,10 @@ class Assembler:
             layouts[fid] = check_layout(f"simulation {sim}, field '{name}'", decl, self.spec.max_message_bytes)
         unknown = set(fields) - set(self.spec.fields)
         if unknown:
-            raise ProtocolError(f"simulation {sim}: unknown field '{sorted(unknown)[0]}'", "unknown_field")
+            raise ProtocolError(f"simulation {sim}: unknown field {quote(sorted(unknown)[0])}", "unknown_field")
         stream = self._streams.get(sim)
         if stream is None or stream.client_size != csize:  # first contact, or a relaunch with another size
+            self._drop(sim)
             stream = self._streams[sim] = _Stream(csize)
         for fid, (dtype, shape) in layouts.items():
             for other_rank, other in stream.layouts.items():
@@ -129,7 +162,8 @@ class Assembler:
                 if other_rank != crank and (odtype != dtype or oshape[1:] != shape[1:] or not shape or not oshape):
                     raise ProtocolError(
                         f"simulation {sim}, field '{self.spec.fields[fid]}': client rank {crank} declares "
-                        f"{dtype}{list(shape)}, rank {other_rank} {odtype}{list(oshape)}: cannot be joined on axis 0",
+                        f"{describe((dtype, shape))}, rank {other_rank} {describe((odtype, oshape))}: "
+                        "cannot be joined on axis 0",
                         "shape",
                     )
         stream.layouts[crank] = layouts
@@ -139,7 +173,7 @@ class Assembler:
         sim = header.simulation_id
         steps = body.get("steps") if isinstance(body, dict) else None
         if not isinstance(steps, int) or steps < 0:
-            raise ProtocolError(f"simulation {sim}: bad finalize {body!r}", "malformed")
+            raise ProtocolError(f"simulation {sim}: bad finalize {quote(body)}", "malformed")
         stream = self._streams.get(sim)
         if stream is None or header.client_rank not in stream.layouts:
             raise ProtocolError(f"simulation {sim}: finalize from undeclared client rank", "undeclared")
@@ -173,13 +207,21 @@ class Assembler:
         array = np.frombuffer(payload, dtype=dtype).reshape(shape)
         if spec.reject_non_finite and array.dtype.kind == "f" and not np.isfinite(array).all():
             raise ProtocolError(f"{where}: NaN or infinite values", "non_finite")
+        if array.nbytes < COPY_FROM:
+            array = array.copy()
         pending = stream.pending.setdefault(step, {})
+        if (fid, crank) in pending:
+            raise ProtocolError(f"{where}: this slice is already pending", "duplicate")
         pending[(fid, crank)] = array
         self.bytes_received += len(payload)
         if len(pending) < len(spec.fields) * stream.client_size:
+            self._hold((sim, step), array.nbytes)
             return None
         del stream.pending[step]
-        return Sample(sim, step, spec.parameters[sim], self._join(pending, stream.client_size))
+        self._release((sim, step))
+        fields = self._join(pending, stream.client_size)
+        self._check_pins(sim, step, fields)
+        return Sample(sim, step, spec.parameters[sim], fields)
 
     def _join(self, pending: dict[tuple[int, int], np.ndarray], client_size: int) -> dict[str, np.ndarray]:
         if client_size == 1:
@@ -188,6 +230,54 @@ class Assembler:
             name: np.concatenate([pending[(fid, r)] for r in range(client_size)])
             for fid, name in enumerate(self.spec.fields)
         }
+
+    def _check_pins(self, sim: int, step: int, fields: dict[str, np.ndarray]) -> None:
+        """Every sample of the study has the same dtype and shape per field: the first complete one pins them."""
+        for fid, name in enumerate(self.spec.fields):
+            layout = (fields[name].dtype.name, fields[name].shape)
+            pinned = self._pins.setdefault(fid, layout)
+            if layout != pinned:
+                raise ProtocolError(
+                    f"simulation {sim}, step {step}, field '{name}': {describe(layout)}, "
+                    f"the study's samples are {describe(pinned)}", "shape",
+                )
+
+    # -- memory held for incomplete steps and replaced attempts ---------------
+
+    def _hold(self, key: tuple[int, int], nbytes: int) -> None:
+        """Count a pending piece; evict the oldest incomplete steps beyond the budget."""
+        self._partial[key] = self._partial.get(key, 0) + nbytes
+        self.partial_bytes += nbytes
+        while self.partial_bytes > self.spec.max_partial_bytes:
+            (sim, step), held = next(iter(self._partial.items()))
+            pieces = self._streams[sim].pending.pop(step)
+            self._release((sim, step))
+            self.rejections.reject(
+                "incomplete",
+                f"simulation {sim}, step {step}: {len(pieces)} pieces evicted incomplete ({held} bytes) to keep "
+                f"partial steps under server.max_partial_bytes={self.spec.max_partial_bytes}",
+            )
+
+    def _release(self, key: tuple[int, int]) -> None:
+        self.partial_bytes -= self._partial.pop(key, 0)
+
+    def _drop(self, sim: int) -> None:
+        """Forget a simulation's stream and free its pending pieces."""
+        stream = self._streams.pop(sim, None)
+        if stream is not None:
+            for step in stream.pending:
+                self._release((sim, step))
+
+    def start_attempt(self, sim: int, attempt: int) -> None:
+        """A newer attempt of ``sim`` runs: the older one's pieces are dropped and its frames refused from now on."""
+        if attempt > self._attempts.get(sim, 0):
+            self._attempts[sim] = attempt
+            self._drop(sim)
+
+    def finish(self, sim: int) -> None:
+        """``sim`` is done or failed: free what it holds and refuse whatever else it sends."""
+        self._finished.add(sim)
+        self._drop(sim)
 
     def commit(self, sample: Sample) -> None:
         """Record a sample once the buffer has taken it."""

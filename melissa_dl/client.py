@@ -80,7 +80,7 @@ class Client:
         self._sockets: list[zmq.Socket] = []
         try:
             reply = self._handshake(_require(env, ENV_SERVER), token)
-            self._key = simulation_key(bytes.fromhex(token), self.simulation_id)
+            self._key = simulation_key(bytes.fromhex(token), self.simulation_id, self.attempt)
             self._field_ids = {name: i for i, name in enumerate(reply["fields"])}
             self._bind_simulation = bool(reply["bind_simulation"])
             largest = max([1, *(int(np.prod(s)) * np.dtype(d).itemsize for d, s in self._layouts.values())])
@@ -103,6 +103,7 @@ class Client:
             "protocol": PROTOCOL_VERSION,
             "token": token,
             "simulation_id": self.simulation_id,
+            "attempt": self.attempt,
             "client_rank": self.rank,
             "client_size": self.size,
             "fields": {n: [d, list(s)] for n, (d, s) in self._layouts.items()},
@@ -122,7 +123,7 @@ class Client:
 
     def _header(self, kind: Kind, time_step: int, field_id: int, dtype: str, shape: tuple[int, ...], size: int) -> bytes:
         return Header(
-            kind, self._key, self.simulation_id, time_step, self.rank, self.size, field_id, dtype, shape, size
+            kind, self._key, self.simulation_id, self.attempt, time_step, self.rank, self.size, field_id, dtype, shape, size
         ).pack()
 
     def _send(self, socket: zmq.Socket, header: bytes, payload: Any) -> None:

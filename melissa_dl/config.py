@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from melissa_dl.errors import ConfigError
+from melissa_dl.protocol import DTYPES, MAX_NDIM
 
 MiB = 1 << 20
 
@@ -40,8 +41,18 @@ class ParameterConfig:
 
 
 @dataclass
+class FieldConfig:
+    dtype: Literal[DTYPES] = option(doc="Element type of the field.")
+    shape: list[int] = option(doc="Shape of the whole field (an MPI client's slices joined on axis 0).")
+
+
+@dataclass
 class StudyConfig:
-    fields: list[str] = option(doc="Names of the fields every time step carries.")
+    fields: list[str] | dict[str, FieldConfig] = option(
+        doc="Names of the fields every time step carries; or an object `name: {dtype, shape}` that pins each "
+        "field's layout. Unpinned fields are pinned by the first simulation admitted; a simulation declaring "
+        "another dtype or shape is refused and fails at once."
+    )
     parameters: list[ParameterConfig] = option(doc="The swept parameters and their bounds.")
     simulations: int = option(doc="Number of simulations (parameter sets) in the study.")
     sampler: Literal["uniform", "sobol", "list"] = option(
@@ -54,6 +65,17 @@ class StudyConfig:
         None, doc="Time steps each simulation sends, if known: larger steps are refused and the report checks the total."
     )
     seed: int = option(0, doc="Seed of the parameter sampler.")
+
+    @property
+    def field_names(self) -> list[str]:
+        return list(self.fields)
+
+    @property
+    def field_layouts(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The layouts pinned by the configuration (none when ``fields`` is a list of names)."""
+        if isinstance(self.fields, list):
+            return {}
+        return {name: (f.dtype, tuple(f.shape)) for name, f in self.fields.items()}
 
 
 @dataclass
@@ -70,6 +92,10 @@ class ServerConfig:
         256 * MiB, doc="Memory ZeroMQ may queue per client connection on each rank (sets the high-water mark)."
     )
     reject_non_finite: bool = option(True, doc="Refuse floating-point fields holding NaN or infinity.")
+    max_partial_bytes: int = option(
+        256 * MiB, doc="Memory each rank gives to steps still missing a field or a client rank's slice; beyond it "
+        "the oldest incomplete step is dropped and counted as refused (`incomplete`)."
+    )
     status_interval: float = option(5.0, doc="Seconds between two status lines of rank 0.")
     control_interval: float = option(0.2, doc="Seconds between two synchronisations of the ranks' bookkeeping.")
 
@@ -181,6 +207,16 @@ def _type_name(tp: Any) -> str:
     )
 
 
+def _json_kind(tp: Any) -> type | None:
+    """The JSON container a type is read from, if any."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        return list
+    if origin is dict or dataclasses.is_dataclass(tp):
+        return dict
+    return None
+
+
 def _convert(tp: Any, value: Any, path: str) -> Any:
     """Check ``value`` against the type ``tp`` and build it; ``path`` names it in errors."""
     origin = typing.get_origin(tp)
@@ -196,6 +232,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             try:
                 return _convert(arg, value, path)
             except ConfigError:
+                if _json_kind(arg) == type(value):
+                    raise  # the value has this arm's shape: its error names the culprit best
                 continue
     elif origin is Literal:
         if value in typing.get_args(tp):
@@ -251,6 +289,10 @@ def _check(config: Config) -> None:
     _require(len(study.fields) > 0, "study.fields", "at least one field is needed")
     _require(len(set(study.fields)) == len(study.fields), "study.fields", "field names must be unique")
     _require(len(study.fields) < 1 << 16, "study.fields", "at most 65535 fields")
+    for name, (_, shape) in study.field_layouts.items():
+        _require(len(shape) <= MAX_NDIM and all(0 <= n < 1 << 32 for n in shape), f"study.fields.{name}.shape",
+                 f"at most {MAX_NDIM} dimensions of 0 to 2**32 - 1")
+    _require(server.max_partial_bytes > 0, "server.max_partial_bytes", "must be positive")
     _require(len(study.parameters) > 0, "study.parameters", "at least one parameter is needed")
     for i, p in enumerate(study.parameters):
         _require(p.low <= p.high, f"study.parameters[{i}].high", f"{p.high} is below low={p.low}")

@@ -2,13 +2,25 @@
 
 A client rank sends one JSON object::
 
-    {"protocol": 1, "token": "<hex>", "simulation_id": 3, "client_rank": 0,
+    {"protocol": 2, "token": "<hex>", "simulation_id": 3, "attempt": 0, "client_rank": 0,
      "client_size": 2, "fields": {"temperature": ["float32", [16, 32]]}}
 
 and receives ``{"ok": true, "endpoints": [...], "fields": [...],
 "bind_simulation": false}`` or ``{"ok": false, "kind": ..., "error": ...}``.
-Refusals are counted like bad data frames. The service runs in its own thread
-with its own REP socket; the study tells it which simulations it expects.
+Refusals are counted like bad data frames; whatever a hello holds, checking
+it can only refuse it, never end the thread. The service runs in its own
+thread with its own REP socket; the study tells it which attempt of which
+simulation it expects.
+
+Two mistakes would otherwise corrupt the science silently, so they are
+refused here, where the whole study is in view: a client whose size
+contradicts ``launcher.client_ranks`` or a second hello from the same client
+rank of one attempt (an MPI simulation that forgot ``comm=``: every rank
+would send its half-field as a whole one), and fields whose dtype or shape
+differ from the study's pinned ones (configured in ``study.fields``, or set by
+the first simulation admitted). Such refusals are deterministic: the study
+fails the simulation at once instead of relaunching it
+(:meth:`HandshakeServer.take_failures`).
 """
 from __future__ import annotations
 
@@ -20,10 +32,13 @@ from typing import Any, Sequence
 import zmq
 
 from melissa_dl.errors import ProtocolError
-from melissa_dl.protocol import PROTOCOL_VERSION, check_layout, decode_json, encode_json
+from melissa_dl.protocol import PROTOCOL_VERSION, Layout, check_layout, decode_json, describe, encode_json, quote
 from melissa_dl.rejections import RejectionLog
 
 logger = logging.getLogger(__name__)
+
+# refusals that the same simulation would meet again on every relaunch
+DETERMINISTIC = frozenset({"unknown_field", "missing_field", "dtype", "shape", "oversize", "client_size", "twice"})
 
 
 class HandshakeServer(threading.Thread):
@@ -37,6 +52,8 @@ class HandshakeServer(threading.Thread):
         bind_simulation: bool,
         max_message_bytes: int,
         bind_address: str,
+        client_size: int = 1,
+        layouts: dict[str, Layout] | None = None,
         port: int = 0,
     ) -> None:
         super().__init__(name="handshake", daemon=True)
@@ -49,18 +66,29 @@ class HandshakeServer(threading.Thread):
         self._max_message_bytes = max_message_bytes
         self._accept = {"ok": True, "endpoints": list(endpoints), "fields": self._fields, "bind_simulation": bind_simulation}
         self._bind_address = bind_address
-        self._expected: set[int] = set()
+        self._client_size = client_size
+        self._pins: dict[str, Layout] = dict(layouts or {})  # whole (joined) layout of each field
+        self._expected: dict[int, int] = {}  # simulation -> the attempt it runs
+        self._admitted: dict[int, dict[int, dict[str, Layout]]] = {}  # simulation -> client rank -> its slices
+        self._failures: list[tuple[int, str]] = []
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
         self._ready = threading.Event()
 
-    def expect(self, simulation_id: int, expected: bool) -> None:
-        """Admit (or stop admitting) clients of a simulation."""
+    def expect(self, simulation_id: int, attempt: int | None) -> None:
+        """Admit the clients of this attempt of a simulation (None: stop admitting its clients)."""
         with self._lock:
-            if expected:
-                self._expected.add(simulation_id)
+            self._admitted.pop(simulation_id, None)
+            if attempt is None:
+                self._expected.pop(simulation_id, None)
             else:
-                self._expected.discard(simulation_id)
+                self._expected[simulation_id] = attempt
+
+    def take_failures(self) -> list[tuple[int, str]]:
+        """Simulations refused for a reason a relaunch would meet again, with that reason; each reported once."""
+        with self._lock:
+            failures, self._failures = self._failures, []
+        return failures
 
     def start_and_bind(self, timeout: float = 30.0) -> int:
         self.start()
@@ -85,22 +113,28 @@ class HandshakeServer(threading.Thread):
                         request = socket.recv_multipart()
                     except zmq.Again:
                         continue
-                    socket.send(encode_json(self._answer(request)))
+                    socket.send(encode_json(self.answer(request)))
             finally:
                 socket.close(linger=0)
         except BaseException as error:  # re-raised by the main thread
             self.error = error
             self._ready.set()
 
-    def _answer(self, request: list[bytes]) -> dict[str, Any]:
+    def answer(self, request: list[bytes]) -> dict[str, Any]:
+        """The reply to one request; checking it never raises."""
         try:
             if len(request) != 1:
                 raise ProtocolError(f"handshake: {len(request)} message parts instead of 1", "malformed")
             self._check(decode_json(request[0], "handshake"))
         except ProtocolError as error:
-            self.rejections.reject(f"handshake_{error.kind}", str(error))
-            return {"ok": False, "kind": error.kind, "error": str(error)}
+            return self._refuse(error.kind, str(error))
+        except Exception as error:  # an input nobody foresaw must cost this peer its hello, not the study its rank 0
+            return self._refuse("malformed", f"handshake: {type(error).__name__}: {quote(str(error))}")
         return self._accept
+
+    def _refuse(self, kind: str, message: str) -> dict[str, Any]:
+        self.rejections.reject(f"handshake_{kind}", message)
+        return {"ok": False, "kind": kind, "error": message}
 
     def _check(self, hello: Any) -> None:
         """Refuse anything but a well-formed hello of an expected simulation."""
@@ -108,30 +142,90 @@ class HandshakeServer(threading.Thread):
             raise ProtocolError("handshake: expected a JSON object", "malformed")
         version = hello.get("protocol")
         if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"handshake: protocol version {version!r}, server speaks {PROTOCOL_VERSION}", "version")
+            raise ProtocolError(f"handshake: protocol version {quote(version)}, server speaks {PROTOCOL_VERSION}",
+                                "version")
         token = hello.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.hex().encode()):
+        if not (isinstance(token, str) and token.isascii() and hmac.compare_digest(token, self._token.hex())):
             raise ProtocolError("handshake: bad or missing token", "credentials")
-        sim, crank, csize = (hello.get(k) for k in ("simulation_id", "client_rank", "client_size"))
-        if not all(isinstance(v, int) for v in (sim, crank, csize)) or not 0 <= crank < csize < 1 << 16:
-            raise ProtocolError("handshake: simulation_id, client_rank and client_size must be integers", "malformed")
+        sim, attempt, crank, csize = (hello.get(k) for k in ("simulation_id", "attempt", "client_rank", "client_size"))
+        if not all(type(v) is int for v in (sim, attempt, crank, csize)) or not (
+            0 <= crank < csize < 1 << 16 and 0 <= attempt < 1 << 32
+        ):
+            raise ProtocolError("handshake: simulation_id, attempt, client_rank and client_size must be integers",
+                                "malformed")
         if not 0 <= sim < self._simulations:
             raise ProtocolError(f"handshake: simulation {sim} is not in the study", "unknown_simulation")
         with self._lock:
-            expected = sim in self._expected
-        if not expected:
-            raise ProtocolError(f"handshake: simulation {sim} is not expected (not launched, done or failed)", "not_expected")
-        fields = hello.get("fields")
+            expected = self._expected.get(sim)
+        if expected is None:
+            raise ProtocolError(f"handshake: simulation {sim} is not expected (not launched, done or failed)",
+                                "not_expected")
+        if attempt != expected:
+            raise ProtocolError(f"handshake: simulation {sim}: attempt {attempt}, the running one is {expected}",
+                                "stale_attempt")
+        try:
+            self._admit(sim, crank, csize, hello.get("fields"))
+        except ProtocolError as error:
+            if error.kind in DETERMINISTIC:
+                with self._lock:
+                    if self._expected.get(sim) == attempt:
+                        self._failures.append((sim, str(error)))
+            raise
+
+    def _admit(self, sim: int, crank: int, csize: int, fields: Any) -> None:
+        """Check one client rank's declaration against the study; remember it until its simulation's end."""
+        where = f"handshake: simulation {sim}"
+        if csize != self._client_size:
+            cause = " (an MPI simulation that did not pass comm= to Client?)" if csize == 1 else ""
+            raise ProtocolError(f"{where}: client rank {crank} of {csize}, but launcher.client_ranks is "
+                                f"{self._client_size}{cause}", "client_size")
         if not isinstance(fields, dict):
-            raise ProtocolError(f"handshake: simulation {sim} declares no fields", "malformed")
+            raise ProtocolError(f"{where} declares no fields", "malformed")
         for name in fields:
             if name not in self._fields:
-                raise ProtocolError(f"handshake: simulation {sim}: unknown field '{name}' (study has {self._fields})", "unknown_field")
+                raise ProtocolError(f"{where}: unknown field {quote(name)} (study has {self._fields})", "unknown_field")
+        slices = {}
         for name in self._fields:
             if name not in fields:
-                raise ProtocolError(f"handshake: simulation {sim}: field '{name}' missing", "missing_field")
-            check_layout(f"handshake: simulation {sim}, field '{name}'", fields[name], self._max_message_bytes)
+                raise ProtocolError(f"{where}: field '{name}' missing", "missing_field")
+            slices[name] = check_layout(f"{where}, field '{name}'", fields[name], self._max_message_bytes)
+        with self._lock:
+            ranks = self._admitted.setdefault(sim, {})
+            if crank in ranks:
+                raise ProtocolError(
+                    f"{where}: client rank {crank} of {csize} said hello twice in one attempt (several processes "
+                    "with the same rank: an MPI simulation that did not pass comm= to Client?)", "twice")
+            self._check_pins(where, {**ranks, crank: slices}, csize)
+            ranks[crank] = slices
+
+    def _check_pins(self, where: str, ranks: dict[int, dict[str, Layout]], csize: int) -> None:
+        """Slices must join into each field's pinned layout; the first complete simulation pins unpinned fields."""
+        complete = len(ranks) == csize
+        for name in self._fields:
+            slices = [ranks[r][name] for r in sorted(ranks)]
+            for crank, (dtype, shape) in zip(sorted(ranks), slices):
+                if dtype != slices[0][0] or (csize > 1 and (not shape or shape[1:] != slices[0][1][1:])):
+                    raise ProtocolError(f"{where}, field '{name}': client rank {crank} declares "
+                                        f"{describe((dtype, shape))}, which cannot join {describe(slices[0])}", "shape")
+            whole, pinned = joined(slices), self._pins.get(name)
+            if pinned is None:
+                continue
+            if whole[0] != pinned[0] or (whole[1] != pinned[1] if complete else whole[1][1:] != pinned[1][1:]):
+                kind = "dtype" if whole[0] != pinned[0] else "shape"
+                raise ProtocolError(f"{where}, field '{name}': declares {describe(whole)}"
+                                    f"{'' if complete else ' so far'}, the study's is {describe(pinned)}", kind)
+        if complete:
+            for name in self._fields:
+                self._pins.setdefault(name, joined([ranks[r][name] for r in sorted(ranks)]))
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
+
+
+def joined(slices: list[Layout]) -> Layout:
+    """The layout of a field whose client-rank slices are stacked on axis 0."""
+    dtype, shape = slices[0]
+    if len(slices) == 1:
+        return dtype, shape
+    return dtype, (sum(s[1][0] for s in slices), *shape[1:])

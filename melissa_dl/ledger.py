@@ -1,9 +1,15 @@
 """Which time steps of which simulations a rank has received.
 
 A study of 10,000 simulations of 1,000 steps would hold ten million Python
-ints in sets (hundreds of MB); one bitmap per simulation holds the same in
-1.25 MB and answers "seen before?" in O(1), which is what dropping duplicated
-steps of relaunched simulations needs.
+ints in sets (hundreds of MB). Each simulation instead keeps bitmaps of
+``CHUNK_STEPS`` steps, allocated only for the chunks its steps fall in: dense
+studies cost one bit per step, and a peer that sends step 2**32-1 costs one
+chunk (512 bytes), not a bitmap up to that step. "Seen before?" is O(1),
+which is what dropping duplicated steps of relaunched simulations needs.
+
+The saved state is each simulation's sorted steps as little-endian uint32
+(steps are 32-bit on the wire), so saving and restoring take time and space
+proportional to the steps received.
 """
 from __future__ import annotations
 
@@ -11,20 +17,25 @@ from collections.abc import Callable
 
 import numpy as np
 
+CHUNK_STEPS = 4096
+_STEP = np.dtype("<u4")
+
 
 class Ledger:
-    """Per-simulation bitmaps of received time steps."""
+    """Per-simulation chunked bitmaps of received time steps."""
 
     def __init__(self) -> None:
-        self._bits: dict[int, bytearray] = {}
+        self._chunks: dict[int, dict[int, bytearray]] = {}  # simulation -> chunk index -> bitmap
         self._counts: dict[int, int] = {}
 
     def add(self, simulation_id: int, time_step: int) -> bool:
         """Record a step; False if it was already there."""
-        bits = self._bits.setdefault(simulation_id, bytearray())
-        byte, mask = divmod(time_step, 8)
-        if byte >= len(bits):
-            bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))
+        chunk, bit = divmod(time_step, CHUNK_STEPS)
+        chunks = self._chunks.setdefault(simulation_id, {})
+        bits = chunks.get(chunk)
+        if bits is None:
+            bits = chunks[chunk] = bytearray(CHUNK_STEPS // 8)
+        byte, mask = divmod(bit, 8)
         if bits[byte] >> mask & 1:
             return False
         bits[byte] |= 1 << mask
@@ -33,9 +44,9 @@ class Ledger:
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         simulation_id, time_step = key
-        bits = self._bits.get(simulation_id)
-        byte, mask = divmod(time_step, 8)
-        return bits is not None and byte < len(bits) and bool(bits[byte] >> mask & 1)
+        chunk, bit = divmod(time_step, CHUNK_STEPS)
+        bits = self._chunks.get(simulation_id, {}).get(chunk)
+        return bits is not None and bool(bits[bit >> 3] >> (bit & 7) & 1)
 
     def count(self, simulation_id: int) -> int:
         return self._counts.get(simulation_id, 0)
@@ -44,18 +55,22 @@ class Ledger:
         return sum(self._counts.values())
 
     def steps(self, simulation_id: int) -> list[int]:
-        bits = self._bits.get(simulation_id, bytearray())
-        return [8 * i + j for i, b in enumerate(bits) if b for j in range(8) if b >> j & 1]
+        return self._step_array(simulation_id).tolist()
 
     def simulations(self) -> list[int]:
         return sorted(self._counts)
 
+    def nbytes(self) -> int:
+        """Memory held by the bitmaps: what a peer's frames can make this rank allocate."""
+        return sum(len(bits) for chunks in self._chunks.values() for bits in chunks.values())
+
     def state_dict(self) -> dict[int, bytes]:
-        return {s: bytes(b) for s, b in self._bits.items()}
+        return {s: self._step_array(s).astype(_STEP).tobytes() for s in self._chunks}
 
     def load_state_dict(self, state: dict[int, bytes]) -> None:
-        self._bits = {s: bytearray(b) for s, b in state.items()}
-        self._counts = {s: sum(bin(x).count("1") for x in b) for s, b in self._bits.items()}
+        self._chunks, self._counts = {}, {}
+        for simulation_id, steps in state.items():
+            self._add_steps(simulation_id, np.frombuffer(steps, dtype=_STEP))
 
     def merge(self, state: dict[int, bytes], keep: Callable[[int, np.ndarray], np.ndarray]) -> None:
         """Add the steps of another ledger's ``state_dict`` for which ``keep(simulation, steps)`` is true.
@@ -63,15 +78,31 @@ class Ledger:
         A restart on another number of ranks rebuilds each rank's ledger this way
         from all the old ones, keeping the steps that the new routing sends it.
         """
-        for simulation_id, bits in state.items():
-            steps = np.flatnonzero(np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little"))
-            steps = steps[np.broadcast_to(keep(simulation_id, steps), steps.shape)]
-            if steps.size == 0:
-                continue
-            mine = np.frombuffer(bytes(self._bits.get(simulation_id, b"")), dtype=np.uint8)
-            wanted = np.zeros(max(len(bits), len(mine)) * 8, dtype=bool)
-            wanted[steps] = True
+        for simulation_id, data in state.items():
+            steps = np.frombuffer(data, dtype=_STEP).astype(np.int64)
+            self._add_steps(simulation_id, steps[np.broadcast_to(keep(simulation_id, steps), steps.shape)])
+
+    def _step_array(self, simulation_id: int) -> np.ndarray:
+        chunks = self._chunks.get(simulation_id, {})
+        parts = [
+            np.flatnonzero(np.unpackbits(np.frombuffer(chunks[c], dtype=np.uint8), bitorder="little")) + c * CHUNK_STEPS
+            for c in sorted(chunks)
+        ]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def _add_steps(self, simulation_id: int, steps: np.ndarray) -> None:
+        """Many steps at once, chunk by chunk (restores and merges)."""
+        if steps.size == 0:
+            return
+        chunks = self._chunks.setdefault(simulation_id, {})
+        steps = np.unique(steps.astype(np.int64))
+        for part in np.split(steps, np.flatnonzero(np.diff(steps // CHUNK_STEPS)) + 1):
+            chunk = int(part[0]) // CHUNK_STEPS
+            wanted = np.zeros(CHUNK_STEPS, dtype=bool)
+            wanted[part - chunk * CHUNK_STEPS] = True
             merged = np.packbits(wanted, bitorder="little")
-            merged[: len(mine)] |= mine
-            self._bits[simulation_id] = bytearray(merged.tobytes())
-            self._counts[simulation_id] = int(np.unpackbits(merged).sum())
+            old = chunks.get(chunk)
+            if old is not None:
+                merged |= np.frombuffer(old, dtype=np.uint8)
+            chunks[chunk] = bytearray(merged.tobytes())
+        self._counts[simulation_id] = sum(int.from_bytes(b, "little").bit_count() for b in chunks.values())

@@ -13,12 +13,13 @@ payload without copying it. Three message kinds share the header:
 - ``FINALIZE`` (payload: JSON ``{"steps": n}``) tells the server rank how many
   distinct time steps the client rank sent to it.
 
-Frames carry an 8-byte key, an HMAC of the simulation id under the study's
-secret token, so every rank can check a frame without asking rank 0.
+Frames carry the attempt (launch) number of the simulation and an 8-byte key,
+an HMAC of the simulation id and attempt under the study's secret token, so
+every rank can check a frame without asking rank 0 and refuse the frames of an
+attempt that a newer one replaced.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import math
@@ -30,10 +31,14 @@ import numpy as np
 
 from melissa_dl.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"MLDL"
 MAX_NDIM = 6
 KEY_BYTES = 8
+
+QUOTE_CHARS = 200  # peer text quoted in refusals and logs is cut to this
+
+Layout = tuple[str, tuple[int, ...]]  # dtype and shape of one field (slice)
 
 DTYPES: tuple[str, ...] = ("float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8")
 DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
@@ -45,7 +50,7 @@ class Kind(IntEnum):
     FINALIZE = 3
 
 
-_HEADER = struct.Struct(f"<4sHBB{KEY_BYTES}sIIHHHB{MAX_NDIM}IQ")
+_HEADER = struct.Struct(f"<4sHBB{KEY_BYTES}sIIIHHHB{MAX_NDIM}IQ")
 HEADER_BYTES = _HEADER.size
 
 
@@ -53,6 +58,7 @@ class Header(NamedTuple):
     kind: Kind
     key: bytes
     simulation_id: int
+    attempt: int
     time_step: int
     client_rank: int
     client_size: int
@@ -67,7 +73,7 @@ class Header(NamedTuple):
         dims = tuple(self.shape) + (0,) * (MAX_NDIM - ndim)
         return _HEADER.pack(
             MAGIC, PROTOCOL_VERSION, self.kind, DTYPE_CODES[self.dtype], self.key,
-            self.simulation_id, self.time_step, self.client_rank, self.client_size,
+            self.simulation_id, self.attempt, self.time_step, self.client_rank, self.client_size,
             self.field_id, ndim, *dims, self.payload_bytes,
         )
 
@@ -76,7 +82,7 @@ def unpack_header(buffer: bytes | memoryview) -> Header:
     """Decode a header frame; a ProtocolError's ``kind`` says what was wrong."""
     if len(buffer) != HEADER_BYTES:
         raise ProtocolError(f"header of {len(buffer)} bytes instead of {HEADER_BYTES}", "malformed")
-    magic, version, kind, dtype, key, sim, step, crank, csize, fid, ndim, *rest = _HEADER.unpack(buffer)
+    magic, version, kind, dtype, key, sim, attempt, step, crank, csize, fid, ndim, *rest = _HEADER.unpack(buffer)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}", "malformed")
     if version != PROTOCOL_VERSION:
@@ -85,12 +91,13 @@ def unpack_header(buffer: bytes | memoryview) -> Header:
         raise ProtocolError(f"kind {kind}, dtype code {dtype}, ndim {ndim}", "malformed")
     if crank >= csize:
         raise ProtocolError(f"client rank {crank} of {csize}", "malformed")
-    return Header(Kind(kind), key, sim, step, crank, csize, fid, DTYPES[dtype], tuple(rest[:ndim]), rest[-1])
+    return Header(Kind(kind), key, sim, attempt, step, crank, csize, fid, DTYPES[dtype], tuple(rest[:ndim]), rest[-1])
 
 
-def simulation_key(token: bytes, simulation_id: int) -> bytes:
-    """The per-simulation credential every data frame carries."""
-    return hmac.new(token, simulation_id.to_bytes(4, "little"), hashlib.sha256).digest()[:KEY_BYTES]
+def simulation_key(token: bytes, simulation_id: int, attempt: int) -> bytes:
+    """The per-attempt credential every data frame carries: HMAC-SHA256(token, sim LE32 || attempt LE32)[:8]."""
+    message = simulation_id.to_bytes(4, "little") + attempt.to_bytes(4, "little")
+    return hmac.digest(token, message, "sha256")[:KEY_BYTES]
 
 
 def owner_rank(simulation_id: int, time_step: int, server_size: int, bind_simulation: bool) -> int:
@@ -98,6 +105,17 @@ def owner_rank(simulation_id: int, time_step: int, server_size: int, bind_simula
     if bind_simulation:
         return simulation_id % server_size
     return (simulation_id + time_step) % server_size
+
+
+def quote(value: Any) -> str:
+    """A peer's value as it may appear in a refusal or a log line: repr, cut to ``QUOTE_CHARS``."""
+    text = repr(value)
+    return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}... ({len(text)} characters)"
+
+
+def describe(layout: Layout) -> str:
+    dtype, shape = layout
+    return f"{dtype}{list(shape)}"
 
 
 def encode_json(obj: Any) -> bytes:
@@ -109,22 +127,22 @@ def decode_json(payload: bytes | memoryview, what: str) -> Any:
     try:
         return json.loads(bytes(payload))
     except (ValueError, RecursionError) as error:
-        raise ProtocolError(f"{what}: invalid JSON ({error})", "malformed") from None
+        raise ProtocolError(f"{what}: invalid JSON ({quote(str(error))})", "malformed") from None
 
 
 def payload_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize  # Python ints: no overflow on absurd shapes
 
 
-def check_layout(where: str, decl: Any, max_bytes: int) -> tuple[str, tuple[int, ...]]:
+def check_layout(where: str, decl: Any, max_bytes: int) -> Layout:
     """Validate a declared ``[dtype, shape]`` of one field slice; ``where`` names it."""
     if not (isinstance(decl, list) and len(decl) == 2 and isinstance(decl[1], list)):
-        raise ProtocolError(f"{where}: expected [dtype, shape], got {decl!r}", "malformed")
+        raise ProtocolError(f"{where}: expected [dtype, shape], got {quote(decl)}", "malformed")
     dtype, shape = decl
-    if dtype not in DTYPES:
-        raise ProtocolError(f"{where}: dtype {dtype!r} not in {DTYPES}", "dtype")
-    if len(shape) > MAX_NDIM or not all(isinstance(n, int) and 0 <= n < 1 << 32 for n in shape):
-        raise ProtocolError(f"{where}: bad shape {shape!r}", "shape")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ProtocolError(f"{where}: dtype {quote(dtype)} not in {DTYPES}", "dtype")
+    if len(shape) > MAX_NDIM or not all(type(n) is int and 0 <= n < 1 << 32 for n in shape):
+        raise ProtocolError(f"{where}: bad shape {quote(shape)}", "shape")
     size = payload_bytes(dtype, tuple(shape))
     if size > max_bytes:
         raise ProtocolError(f"{where}: {size} bytes per step exceed server.max_message_bytes={max_bytes}", "oversize")

@@ -48,7 +48,7 @@ class Receiver(threading.Thread):
         self.rejections = RejectionLog()
         self.port = 0
         self.error: BaseException | None = None
-        self._assembler = Assembler(spec)
+        self._assembler = Assembler(spec, self.rejections)
         self._bind_address = bind_address
         # ZeroMQ counts messages, not bytes: size the queue for the largest slice allowed
         self._hwm = max(2, receive_queue_bytes // spec.max_message_bytes)
@@ -116,6 +116,14 @@ class Receiver(threading.Thread):
     def restore(self, ledger: Ledger, bytes_received: int) -> None:
         """Before ``start``: the steps a checkpoint holds, so that their second arrival is dropped."""
         self._assembler.restore(ledger, bytes_received)
+
+    def follow(self, attempts: dict[int, int], finished: list[int]) -> None:
+        """Rank 0's news: newer attempts (their predecessors' frames are refused) and finished simulations."""
+        with self._lock:
+            for sim, attempt in attempts.items():
+                self._assembler.start_attempt(sim, attempt)
+            for sim in finished:
+                self._assembler.finish(sim)
 
     def stop(self) -> None:
         """Stop reading and wait for the thread; the socket closes with it."""

@@ -112,7 +112,7 @@ class Server:
             pseudo_epochs=options.pseudo_epochs,
         )
         spec = StreamSpec(
-            fields=study.fields,
+            fields=study.field_names,
             parameters=self.parameters,
             token=self.token,
             server_rank=self.rank,
@@ -121,6 +121,8 @@ class Server:
             time_steps=study.time_steps,
             max_message_bytes=config.server.max_message_bytes,
             reject_non_finite=config.server.reject_non_finite,
+            max_partial_bytes=config.server.max_partial_bytes,
+            layouts=study.field_layouts,
         )
         self.bind_address, self.host = addresses(config.server.interface)
         self.receiver = Receiver(spec, self.buffer, self.bind_address, config.server.receive_queue_bytes)
@@ -175,12 +177,14 @@ class Server:
             if self.rank == 0:
                 handshake = HandshakeServer(
                     token=self.token,
-                    fields=self.config.study.fields,
+                    fields=self.config.study.field_names,
                     simulations=self.config.study.simulations,
                     endpoints=endpoints,
                     bind_simulation=self.config.server.bind_simulation_to_server_rank,
                     max_message_bytes=self.config.server.max_message_bytes,
                     bind_address=self.bind_address,
+                    client_size=self.config.launcher.client_ranks,
+                    layouts=self.config.study.field_layouts,
                     port=self.config.server.handshake_port,
                 )
                 server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
@@ -288,15 +292,19 @@ class StudyControl:
         server.receiver.check()
         reports = comm.gather(server.receiver.report())
         consumed = comm.reduce(server.consumed())
-        over = False
+        over, news = False, None
         if self.study is not None:
             assert self.handshake is not None
             if self.handshake.error is not None:
                 raise self.handshake.error
+            for sim, reason in self.handshake.take_failures():
+                self.study.fail(sim, reason)
             self.study.tick(reports)
             self.status.maybe_log(time.monotonic(), self.study, reports, consumed)
-            over = self.study.over
-        was_over, self.over = self.over, comm.bcast(over)
+            over, news = self.study.over, self.study.take_news()
+        was_over = self.over
+        self.over, news = comm.bcast((over, news))
+        server.receiver.follow(*news)
         if self.checkpointer is not None:
             self.checkpointer.sync()
         self.beat()

@@ -3,9 +3,16 @@
 A simulation is done only when every server rank holds every step its client
 ranks announced in their finalize messages; its process's exit code alone
 never makes it done. A simulation that exits non-zero, exits with steps
-missing, or sends nothing for ``simulation_timeout`` seconds while the server
-was ready to read is killed and relaunched until ``max_retries`` is spent,
-then reported failed with the reason.
+missing, exits 0 without finalizing (after ``EXIT_GRACE`` seconds in which
+its last frames could still be on their way), or sends nothing for
+``simulation_timeout`` seconds while the server was ready to read is killed
+and relaunched until ``max_retries`` is spent, then reported failed with the
+reason. A simulation refused for a reason that a relaunch would meet again
+(wrong field layout, wrong client size) fails at once (:meth:`Study.fail`).
+
+The ranks follow the study through :meth:`Study.take_news`: each new attempt
+(so that they refuse the frames of the one it replaced) and each simulation
+that ended (so that they free what its unfinished steps hold).
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from melissa_dl.assembly import Progress
 from melissa_dl.receiver import ReceiverReport
 
 logger = logging.getLogger(__name__)
+
+EXIT_GRACE = 5.0  # seconds a simulation that exited 0 has for its finalize messages to be counted
 
 
 class State(str, Enum):
@@ -67,7 +76,7 @@ class Study:
         server_size: int,
         launcher: Launcher,
         environment: Callable[[int, int], dict[str, str]],
-        expect: Callable[[int, bool], None],
+        expect: Callable[[int, int | None], None],
         max_retries: int,
         timeout: float,
     ) -> None:
@@ -77,6 +86,8 @@ class Study:
         self._expect = expect
         self._max_retries = max_retries
         self._timeout = timeout
+        self._attempts_started: dict[int, int] = {}
+        self._ended: list[int] = []
 
     def start(self, restored: Sequence[dict[str, Any]] | None = None) -> None:
         """Launch every simulation; after a restart (``restored``: a ``state_dict``), the unfinished ones."""
@@ -102,9 +113,32 @@ class Study:
         # the new attempt announces its steps anew; a stale announcement could fail it before its frames are read
         sim.progress = [Progress(p.received, None) for p in sim.progress]
         sim.last_activity = None
-        self._expect(sim.id, True)
+        self._expect(sim.id, sim.attempts)
+        self._attempts_started[sim.id] = sim.attempts
         self._launcher.submit(sim.id, sim.attempts, self._environment(sim.id, sim.attempts))
         sim.attempts += 1
+
+    def _end(self, sim: Simulation, state: State) -> None:
+        sim.state = state
+        self._expect(sim.id, None)
+        self._ended.append(sim.id)
+
+    def take_news(self) -> tuple[dict[int, int], list[int]]:
+        """Attempts started and simulations ended since the last call, for every rank's receiver."""
+        news = self._attempts_started, self._ended
+        self._attempts_started, self._ended = {}, []
+        return news
+
+    def fail(self, simulation_id: int, reason: str) -> None:
+        """Fail a running simulation now: a relaunch would meet the same ``reason``."""
+        sim = self.simulations[simulation_id]
+        if sim.state not in (State.QUEUED, State.RUNNING):
+            return
+        self._launcher.kill(sim.id)
+        sim.reason = reason
+        sim.failures += 1
+        self._end(sim, State.FAILED)
+        logger.error("simulation %d failed at attempt %d, not retried: %s", sim.id, sim.attempts - 1, reason)
 
     def tick(self, reports: Sequence[ReceiverReport], now: float | None = None) -> None:
         """Merge the ranks' reports, reap jobs and decide each running simulation's fate."""
@@ -126,9 +160,8 @@ class Study:
             if sim.complete:
                 if sim.state is State.QUEUED:
                     self._launcher.kill(sim.id)  # a relaunch made useless by late frames of the last attempt
-                sim.state = State.DONE
+                self._end(sim, State.DONE)
                 sim.last_activity = now
-                self._expect(sim.id, False)
                 logger.info("simulation %d done (%d steps, attempt %d)", sim.id, sim.received, sim.attempts - 1)
                 continue
             if sim.state is State.QUEUED:
@@ -142,6 +175,8 @@ class Study:
                 self._retry(sim, f"exit code {sim.exit_code}")
             elif sim.exit_code == 0 and sim.announced:
                 self._retry(sim, "exited with steps missing")
+            elif sim.exit_code == 0 and now - sim.last_activity > EXIT_GRACE:  # type: ignore[operator]
+                self._retry(sim, "exited 0 without finalize")
             elif now - sim.last_activity > self._timeout:  # type: ignore[operator]
                 self._launcher.kill(sim.id)
                 self._retry(sim, f"no data for {self._timeout:g} s")
@@ -150,8 +185,7 @@ class Study:
         sim.reason = reason
         sim.failures += 1
         if sim.failures > self._max_retries:
-            sim.state = State.FAILED
-            self._expect(sim.id, False)
+            self._end(sim, State.FAILED)
             logger.error("simulation %d failed after %d attempts: %s", sim.id, sim.attempts, reason)
             return
         logger.warning("simulation %d attempt %d: %s; relaunching", sim.id, sim.attempts - 1, reason)

@@ -47,7 +47,8 @@ class Server:
         return samples
 
 
-def start_server(buffer: Buffer, max_message_bytes: int = 1 << 24) -> tuple[Server, HandshakeServer]:
+def start_server(buffer: Buffer, max_message_bytes: int = 1 << 24, client_size: int = 1
+                 ) -> tuple[Server, HandshakeServer]:
     token = secrets.token_bytes(32)
     parameters = np.arange(SIMULATIONS * 2, dtype=np.float64).reshape(SIMULATIONS, 2)
     spec = StreamSpec(["a", "b"], parameters, token, server_rank=0, server_size=1,
@@ -56,7 +57,8 @@ def start_server(buffer: Buffer, max_message_bytes: int = 1 << 24) -> tuple[Serv
     port = receiver.start_and_bind()
     handshake = HandshakeServer(token=token, fields=["a", "b"], simulations=SIMULATIONS,
                                 endpoints=[f"tcp://127.0.0.1:{port}"], bind_simulation=False,
-                                max_message_bytes=max_message_bytes, bind_address="127.0.0.1")
+                                max_message_bytes=max_message_bytes, bind_address="127.0.0.1",
+                                client_size=client_size)
     environ = {
         "MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}",
         "MELISSA_TOKEN": token.hex(),
@@ -64,16 +66,26 @@ def start_server(buffer: Buffer, max_message_bytes: int = 1 << 24) -> tuple[Serv
         "MELISSA_PARAMETERS": "[2.0, 3.0]",
         "MELISSA_CLIENT_TIMEOUT": "5",
     }
-    handshake.expect(1, True)
+    handshake.expect(1, 0)
     return Server(buffer, receiver, environ), handshake
+
+
+def serving(client_size: int) -> Iterator[Server]:
+    buffer = make_buffer("fifo", capacity_samples=100, capacity_bytes=None, watermark=1, seed=0)
+    live, handshake = start_server(buffer, client_size=client_size)
+    yield live
+    live.receiver.stop()
+    handshake.stop()
 
 
 @pytest.fixture
 def server() -> Iterator[Server]:
-    live, handshake = start_server(make_buffer("fifo", capacity_samples=100, capacity_bytes=None, watermark=1, seed=0))
-    yield live
-    live.receiver.stop()
-    handshake.stop()
+    yield from serving(client_size=1)
+
+
+@pytest.fixture
+def two_rank_server() -> Iterator[Server]:
+    yield from serving(client_size=2)
 
 
 class FakeComm:
@@ -89,7 +101,8 @@ class FakeComm:
         return self.size
 
 
-def test_slices_of_a_parallel_client_are_stacked_in_rank_order(server: Server) -> None:
+def test_slices_of_a_parallel_client_are_stacked_in_rank_order(two_rank_server: Server) -> None:
+    server = two_rank_server
     def run(rank: int) -> None:
         fields = {"a": ("float32", (rank + 1, 3)), "b": ("int64", (2,))}
         with Client(fields, comm=FakeComm(rank, 2), environ=server.environ) as client:

@@ -152,7 +152,7 @@ def data_sockets(token: bytes, bind: bool) -> Iterator[tuple[dict[str, str], lis
     endpoints = [f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}" for socket in sockets]
     handshake = HandshakeServer(token=token, fields=["field"], simulations=4, endpoints=endpoints,
                                 bind_simulation=bind, max_message_bytes=1 << 20, bind_address="127.0.0.1")
-    handshake.expect(3, True)
+    handshake.expect(3, 0)
     try:
         yield {"MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}", "MELISSA_TOKEN": token.hex(),
                "MELISSA_SIMULATION_ID": "3", "MELISSA_PARAMETERS": "[0.5]", "MELISSA_CLIENT_TIMEOUT": "10"}, sockets

@@ -85,10 +85,11 @@ def test_bad_frames_and_handshakes_are_refused_counted_and_survived(tmp_path: Pa
     rejected = run.report["rejected"]
     frame_kinds = ["malformed", "version", "credentials", "unknown_simulation", "routing", "time_step",
                    "unknown_field", "undeclared", "dtype", "shape", "non_finite", "oversize"]
-    handshake_kinds = ["malformed", "version", "credentials", "unknown_simulation", "unknown_field",
-                       "missing_field", "dtype", "oversize"]
+    handshake_kinds = ["malformed", "version", "credentials", "unknown_simulation", "stale_attempt"]
     expected = {k: 1 for k in frame_kinds} | {f"handshake_{k}": 1 for k in handshake_kinds}
     expected["malformed"] = 2  # a one-frame message and a declaration that is not JSON
     expected["handshake_malformed"] = 2  # not JSON, and two message parts
+    expected["handshake_version"] = 2  # 99, and a 50,000-character version
+    expected["handshake_credentials"] = 2  # a wrong token, and a lone surrogate
     assert rejected == expected
     assert "refused (credentials)" in run.log

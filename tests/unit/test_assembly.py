@@ -8,9 +8,10 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from melissa_dl.assembly import Assembler, Progress, StreamSpec
+from melissa_dl.assembly import COPY_FROM, Assembler, Progress, StreamSpec
 from melissa_dl.errors import ProtocolError
 from melissa_dl.protocol import Header, Kind, encode_json, simulation_key
+from melissa_dl.rejections import RejectionLog
 from melissa_dl.sample import Sample
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,11 +46,13 @@ class Sender:
     rank: int = 0
     size: int = 1
     token: bytes = TOKEN
+    attempt: int = 0
 
     def message(self, kind: Kind, payload: bytes, **header: Any) -> list[bytes]:
         """Two frames; ``header`` overrides the defaults of a control message (step 0, field 0, uint8, 0-d)."""
         fields: dict[str, Any] = dict(
-            kind=kind, key=simulation_key(self.token, self.sim), simulation_id=self.sim, time_step=0,
+            kind=kind, key=simulation_key(self.token, self.sim, self.attempt), simulation_id=self.sim,
+            attempt=self.attempt, time_step=0,
             client_rank=self.rank, client_size=self.size, field_id=0, dtype="uint8", shape=(),
             payload_bytes=len(payload),
         )
@@ -98,11 +101,19 @@ def refused(assembler: Assembler, frames: list[bytes], kind: str, message: str =
     assert message in str(info.value)
 
 
+BIG_LAYOUTS: Layouts = {"u": ("float32", (COPY_FROM // 4,)), "v": ("int64", (3, COPY_FROM // 8))}
+
+
 @pytest.mark.parametrize(
-    "layouts", [LAYOUTS, {"u": ("float16", ()), "v": ("uint8", (2, 1, 3))}], ids=["1-d", "0-d,3-d"]
+    "layouts, views",
+    [(LAYOUTS, False), ({"u": ("float16", ()), "v": ("uint8", (2, 1, 3))}, False), (BIG_LAYOUTS, True)],
+    ids=["1-d", "0-d,3-d", "large"],
 )
 @pytest.mark.parametrize("wrap", [bytes, memoryview])
-def test_single_rank_sample_is_a_view_on_the_payload(wrap: Callable[[bytes], Any], layouts: Layouts) -> None:
+def test_single_rank_sample_views_large_payloads_and_copies_small_ones(
+    wrap: Callable[[bytes], Any], layouts: Layouts, views: bool
+) -> None:
+    """A view of a small payload would pin ZeroMQ's whole receive chunk, uncounted by the buffer."""
     assembler = Assembler(make_spec())
     sender = Sender(sim=1)
     assert assembler.handle([wrap(f) for f in sender.declare(layouts)]) is None
@@ -115,7 +126,7 @@ def test_single_rank_sample_is_a_view_on_the_payload(wrap: Callable[[bytes], Any
     assert sample.fields["u"].shape == layouts["u"][1]
     np.testing.assert_array_equal(sample.parameters, PARAMETERS[1])
     for name, frames in messages.items():
-        assert np.shares_memory(sample.fields[name], np.frombuffer(frames[1], np.uint8)), name
+        assert np.shares_memory(sample.fields[name], np.frombuffer(frames[1], np.uint8)) is views, name
     payload = sum(len(frames[1]) for frames in messages.values())
     assert sample.nbytes == PARAMETERS[1].nbytes + payload
     assert assembler.bytes_received == payload
@@ -198,7 +209,14 @@ BAD_FRAMES: dict[str, tuple[Callable[[Sender], list[bytes]], str, str]] = {
     "finalize not int": (lambda s: s.control(Kind.FINALIZE, {"steps": "3"}), "malformed", "bad finalize"),
     "wrong token": (lambda s: Sender(0, token=b"guess").data(0, "u", U_OTHER), "credentials", "bad credentials"),
     "key of another simulation": (
-        lambda s: s.data(0, "u", U_OTHER, key=simulation_key(TOKEN, 1)), "credentials", "simulation 0: bad credentials",
+        lambda s: s.data(0, "u", U_OTHER, key=simulation_key(TOKEN, 1, 0)), "credentials", "simulation 0: bad credentials",
+    ),
+    "key of another attempt": (
+        lambda s: s.data(0, "u", U_OTHER, attempt=1), "credentials", "simulation 0: bad credentials",
+    ),
+    "same slice twice": (lambda s: s.data(0, "u", U_OTHER), "duplicate", "field 'u', client rank 0: this slice is"),
+    "peer text is cut": (
+        lambda s: s.control(Kind.FINALIZE, {"steps": "x" * 10**6}), "malformed", "... (1000013 characters)",
     ),
     "unknown simulation": (
         lambda s: Sender(3).data(0, "u", U_OTHER), "unknown_simulation", "simulation 3 is not in the study",
@@ -367,3 +385,67 @@ def test_take_progress_reports_changed_simulations_once() -> None:
     assembler.handle(second.finalize(1))
     assert assembler.take_progress() == {1: Progress(1, 1)}
     assert assembler.take_progress() == {}
+
+
+def test_partial_steps_are_bounded_by_a_byte_budget_oldest_evicted_first() -> None:
+    """One field sent only every 10th step: the incomplete steps must not pile up (issue 10, defect 6)."""
+    rejections = RejectionLog()
+    assembler = Assembler(make_spec(max_partial_bytes=10 * 16), rejections)  # ten pending 16-byte 'u' slices
+    sender = Sender(0)
+    assembler.handle(sender.declare())
+    complete = []
+    for step in range(1000):
+        arrays = step_arrays(0, step)
+        assembler.handle(sender.data(step, "u", arrays["u"]))
+        if step % 10 == 0:
+            complete.append(assembler.handle(sender.data(step, "v", arrays["v"])))
+    assert assembler.partial_bytes <= 10 * 16
+    assert rejections.counts() == {"incomplete": 900 - 10}  # the last ten incomplete steps are still held
+    assert [s.time_step for s in complete if s is not None] == list(range(0, 1000, 10))
+    # an evicted step can still complete later: a relaunch sends it again
+    arrays = step_arrays(0, 1)
+    assembler.handle(sender.data(1, "u", arrays["u"]))
+    assert_fields(assembler.handle(sender.data(1, "v", arrays["v"])), arrays)
+
+
+def test_a_newer_attempt_drops_the_older_ones_pieces_and_refuses_its_frames() -> None:
+    assembler = Assembler(make_spec())
+    old, new = Sender(0, attempt=0), Sender(0, attempt=1)
+    assembler.handle(old.declare())
+    assembler.handle(old.data(0, "u", U_OTHER))
+    assert assembler.partial_bytes == U_OTHER.nbytes
+    assembler.handle(new.declare())
+    assert assembler.partial_bytes == 0
+    refused(assembler, old.data(0, "v", step_arrays(0, 0)["v"]), "stale_attempt", "attempt 0, replaced by attempt 1")
+    assert_fields(send_step(assembler, new, 0), step_arrays(0, 0))
+
+
+def test_rank_0s_news_of_a_relaunch_or_an_end_frees_pieces_and_refuses_later_frames() -> None:
+    assembler = Assembler(make_spec())
+    first, second = Sender(0), Sender(1)
+    for sender in (first, second):
+        assembler.handle(sender.declare())
+        assembler.handle(sender.data(0, "u", U_OTHER))
+    assembler.start_attempt(0, 2)  # rank 0 relaunched simulation 0 before its new attempt sent anything here
+    assembler.finish(1)  # simulation 1 is done or failed
+    assert assembler.partial_bytes == 0
+    refused(assembler, first.data(0, "v", step_arrays(0, 0)["v"]), "stale_attempt")
+    refused(assembler, second.data(0, "v", step_arrays(1, 0)["v"]), "finished", "simulation 1 is already done or failed")
+    relaunched = Sender(0, attempt=2)
+    assembler.handle(relaunched.declare())
+    assert_fields(send_step(assembler, relaunched, 1), step_arrays(0, 1))
+
+
+@pytest.mark.parametrize("configured", [True, False])
+def test_every_sample_has_the_pinned_dtype_and_shape(configured: bool) -> None:
+    """A simulation that declares another shape or dtype must not reach a batch (issue 10, defect 10)."""
+    layouts = {"u": ("float32", (4,)), "v": ("int64", (2,))}
+    assembler = Assembler(make_spec(layouts=layouts if configured else None))
+    assembler.handle(Sender(0).declare())
+    assert_fields(send_step(assembler, Sender(0), 0), step_arrays(0, 0))
+    odd = Sender(1)
+    assembler.handle(odd.declare({**LAYOUTS, "u": ("float64", (4,))}))
+    assembler.handle(odd.data(0, "u", step_arrays(1, 0)["u"].astype("float64")))
+    refused(assembler, odd.data(0, "v", step_arrays(1, 0)["v"]), "shape",
+            "simulation 1, step 0, field 'u': float64[4], the study's samples are float32[4]")
+    assert assembler.ledger.total() == 0 and assembler.partial_bytes == 0

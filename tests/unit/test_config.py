@@ -109,7 +109,7 @@ def test_unknown_keys_are_refused_with_a_suggestion(changes: dict, expected: str
         (("server", "status_interval"), False, "server.status_interval: expected a number, got false"),
         (("study", "parameters", 1, "low"), "x", 'study.parameters[1].low: expected a number, got "x"'),
         (("study", "fields"), ["u", 3], "study.fields[1]: expected a string, got 3"),
-        (("study", "fields"), "u", 'study.fields: expected a list, got "u"'),
+        (("study", "fields"), "u", 'study.fields: expected a list or an object, got "u"'),
         (("study", "time_steps"), "10", 'study.time_steps: expected an integer, got "10"'),
         (("study", "parameter_values"), [[1, "a"]], 'study.parameter_values[0][1]: expected a number, got "a"'),
         (("launcher", "env"), {"OMP_NUM_THREADS": 4}, "launcher.env.OMP_NUM_THREADS: expected a string, got 4"),
@@ -301,3 +301,24 @@ def test_to_dict_round_trips_through_parse_config() -> None:
     again = parse_config(json.loads(json.dumps(plain)), BASE)
     assert again == config
     assert isinstance(again, Config)
+
+
+def test_fields_may_pin_their_dtype_and_shape() -> None:
+    fields = {"u": {"dtype": "float32", "shape": [16, 32]}, "v": {"dtype": "int64", "shape": []}}
+    study = parse_config(edited({("study", "fields"): fields}), BASE).study
+    assert study.field_names == ["u", "v"]
+    assert study.field_layouts == {"u": ("float32", (16, 32)), "v": ("int64", ())}
+    assert parse_config(edited({}), BASE).study.field_layouts == {}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"u": {"dtype": "complex64", "shape": [2]}}, "study.fields.u.dtype: expected one of"),
+        ({"u": {"dtype": "float32"}}, "study.fields.u.shape: missing required key"),
+        ({"u": {"dtype": "float32", "shape": [1, 2, 3, 4, 5, 6, 7]}}, "study.fields.u.shape: at most 6 dimensions"),
+        ({"u": {"dtype": "float32", "shape": [-1]}}, "study.fields.u.shape: at most 6 dimensions"),
+    ],
+)
+def test_pinned_field_layouts_are_checked(fields: dict[str, Any], message: str) -> None:
+    refused(edited({("study", "fields"): fields}), message)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 import pytest
 
 from melissa_dl.ledger import Ledger
@@ -88,3 +90,20 @@ def test_merge_keeps_the_selected_steps_of_other_ledgers() -> None:
     everything = Ledger()
     everything.merge(first.state_dict(), lambda sim, steps: True)
     assert everything.state_dict() == first.state_dict() and everything.total() == first.total()
+
+
+def test_memory_is_proportional_to_the_steps_received_not_the_largest_step() -> None:
+    ledger = filled({0: [(1 << 32) - 1], 1: [0, 1, 2]})
+    assert ledger.nbytes() <= 2 * 512  # one chunk each, not a bitmap up to step 2**32 - 1 (512 MiB)
+    assert ((0, (1 << 32) - 1)) in ledger and ledger.steps(0) == [(1 << 32) - 1]
+    assert len(ledger.state_dict()[0]) == 4  # one uint32 per step
+
+
+def test_restoring_a_large_ledger_is_vectorised() -> None:
+    """The old restore counted bits byte by byte in Python (~90 s for one step 2**32 - 1): the timeout would fire."""
+    steps = np.arange(0, 2_000_000, 2, dtype=np.uint32)  # a rank's share of a long simulation
+    state = {7: steps.tobytes(), 8: np.array([(1 << 32) - 1], dtype=np.uint32).tobytes()}
+    ledger = Ledger()
+    ledger.load_state_dict(state)
+    assert ledger.count(7) == 1_000_000 and ledger.count(8) == 1
+    assert (7, 1_999_998) in ledger and (7, 1_999_999) not in ledger

@@ -1,6 +1,8 @@
 """The data protocol's fixed header, credentials, routing rule and layout checks."""
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import struct
 
@@ -37,18 +39,19 @@ WIRE = {
     "dtype": (7, "B"),
     "key": (8, f"{KEY_BYTES}s"),
     "simulation_id": (16, "<I"),
-    "time_step": (20, "<I"),
-    "client_rank": (24, "<H"),
-    "client_size": (26, "<H"),
-    "field_id": (28, "<H"),
-    "ndim": (30, "B"),
-    "payload_bytes": (31 + 4 * MAX_NDIM, "<Q"),
+    "attempt": (20, "<I"),
+    "time_step": (24, "<I"),
+    "client_rank": (28, "<H"),
+    "client_size": (30, "<H"),
+    "field_id": (32, "<H"),
+    "ndim": (34, "B"),
+    "payload_bytes": (35 + 4 * MAX_NDIM, "<Q"),
 }
 
 
 def header(**overrides: object) -> Header:
     fields = dict(
-        kind=Kind.DATA, key=simulation_key(TOKEN, 5), simulation_id=5, time_step=11, client_rank=1,
+        kind=Kind.DATA, key=simulation_key(TOKEN, 5, 7), simulation_id=5, attempt=7, time_step=11, client_rank=1,
         client_size=3, field_id=2, dtype="float64", shape=(2, 3), payload_bytes=48,
     )
     fields.update(overrides)
@@ -75,7 +78,7 @@ def test_header_round_trip(kind: Kind, shape: tuple[int, ...]) -> None:
 
 def test_header_round_trip_at_the_field_limits() -> None:
     sent = header(
-        simulation_id=(1 << 32) - 1, time_step=(1 << 32) - 1, client_rank=(1 << 16) - 2, client_size=(1 << 16) - 1,
+        simulation_id=(1 << 32) - 1, attempt=(1 << 32) - 1, time_step=(1 << 32) - 1, client_rank=(1 << 16) - 2, client_size=(1 << 16) - 1,
         field_id=(1 << 16) - 1, shape=((1 << 32) - 1,) * MAX_NDIM, payload_bytes=(1 << 64) - 1, dtype=DTYPES[-1],
     )
     assert unpack_header(sent.pack()) == sent
@@ -83,14 +86,14 @@ def test_header_round_trip_at_the_field_limits() -> None:
 
 def test_header_wire_layout_is_fixed_little_endian() -> None:
     packed = header().pack()
-    assert HEADER_BYTES == 31 + 4 * MAX_NDIM + 8
+    assert HEADER_BYTES == 35 + 4 * MAX_NDIM + 8
     decoded = {name: struct.unpack_from(fmt, packed, offset)[0] for name, (offset, fmt) in WIRE.items()}
     assert decoded == {
         "magic": MAGIC, "version": PROTOCOL_VERSION, "kind": int(Kind.DATA), "dtype": DTYPES.index("float64"),
-        "key": simulation_key(TOKEN, 5), "simulation_id": 5, "time_step": 11, "client_rank": 1, "client_size": 3,
+        "key": simulation_key(TOKEN, 5, 7), "simulation_id": 5, "attempt": 7, "time_step": 11, "client_rank": 1, "client_size": 3,
         "field_id": 2, "ndim": 2, "payload_bytes": 48,
     }
-    assert struct.unpack_from(f"<{MAX_NDIM}I", packed, 31) == (2, 3, 0, 0, 0, 0)
+    assert struct.unpack_from(f"<{MAX_NDIM}I", packed, 35) == (2, 3, 0, 0, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -120,14 +123,17 @@ def test_unpack_refuses_bad_headers(frame: bytes, kind: str, message: str) -> No
     assert message in str(info.value)
 
 
-def test_simulation_key_is_a_deterministic_per_simulation_credential() -> None:
-    keys = [simulation_key(TOKEN, s) for s in range(2000)]
+def test_simulation_key_is_a_deterministic_per_attempt_credential() -> None:
+    pairs = [(s, a) for s in range(500) for a in range(4)]
+    keys = [simulation_key(TOKEN, s, a) for s, a in pairs]
     assert all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys)
-    assert keys == [simulation_key(bytes(TOKEN), s) for s in range(2000)]
-    assert len(set(keys)) == len(keys)
-    assert simulation_key(TOKEN[:-1] + b"\0", 0) != keys[0]
-    assert simulation_key(b"another token", 1999) != keys[1999]
-    assert simulation_key(TOKEN, (1 << 32) - 1) not in keys
+    assert keys == [simulation_key(bytes(TOKEN), s, a) for s, a in pairs]
+    assert len(set(keys)) == len(keys)  # a dead attempt's key opens nothing for the next one
+    assert simulation_key(TOKEN[:-1] + b"\0", 0, 0) != keys[0]
+    assert simulation_key(b"another token", 499, 3) != keys[-1]
+    assert simulation_key(TOKEN, (1 << 32) - 1, 0) not in keys
+    expected = hmac.new(TOKEN, (5).to_bytes(4, "little") + (7).to_bytes(4, "little"), hashlib.sha256).digest()[:8]
+    assert simulation_key(TOKEN, 5, 7) == expected  # the C library computes the same
 
 
 @pytest.mark.parametrize("server_size", [1, 2, 3, 5])

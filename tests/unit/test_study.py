@@ -8,7 +8,7 @@ import pytest
 from launcher import START_FAILED
 from melissa_dl.assembly import Progress
 from melissa_dl.receiver import ReceiverReport
-from melissa_dl.study import State, Study
+from melissa_dl.study import EXIT_GRACE, State, Study
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,11 +62,11 @@ class FakeLauncher:
 class Harness:
     def __init__(self, simulations: int = 2, max_retries: int = 2, restored: list[dict] | None = None) -> None:
         self.launcher = FakeLauncher()
-        self.expected: list[tuple[int, bool]] = []
+        self.expected: list[tuple[int, int | None]] = []
         self.study = Study(
             simulations, RANKS, self.launcher,  # type: ignore[arg-type]
             environment=lambda sim, attempt: {"SIM": str(sim), "ATTEMPT": str(attempt)},
-            expect=lambda sim, flag: self.expected.append((sim, flag)),
+            expect=lambda sim, attempt: self.expected.append((sim, attempt)),
             max_retries=max_retries, timeout=TIMEOUT,
         )
         self.study.start(restored)
@@ -109,7 +109,7 @@ def h() -> Harness:
 
 def test_start_submits_every_simulation_as_attempt_0(h: Harness) -> None:
     assert h.launcher.submitted == [(0, 0, {"SIM": "0", "ATTEMPT": "0"}), (1, 0, {"SIM": "1", "ATTEMPT": "0"})]
-    assert h.expected == [(0, True), (1, True)]
+    assert h.expected == [(0, 0), (1, 0)]
     assert [s.attempts for s in h.study.simulations] == [1, 1]
     assert h.study.counts() == {"queued": 2, "running": 0, "done": 0, "failed": 0}
     assert not h.study.over
@@ -133,7 +133,8 @@ def test_done_needs_every_rank_to_hold_every_announced_step(h: Harness) -> None:
     assert h.state(0) is State.RUNNING and h.study.simulations[0].received == 5
     h.tick(3.0, *reports({0: [None, (3, 3)]}))  # rank 0's last report still holds
     assert h.state(0) is State.DONE and h.study.simulations[0].received == 6
-    assert h.expected[-1] == (0, False)
+    assert h.expected[-1] == (0, None)
+    assert h.study.take_news() == ({0: 0, 1: 0}, [0])
     assert h.study.counts() == {"queued": 1, "running": 0, "done": 1, "failed": 0}
     assert h.launcher.killed == [] and h.launcher.attempts(0) == [0]
 
@@ -160,17 +161,19 @@ def test_fate_of_an_ended_job(
     assert h.launcher.killed == []
     if len(attempts) > 1:
         assert h.launcher.submitted[-1] == (0, 1, {"SIM": "0", "ATTEMPT": "1"})
-        assert h.expected.count((0, True)) == 2 and sim.exit_code is None
+        assert h.expected == [(0, 0), (1, 0), (0, 1)] and sim.exit_code is None
 
 
-def test_exit_0_without_announcements_waits_for_the_timeout(h: Harness) -> None:
+def test_exit_0_without_finalize_is_relaunched_after_a_short_grace_not_the_timeout(h: Harness) -> None:
     h.running(0.0, 0)
     h.launcher.exit(0, 0)
-    h.tick(TIMEOUT)
+    h.tick(EXIT_GRACE - 1, *reports(active=[0]))  # its last frames may still be on their way
+    h.tick(2 * EXIT_GRACE - 1.5, *reports(blocked=True))  # and back-pressure may hold them
+    h.tick(2 * EXIT_GRACE - 2)
     assert h.state(0) is State.RUNNING
-    h.tick(TIMEOUT + 0.5)
+    h.tick(3 * EXIT_GRACE - 1)
     assert h.state(0) is State.QUEUED and h.launcher.attempts(0) == [0, 1]
-    assert h.study.simulations[0].reason == "no data for 10 s"
+    assert h.study.simulations[0].reason == "exited 0 without finalize"
 
 
 def test_silent_simulation_is_killed_and_relaunched_after_the_timeout(h: Harness) -> None:
@@ -216,7 +219,7 @@ def test_retries_exhausted_fail_the_simulation_with_its_reason(max_retries: int)
     sim = h.study.simulations[0]
     assert (sim.state, sim.reason, sim.attempts) == (State.FAILED, "exit code 9", max_retries + 1)
     assert h.launcher.attempts(0) == list(range(max_retries + 1))
-    assert h.expected == [(0, True)] * (max_retries + 1) + [(0, False)]
+    assert h.expected == [(0, a) for a in range(max_retries + 1)] + [(0, None)]
     assert h.study.counts() == {"queued": 0, "running": 0, "done": 0, "failed": 1}
     assert h.study.over
     h.tick(100.0)
@@ -287,10 +290,23 @@ def test_a_restored_study_relaunches_only_what_was_not_finished() -> None:
     assert [s["state"] for s in saved] == ["done", "queued", "running"]
     restored = Harness(simulations=3, max_retries=1, restored=saved)
     assert [(sim, attempt) for sim, attempt, _ in restored.launcher.submitted] == [(1, 1), (2, 1)]
-    assert restored.expected == [(1, True), (2, True)]
+    assert restored.expected == [(1, 1), (2, 1)]
     assert restored.state(0) is State.DONE and restored.study.simulations[1].failures == 1
     restored.launcher.start(1)
     restored.tick(3.0)
     restored.launcher.exit(1, 1)
     restored.tick(4.0)
     assert restored.state(1) is State.FAILED  # the failure before the restart still counts
+
+
+def test_a_deterministic_refusal_fails_the_simulation_at_once_without_retry(h: Harness) -> None:
+    h.running(0.0, 0, 1)
+    h.study.take_news()
+    h.study.fail(0, "handshake: simulation 0, field 'u': declares float64[4], the study's is float32[4]")
+    sim = h.study.simulations[0]
+    assert (sim.state, sim.failures, h.launcher.killed) == (State.FAILED, 1, [0])
+    assert "float64[4]" in sim.reason and h.expected[-1] == (0, None)
+    assert h.study.take_news() == ({}, [0])
+    h.study.fail(0, "again")  # a second refusal of the same attempt changes nothing
+    h.tick(TIMEOUT * 3, *reports(active=[1]))
+    assert h.launcher.attempts(0) == [0] and sim.reason.startswith("handshake:") and h.state(1) is State.RUNNING
