@@ -31,11 +31,14 @@ from typing import Any, Sequence
 
 import zmq
 
+from melissa_dl.connections import ConnectionGuard
 from melissa_dl.errors import ProtocolError
 from melissa_dl.protocol import PROTOCOL_VERSION, Layout, check_layout, decode_json, describe, encode_json, quote
 from melissa_dl.rejections import RejectionLog
 
 logger = logging.getLogger(__name__)
+
+POLL_MS = 100
 
 # refusals that the same simulation would meet again on every relaunch
 DETERMINISTIC = frozenset({"unknown_field", "missing_field", "dtype", "shape", "oversize", "client_size", "twice"})
@@ -100,25 +103,31 @@ class HandshakeServer(threading.Thread):
     def run(self) -> None:
         try:
             socket = zmq.Context.instance().socket(zmq.REP)
+            guard = ConnectionGuard(socket, "handshake", self.rejections)  # before bind: the listener copies options
             try:
-                socket.setsockopt(zmq.RCVTIMEO, 100)
                 address = f"tcp://{self._bind_address}"
                 if self.port:
                     socket.bind(f"{address}:{self.port}")
                 else:
                     self.port = socket.bind_to_random_port(address)
                 self._ready.set()
-                while not self._stop_event.is_set():
-                    try:
-                        request = socket.recv_multipart()
-                    except zmq.Again:
-                        continue
-                    socket.send(encode_json(self.answer(request)))
+                self._serve(socket, guard)
             finally:
+                guard.close()
                 socket.close(linger=0)
         except BaseException as error:  # re-raised by the main thread
             self.error = error
             self._ready.set()
+
+    def _serve(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(guard.monitor, zmq.POLLIN)
+        while not self._stop_event.is_set():
+            ready = dict(poller.poll(POLL_MS))
+            guard.check()
+            if socket in ready:
+                socket.send(encode_json(self.answer(socket.recv_multipart())))
 
     def answer(self, request: list[bytes]) -> dict[str, Any]:
         """The reply to one request; checking it never raises."""

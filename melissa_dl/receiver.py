@@ -17,6 +17,7 @@ import zmq
 
 from melissa_dl.assembly import Assembler, Progress, StreamSpec
 from melissa_dl.buffers import Buffer
+from melissa_dl.connections import ConnectionGuard
 from melissa_dl.errors import ProtocolError, ReceiverDied
 from melissa_dl.ledger import Ledger
 from melissa_dl.rejections import RejectionLog
@@ -68,24 +69,29 @@ class Receiver(threading.Thread):
     def run(self) -> None:
         try:
             socket = zmq.Context.instance().socket(zmq.PULL)
+            guard = ConnectionGuard(socket, "data", self.rejections)  # before bind: the listener copies its options
             try:
                 socket.setsockopt(zmq.RCVHWM, self._hwm)
-                socket.setsockopt(zmq.RCVTIMEO, POLL_MS)
                 self.port = socket.bind_to_random_port(f"tcp://{self._bind_address}")
                 self._ready.set()
-                self._serve(socket)
+                self._serve(socket, guard)
             finally:
+                guard.close()
                 socket.close(linger=0)
         except BaseException as error:  # handed to the main thread, which ends the job
             self.error = error
             self._ready.set()
 
-    def _serve(self, socket: zmq.Socket) -> None:
+    def _serve(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(guard.monitor, zmq.POLLIN)
         while not self._stop_event.is_set():
-            try:
-                frames = socket.recv_multipart(copy=False)
-            except zmq.Again:
+            ready = dict(poller.poll(POLL_MS))
+            guard.check()
+            if socket not in ready:
                 continue
+            frames = socket.recv_multipart(copy=False)
             try:
                 with self._lock:
                     sample = self._assembler.handle([f.buffer for f in frames])
@@ -96,6 +102,7 @@ class Receiver(threading.Thread):
                 continue
             while not self.buffer.put(sample, timeout=POLL_MS / 1000, on_insert=lambda: self._commit(sample)):
                 self._blocked = True
+                guard.check()  # connections still come while the buffer makes us wait
                 if self._stop_event.is_set():
                     return
 

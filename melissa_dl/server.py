@@ -27,6 +27,7 @@ from melissa_dl import client
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
 from melissa_dl.config import Config, load_config
+from melissa_dl.connections import raise_open_file_limit
 from melissa_dl.errors import ConfigError
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
@@ -316,7 +317,7 @@ class StudyControl:
     def beat(self) -> None:
         """Rank 0 tells ``melissa-launcher`` that the ranks got through a collective round."""
         if self.study is not None:
-            self.heartbeat.touch()
+            os.utime(self.heartbeat)  # needs no file descriptor, unlike touch()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -347,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     setup_logging(comm.Get_rank(), config.output_path / "logs")
     install_abort_on_error(comm)
+    raise_open_file_limit()
     return Server(config, comm, fresh=args.fresh, export_model=args.export_model).run()
 
 

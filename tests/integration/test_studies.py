@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import HERE, TOY_SIM, run_server, study_config
+from melissa_dl.status import EXIT_FAILED_SIMULATIONS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,11 +39,12 @@ def test_mpi_clients_and_a_crash_deliver_every_step_exactly_once(tmp_path: Path,
     assert run.report["per_rank_samples"][0] > 0 and run.report["per_rank_samples"][1] > 0
 
 
-@pytest.mark.parametrize("mode, reason", [("crash", "exit code 1"), ("hang", "no data for 3 s"),
-                                          ("no-finalize", "no data for 3 s")])
-def test_a_failing_simulation_is_relaunched_and_completes(tmp_path: Path, output: Path, mode: str, reason: str) -> None:
+@pytest.mark.parametrize("mode, timeout, reason", [("crash", 3, "exit code 1"), ("hang", 3, "no data for 3 s"),
+                                                   ("no-finalize", 120, "exited 0 without finalize")])
+def test_a_failing_simulation_is_relaunched_and_completes(tmp_path: Path, output: Path, mode: str, timeout: float,
+                                                          reason: str) -> None:
     command = [sys.executable, TOY_SIM, "--fail", mode, "--fail-simulation", "2"]
-    config = study_config(output, command, launcher={"simulation_timeout": 3})
+    config = study_config(output, command, launcher={"simulation_timeout": timeout})
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
     assert run.report is not None
@@ -93,3 +95,38 @@ def test_bad_frames_and_handshakes_are_refused_counted_and_survived(tmp_path: Pa
     expected["handshake_credentials"] = 2  # a wrong token, and a lone surrogate
     assert rejected == expected
     assert "refused (credentials)" in run.log
+
+
+def test_an_mpi_simulation_that_forgot_comm_fails_at_once_and_trains_on_no_half_field(tmp_path: Path,
+                                                                                     output: Path) -> None:
+    config = study_config(output, [sys.executable, TOY_SIM],  # no --mpi: every rank is "rank 0 of 1"
+                          launcher={"scheduler": "mpirun", "client_ranks": 2, "max_retries": 3})
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == EXIT_FAILED_SIMULATIONS, run.log
+    assert run.report is not None
+    assert run.report["simulations"]["failed"] == 4 and run.report["samples_received"] == 0
+    for sim in run.report["per_simulation"]:
+        assert sim["attempts"] == 1, sim  # a relaunch would meet the same refusal
+        assert "launcher.client_ranks is 2 (an MPI simulation that did not pass comm= to Client?)" in sim["reason"]
+
+
+@pytest.mark.parametrize("pinned, odd, declared", [
+    (True, 0, "float32[4, 9]"),  # the configuration pins the layout before any simulation
+    (False, 3, "float32[4, 9]"),  # simulations 0 and 1 pinned it
+    (False, 3, "float64[4, 8]"),
+])
+def test_a_simulation_with_another_field_layout_fails_at_once_naming_both(tmp_path: Path, output: Path, pinned: bool,
+                                                                          odd: int, declared: str) -> None:
+    dtype, shape = declared[:7], declared[8:-1].split(", ")
+    command = [sys.executable, TOY_SIM, "--odd-simulation", str(odd), "--odd-dtype", dtype, "--odd-shape", *shape]
+    config = study_config(output, command, launcher={"max_retries": 3})
+    if pinned:
+        config["study"]["fields"] = {"field": {"dtype": "float32", "shape": [4, 8]}}
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == EXIT_FAILED_SIMULATIONS, run.log
+    assert run.report is not None
+    assert run.report["simulations"] == {"queued": 0, "running": 0, "done": 3, "failed": 1}
+    assert run.report["samples_received"] == 30
+    failed = run.report["per_simulation"][odd]
+    assert failed["attempts"] == 1
+    assert f"simulation {odd}, field 'field': declares {declared}, the study's is float32[4, 8]" in failed["reason"]

@@ -5,7 +5,8 @@ what the server assembled). ``--fail`` makes simulation ``--fail-simulation``
 misbehave on its first ``--fail-attempts`` attempts, at step ``--fail-at``:
 ``crash`` exits 1, ``hang`` sleeps forever, ``no-finalize`` exits 0 without
 announcing its steps. ``--step-delay`` paces the steps, so that a test can
-interrupt the server in the middle of a study.
+interrupt the server in the middle of a study. Simulation ``--odd-simulation``
+declares and sends ``--odd-dtype`` and ``--odd-shape`` instead.
 """
 from __future__ import annotations
 
@@ -28,13 +29,19 @@ def main() -> None:
     parser.add_argument("--fail-attempts", type=int, default=1)
     parser.add_argument("--fail-at", type=int, default=3)
     parser.add_argument("--step-delay", type=float, default=0.0)
+    parser.add_argument("--odd-simulation", type=int, default=-1)
+    parser.add_argument("--odd-dtype", default="float32")
+    parser.add_argument("--odd-shape", type=int, nargs="+")
     args = parser.parse_args()
     comm = None
     if args.mpi:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
-    client = Client({"field": ("float32", tuple(args.shape))}, comm=comm)
+    dtype, shape = "float32", tuple(args.shape)
+    if int(os.environ["MELISSA_SIMULATION_ID"]) == args.odd_simulation:
+        dtype, shape = args.odd_dtype, tuple(args.odd_shape or shape)
+    client = Client({"field": (dtype, shape)}, comm=comm)
     failing = client.simulation_id == args.fail_simulation and client.attempt < args.fail_attempts
     rank = comm.Get_rank() if comm is not None else 0
     for t in range(args.steps):
@@ -47,7 +54,7 @@ def main() -> None:
             return
         time.sleep(args.step_delay)
         value = client.simulation_id * 1000 + t + rank * 0.5
-        client.send("field", t, np.full(args.shape, value, dtype=np.float32))
+        client.send("field", t, np.full(shape, value, dtype=dtype))
     client.finalize()
 
 
