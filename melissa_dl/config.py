@@ -116,7 +116,9 @@ class LauncherConfig:
     scheduler: Literal["local", "mpirun"] = option(
         "local", doc="`local`: one subprocess per simulation; `mpirun`: `mpirun -n client_ranks command`."
     )
-    client_ranks: int = option(1, doc="MPI ranks of each simulation (scheduler `mpirun`).")
+    client_ranks: int = option(
+        1, doc="MPI ranks of each simulation (scheduler `mpirun`); a hello of another client size is refused."
+    )
     job_limit: int = option(4, doc="Simulations running at once.")
     simulation_timeout: float = option(
         300.0, doc="Seconds without data from a running simulation before it is killed and relaunched."
