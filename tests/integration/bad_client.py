@@ -3,7 +3,8 @@
 Attempt 0 of simulation 0 plays a broken client and exits with code 3; every
 other attempt streams ``--steps`` steps of a (4, 8) float32 field "field"
 normally. The test checks that the server refused and counted each kind and
-still completed.
+still completed. With ``--fuzz SEED``, attempt 0 of simulation 0 sends seeded
+mutants instead (``fuzz.py``).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 import numpy as np
 import zmq
 
+from fuzz import fuzz
 from melissa_dl.client import Client
 from melissa_dl.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, owner_rank, simulation_key
 
@@ -22,8 +24,13 @@ SHAPE = (4, 8)
 GOOD = ["float32", list(SHAPE)]
 
 
+def secure(socket: zmq.Socket) -> None:
+    """Give a raw socket the study's credentials, as the client does."""
+
+
 def handshake(context: zmq.Context, endpoint: str, request: bytes | list[bytes]) -> dict:
     socket = context.socket(zmq.REQ)
+    secure(socket)
     socket.connect(endpoint)
     socket.send_multipart(request if isinstance(request, list) else [request])
     assert socket.poll(10_000), "no handshake answer"
@@ -61,6 +68,7 @@ def bad_frames(context: zmq.Context, endpoints: list[str], token: bytes, sim: in
     sockets = []
     for endpoint in endpoints:
         sockets.append(context.socket(zmq.PUSH))
+        secure(sockets[-1])
         sockets[-1].connect(endpoint)
 
     def frame(kind: Kind = Kind.DATA, step: int = 0, field: int = 0, dtype: str = "float32",
@@ -95,12 +103,23 @@ def bad_frames(context: zmq.Context, endpoints: list[str], token: bytes, sim: in
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--fuzz", type=int, help="seed: send seeded mutants instead of the scripted bad input")
+    parser.add_argument("--fuzz-frames", type=int, default=6000)
+    parser.add_argument("--fuzz-hellos", type=int, default=1200)
     args = parser.parse_args()
     sim = int(os.environ["MELISSA_SIMULATION_ID"])
     if sim == 0 and os.environ["MELISSA_ATTEMPT"] == "0":
         context = zmq.Context()
-        reply = bad_handshakes(context, os.environ["MELISSA_SERVER"], os.environ["MELISSA_TOKEN"], sim)
-        bad_frames(context, reply["endpoints"], bytes.fromhex(os.environ["MELISSA_TOKEN"]), sim, args.steps)
+        server, token = os.environ["MELISSA_SERVER"], os.environ["MELISSA_TOKEN"]
+        if args.fuzz is None:
+            reply = bad_handshakes(context, server, token, sim)
+            bad_frames(context, reply["endpoints"], bytes.fromhex(token), sim, args.steps)
+        else:
+            hello = {"protocol": PROTOCOL_VERSION, "token": token, "simulation_id": sim, "attempt": 0,
+                     "client_rank": 0, "client_size": 1, "fields": {"field": GOOD}}
+            endpoints = handshake(context, server, encode_json(hello))["endpoints"]
+            fuzz(context, secure, server, endpoints, bytes.fromhex(token), sim, args.steps, args.fuzz_frames,
+                 args.fuzz_hellos, args.fuzz)
         context.term()
         sys.exit(3)  # its one hello was spent on the raw frames: the relaunch streams the steps
     with Client({"field": ("float32", SHAPE)}) as client:
