@@ -16,6 +16,9 @@ connections to a port could end the study. So:
 - an accept that failed anyway (no descriptor left) is counted and logged.
 
 Refusals are counted under ``<name>_connections`` and ``<name>_accept_failed``.
+:class:`ServerSocketThread` is the one place where a server socket is made,
+guarded, bound, polled and closed; the receiver and the handshake service
+only say what to do with what arrives.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import logging
 import os
 import resource
 import socket as tcp
+import threading
+from abc import ABC, abstractmethod
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -31,6 +36,7 @@ from melissa_dl.rejections import RejectionLog
 
 logger = logging.getLogger(__name__)
 
+POLL_MS = 100  # how often a socket's thread looks at its stop flag and its monitor
 RESERVED_FDS = 256  # descriptors kept for logs, checkpoints, simulation launches, MPI
 HANDSHAKE_MS = 10_000  # a peer silent this long after connecting is dropped
 SOCKETS_PER_RANK = 2  # rank 0's handshake and data sockets share the process's descriptors
@@ -102,3 +108,74 @@ class ConnectionGuard:
     def close(self) -> None:
         self._socket.disable_monitor()
         self.monitor.close(linger=0)
+
+
+class ServerSocketThread(threading.Thread, ABC):
+    """A thread owning one bound server socket, from its creation to its close, under a :class:`ConnectionGuard`.
+
+    An exception in the thread is kept in ``error`` for the main thread, which ends the job.
+    """
+
+    socket_type: int
+    guard_name: str
+
+    def __init__(self, name: str, bind_address: str, port: int = 0) -> None:
+        super().__init__(name=name, daemon=True)
+        self.rejections = RejectionLog()
+        self.port = port
+        self.error: BaseException | None = None
+        self._bind_address = bind_address
+        self._stop_event = threading.Event()
+        self._ready = threading.Event()
+
+    def start_and_bind(self, timeout: float = 30.0) -> int:
+        """Start the thread and return the port its socket is bound to."""
+        self.start()
+        if not self._ready.wait(timeout):
+            self.error = TimeoutError(f"{self.name}: the socket was not bound within {timeout:g} s")
+        self.check()
+        return self.port
+
+    def check(self) -> None:
+        """Re-raise in the caller's thread an exception that ended this thread."""
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        """Stop serving and wait for the thread; the socket closes with it."""
+        self._stop_event.set()
+        self.join()
+
+    def configure(self, socket: zmq.Socket) -> None:
+        """Socket options that must be set before bind."""
+
+    @abstractmethod
+    def handle(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
+        """Serve one readable event of the socket (``guard.check()`` while waiting long)."""
+
+    def run(self) -> None:
+        try:
+            socket = zmq.Context.instance().socket(self.socket_type)
+            guard = ConnectionGuard(socket, self.guard_name, self.rejections)  # before bind: the listener copies options
+            try:
+                self.configure(socket)
+                address = f"tcp://{self._bind_address}"
+                if self.port:
+                    socket.bind(f"{address}:{self.port}")
+                else:
+                    self.port = socket.bind_to_random_port(address)
+                self._ready.set()
+                poller = zmq.Poller()
+                poller.register(socket, zmq.POLLIN)
+                poller.register(guard.monitor, zmq.POLLIN)
+                while not self._stop_event.is_set():
+                    ready = dict(poller.poll(POLL_MS))
+                    guard.check()
+                    if socket in ready:
+                        self.handle(socket, guard)
+            finally:
+                guard.close()
+                socket.close(linger=0)
+        except BaseException as error:  # handed to the main thread, which ends the job
+            self.error = error
+            self._ready.set()

@@ -31,20 +31,20 @@ from typing import Any, Sequence
 
 import zmq
 
-from melissa_dl.connections import ConnectionGuard
+from melissa_dl.connections import ConnectionGuard, ServerSocketThread
 from melissa_dl.errors import ProtocolError
 from melissa_dl.protocol import PROTOCOL_VERSION, Layout, check_layout, decode_json, describe, encode_json, quote
-from melissa_dl.rejections import RejectionLog
 
 logger = logging.getLogger(__name__)
-
-POLL_MS = 100
 
 # refusals that the same simulation would meet again on every relaunch
 DETERMINISTIC = frozenset({"unknown_field", "missing_field", "dtype", "shape", "oversize", "client_size", "twice"})
 
 
-class HandshakeServer(threading.Thread):
+class HandshakeServer(ServerSocketThread):
+    socket_type = zmq.REP
+    guard_name = "handshake"
+
     def __init__(
         self,
         *,
@@ -59,24 +59,18 @@ class HandshakeServer(threading.Thread):
         layouts: dict[str, Layout] | None = None,
         port: int = 0,
     ) -> None:
-        super().__init__(name="handshake", daemon=True)
-        self.rejections = RejectionLog()
-        self.port = port
-        self.error: BaseException | None = None
+        super().__init__("handshake", bind_address, port)
         self._token = token
         self._fields = list(fields)
         self._simulations = simulations
         self._max_message_bytes = max_message_bytes
         self._accept = {"ok": True, "endpoints": list(endpoints), "fields": self._fields, "bind_simulation": bind_simulation}
-        self._bind_address = bind_address
         self._client_size = client_size
         self._pins: dict[str, Layout] = dict(layouts or {})  # whole (joined) layout of each field
         self._expected: dict[int, int] = {}  # simulation -> the attempt it runs
         self._admitted: dict[int, dict[int, dict[str, Layout]]] = {}  # simulation -> client rank -> its slices
         self._failures: list[tuple[int, str]] = []
         self._lock = threading.Lock()
-        self._stop_event = threading.Event()
-        self._ready = threading.Event()
 
     def expect(self, simulation_id: int, attempt: int | None) -> None:
         """Admit the clients of this attempt of a simulation (None: stop admitting its clients)."""
@@ -93,41 +87,8 @@ class HandshakeServer(threading.Thread):
             failures, self._failures = self._failures, []
         return failures
 
-    def start_and_bind(self, timeout: float = 30.0) -> int:
-        self.start()
-        self._ready.wait(timeout)
-        if self.error is not None:
-            raise self.error
-        return self.port
-
-    def run(self) -> None:
-        try:
-            socket = zmq.Context.instance().socket(zmq.REP)
-            guard = ConnectionGuard(socket, "handshake", self.rejections)  # before bind: the listener copies options
-            try:
-                address = f"tcp://{self._bind_address}"
-                if self.port:
-                    socket.bind(f"{address}:{self.port}")
-                else:
-                    self.port = socket.bind_to_random_port(address)
-                self._ready.set()
-                self._serve(socket, guard)
-            finally:
-                guard.close()
-                socket.close(linger=0)
-        except BaseException as error:  # re-raised by the main thread
-            self.error = error
-            self._ready.set()
-
-    def _serve(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(guard.monitor, zmq.POLLIN)
-        while not self._stop_event.is_set():
-            ready = dict(poller.poll(POLL_MS))
-            guard.check()
-            if socket in ready:
-                socket.send(encode_json(self.answer(socket.recv_multipart())))
+    def handle(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
+        socket.send(encode_json(self.answer(socket.recv_multipart())))
 
     def answer(self, request: list[bytes]) -> dict[str, Any]:
         """The reply to one request; checking it never raises."""
@@ -226,10 +187,6 @@ class HandshakeServer(threading.Thread):
         if complete:
             for name in self._fields:
                 self._pins.setdefault(name, joined([ranks[r][name] for r in sorted(ranks)]))
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
 
 
 def joined(slices: list[Layout]) -> Layout:

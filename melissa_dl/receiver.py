@@ -17,15 +17,12 @@ import zmq
 
 from melissa_dl.assembly import Assembler, Progress, StreamSpec
 from melissa_dl.buffers import Buffer
-from melissa_dl.connections import ConnectionGuard
+from melissa_dl.connections import POLL_MS, ConnectionGuard, ServerSocketThread
 from melissa_dl.errors import ProtocolError, ReceiverDied
 from melissa_dl.ledger import Ledger
-from melissa_dl.rejections import RejectionLog
 from melissa_dl.sample import Sample
 
 logger = logging.getLogger(__name__)
-
-POLL_MS = 100
 
 
 @dataclass
@@ -42,69 +39,37 @@ class ReceiverReport:
     buffer_size: int = 0
 
 
-class Receiver(threading.Thread):
+class Receiver(ServerSocketThread):
+    socket_type = zmq.PULL
+    guard_name = "data"
+
     def __init__(self, spec: StreamSpec, buffer: Buffer, bind_address: str, receive_queue_bytes: int) -> None:
-        super().__init__(name=f"receiver-{spec.server_rank}", daemon=True)
+        super().__init__(f"receiver-{spec.server_rank}", bind_address)
         self.buffer = buffer
-        self.rejections = RejectionLog()
-        self.port = 0
-        self.error: BaseException | None = None
         self._assembler = Assembler(spec, self.rejections)
-        self._bind_address = bind_address
         # ZeroMQ counts messages, not bytes: size the queue for the largest slice allowed
         self._hwm = max(2, receive_queue_bytes // spec.max_message_bytes)
         self._lock = threading.Lock()
-        self._stop_event = threading.Event()
-        self._ready = threading.Event()
         self._blocked = False
 
-    def start_and_bind(self, timeout: float = 30.0) -> int:
-        """Start the thread and return the port its socket is bound to."""
-        self.start()
-        if not self._ready.wait(timeout):
-            raise ReceiverDied("the receiver did not bind its socket in time")
-        self.check()
-        return self.port
+    def configure(self, socket: zmq.Socket) -> None:
+        socket.setsockopt(zmq.RCVHWM, self._hwm)
 
-    def run(self) -> None:
+    def handle(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
+        frames = socket.recv_multipart(copy=False)
         try:
-            socket = zmq.Context.instance().socket(zmq.PULL)
-            guard = ConnectionGuard(socket, "data", self.rejections)  # before bind: the listener copies its options
-            try:
-                socket.setsockopt(zmq.RCVHWM, self._hwm)
-                self.port = socket.bind_to_random_port(f"tcp://{self._bind_address}")
-                self._ready.set()
-                self._serve(socket, guard)
-            finally:
-                guard.close()
-                socket.close(linger=0)
-        except BaseException as error:  # handed to the main thread, which ends the job
-            self.error = error
-            self._ready.set()
-
-    def _serve(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(guard.monitor, zmq.POLLIN)
-        while not self._stop_event.is_set():
-            ready = dict(poller.poll(POLL_MS))
-            guard.check()
-            if socket not in ready:
-                continue
-            frames = socket.recv_multipart(copy=False)
-            try:
-                with self._lock:
-                    sample = self._assembler.handle([f.buffer for f in frames])
-            except ProtocolError as error:
-                self.rejections.reject(error.kind, str(error))
-                continue
-            if sample is None:
-                continue
-            while not self.buffer.put(sample, timeout=POLL_MS / 1000, on_insert=lambda: self._commit(sample)):
-                self._blocked = True
-                guard.check()  # connections still come while the buffer makes us wait
-                if self._stop_event.is_set():
-                    return
+            with self._lock:
+                sample = self._assembler.handle([f.buffer for f in frames])
+        except ProtocolError as error:
+            self.rejections.reject(error.kind, str(error))
+            return
+        if sample is None:
+            return
+        while not self.buffer.put(sample, timeout=POLL_MS / 1000, on_insert=lambda: self._commit(sample)):
+            self._blocked = True
+            guard.check()  # connections still come while the buffer makes us wait
+            if self._stop_event.is_set():
+                return
 
     def _commit(self, sample: Sample) -> None:
         with self._lock:
@@ -131,11 +96,6 @@ class Receiver(threading.Thread):
                 self._assembler.start_attempt(sim, attempt)
             for sim in finished:
                 self._assembler.finish(sim)
-
-    def stop(self) -> None:
-        """Stop reading and wait for the thread; the socket closes with it."""
-        self._stop_event.set()
-        self.join()
 
     def check(self) -> None:
         """Re-raise in the caller's thread an exception that killed the receiver."""
