@@ -8,9 +8,12 @@ the real path: handshake, ``melissa_dl.client.Client.send``, the receiver
 thread (header checks, credentials, non-finite check, assembly), the FIFO
 buffer and a consumer thread draining it. The C-client side is the same
 server fed by ``bench/ingest_client.c`` through ``libmelissa_dl`` (built by
-``make native``, which this script runs). Throughput is bytes over the time
-from the first message received to the last one consumed; the median of
-``--repeat`` runs of each is reported.
+``make native``, which this script runs). Both server sides run at each
+security level (``server.security``): ``token`` (ZeroMQ PLAIN, the default)
+and ``curve`` (CURVE encryption); the baseline is unauthenticated and
+unencrypted. Throughput is bytes over the time from the first message
+received to the last one consumed; the median of ``--repeat`` runs of each is
+reported, one RESULT line per client language and security level.
 
     python bench/ingest.py [--clients 8] [--mib 1] [--steps 64] [--repeat 3]
 """
@@ -33,6 +36,7 @@ from melissa_dl.buffers import make_buffer
 from melissa_dl.client import Client
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.receiver import Receiver
+from melissa_dl.security import LEVELS, Security
 
 TIMEOUT = 60
 SEND_QUEUE, RECEIVE_QUEUE = 8, 64  # messages queued per connection, the same on both sides
@@ -111,21 +115,23 @@ def raw_throughput(clients: int, steps: int, nbytes: int) -> float:
     return (clients * steps - 1) * nbytes / elapsed
 
 
-def server_throughput(clients: int, steps: int, nbytes: int, c_client: bool) -> float:
+def server_throughput(clients: int, steps: int, nbytes: int, c_client: bool, level: str) -> float:
     token = secrets.token_bytes(32)
+    security = Security.generate(level, token, TIMEOUT)
     spec = StreamSpec(["field"], np.zeros((clients, 1)), token, server_rank=0, server_size=1,
                       max_message_bytes=nbytes)
     buffer = make_buffer("fifo", capacity_samples=64, capacity_bytes=None, watermark=1, seed=0)
-    receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=RECEIVE_QUEUE * nbytes)
+    receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=RECEIVE_QUEUE * nbytes, security=security)
     port = receiver.start_and_bind()
     handshake = HandshakeServer(token=token, fields=["field"], simulations=clients,
                                 endpoints=[f"tcp://127.0.0.1:{port}"], bind_simulation=False,
-                                max_message_bytes=nbytes, bind_address="127.0.0.1")
+                                max_message_bytes=nbytes, bind_address="127.0.0.1", security=security)
     endpoint = f"tcp://127.0.0.1:{handshake.start_and_bind()}"
     for sim in range(clients):
         handshake.expect(sim, 0)
     environs = [{"MELISSA_SERVER": endpoint, "MELISSA_TOKEN": token.hex(), "MELISSA_SIMULATION_ID": str(sim),
-                 "MELISSA_PARAMETERS": "[0.0]", "MELISSA_SEND_QUEUE_BYTES": str(SEND_QUEUE * nbytes)}
+                 "MELISSA_PARAMETERS": "[0.0]", "MELISSA_SEND_QUEUE_BYTES": str(SEND_QUEUE * nbytes),
+                 "MELISSA_CLIENT_TIMEOUT": str(TIMEOUT), **security.client_environment()}
                 for sim in range(clients)]
     if c_client:
         senders: Senders | CSenders = CSenders(environs, steps, nbytes)
@@ -157,18 +163,23 @@ def main() -> None:
     args = parser.parse_args()
     nbytes = int(args.mib * (1 << 20))
     subprocess.run(["make", "-s", "-C", str(ROOT), "native"], check=True, stdout=subprocess.DEVNULL)
-    raw, served, served_c = [], [], []
+    sides = [(c_client, level) for c_client in (False, True) for level in LEVELS]
+    raw: list[float] = []
+    served: dict[tuple[bool, str], list[float]] = {side: [] for side in sides}
     for _ in range(args.repeat):  # interleaved so that drifts of the machine hit every side
         raw.append(raw_throughput(args.clients, args.steps, nbytes))
-        served.append(server_throughput(args.clients, args.steps, nbytes, c_client=False))
-        served_c.append(server_throughput(args.clients, args.steps, nbytes, c_client=True))
-    raw_mb, server_mb, c_mb = (statistics.median(runs) / 1e6 for runs in (raw, served, served_c))
-    print(f"raw pyzmq: {[round(r / 1e6) for r in raw]} MB/s; server: {[round(s / 1e6) for s in served]} MB/s; "
-          f"server from C clients: {[round(s / 1e6) for s in served_c]} MB/s")
-    print(f"RESULT ingest ratio={server_mb / raw_mb:.3f} target=0.9 server={server_mb:.0f}MB/s raw_pyzmq={raw_mb:.0f}MB/s "
-          f"clients={args.clients} field={args.mib:g}MiB")
-    print(f"RESULT ingest_c_client ratio={c_mb / raw_mb:.3f} target=0.9 server={c_mb:.0f}MB/s "
-          f"raw_pyzmq={raw_mb:.0f}MB/s clients={args.clients} field={args.mib:g}MiB")
+        for c_client, level in sides:
+            served[c_client, level].append(server_throughput(args.clients, args.steps, nbytes, c_client, level))
+    raw_mb = statistics.median(raw) / 1e6
+    print(f"raw pyzmq: {[round(r / 1e6) for r in raw]} MB/s; " + "; ".join(
+        f"server, {'C' if c else 'Python'} clients, {level}: {[round(s / 1e6) for s in served[c, level]]} MB/s"
+        for c, level in sides))
+    for c_client, level in sides:  # the names of the token lines are those of the runs before security levels
+        name = "ingest" + ("_c_client" if c_client else "") + ("" if level == "token" else f"_{level}")
+        server_mb = statistics.median(served[c_client, level]) / 1e6
+        target = "0.9" if level == "token" else "none"
+        print(f"RESULT {name} ratio={server_mb / raw_mb:.3f} target={target} server={server_mb:.0f}MB/s "
+              f"raw_pyzmq={raw_mb:.0f}MB/s security={level} clients={args.clients} field={args.mib:g}MiB")
 
 
 if __name__ == "__main__":

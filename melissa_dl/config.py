@@ -88,6 +88,10 @@ class ServerConfig:
         False, doc="Send every step of simulation s to rank s mod K instead of (s + t) mod K."
     )
     max_message_bytes: int = option(64 * MiB, doc="Largest accepted field slice; larger frames are refused.")
+    security: Literal["token", "curve"] = option(
+        "token", doc="`token`: only peers holding the study's token connect (ZeroMQ PLAIN, not encrypted); "
+        "`curve`: CURVE encryption and authentication with keys drawn per study (README, Security)."
+    )
     receive_queue_bytes: int = option(
         256 * MiB, doc="Memory ZeroMQ may queue per client connection on each rank (sets the high-water mark)."
     )
@@ -125,7 +129,8 @@ class LauncherConfig:
     )
     max_retries: int = option(2, doc="Relaunches of a failed simulation before it is reported failed.")
     client_timeout: float = option(
-        300.0, doc="Seconds a client waits for an unresponsive server before failing."
+        300.0, doc="Seconds a client waits for an unreachable server (no connection, no heartbeat) before failing; "
+        "back-pressure is waited out however long."
     )
     send_queue_bytes: int = option(64 * MiB, doc="Memory ZeroMQ may queue in each client rank per server rank.")
     env: dict[str, str] = option({}, doc="Extra environment variables of the simulations.")

@@ -15,7 +15,13 @@ connections to a port could end the study. So:
   ``HANDSHAKE_MS`` (ZMQ_HANDSHAKE_IVL);
 - an accept that failed anyway (no descriptor left) is counted and logged.
 
-Refusals are counted under ``<name>_connections`` and ``<name>_accept_failed``.
+Refusals are counted under ``<name>_connections`` and ``<name>_accept_failed``;
+a peer that fails ZeroMQ's security handshake (no or another mechanism, a
+wrong CURVE server key) under ``<name>_auth``, like the wrong credentials
+that the ZAP handler refuses (:mod:`melissa_dl.security`), and a connection
+that ends before that handshake is done (an idle or scanning peer, a peer
+whose mismatch its own side saw first, a client that quit at once) under
+``<name>_noauth``.
 :class:`ServerSocketThread` is the one place where a server socket is made,
 guarded, bound, polled and closed; the receiver and the handshake service
 only say what to do with what arrives.
@@ -33,6 +39,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from melissa_dl.rejections import RejectionLog
+from melissa_dl.security import Gate, Security, describe_handshake_failure
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +47,8 @@ POLL_MS = 100  # how often a socket's thread looks at its stop flag and its moni
 RESERVED_FDS = 256  # descriptors kept for logs, checkpoints, simulation launches, MPI
 HANDSHAKE_MS = 10_000  # a peer silent this long after connecting is dropped
 SOCKETS_PER_RANK = 2  # rank 0's handshake and data sockets share the process's descriptors
-_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
+_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 def raise_open_file_limit() -> int:
@@ -70,6 +78,7 @@ class ConnectionGuard:
         self.monitor = socket.get_monitor_socket(_EVENTS)
         self.cap = connection_cap() if cap is None else cap
         self.open = 0
+        self._shut_in_handshake = 0  # connections this guard closed: their failed handshakes are no refusal of their own
         self._socket = socket
         self._name = name
         self._rejections = rejections
@@ -88,6 +97,15 @@ class ConnectionGuard:
             elif kind == zmq.EVENT_ACCEPT_FAILED:
                 self._rejections.reject(f"{self._name}_accept_failed",
                                         f"{self._name} socket: accept failed: {os.strerror(event['value'])}")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:  # wrong credentials are counted by the ZAP handler
+                self._rejections.reject(f"{self._name}_auth", f"{self._name} socket: a peer without the study's "
+                                        f"credentials: {describe_handshake_failure(kind, event['value'])}")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                if self._shut_in_handshake > 0:  # one this guard closed, counted already
+                    self._shut_in_handshake -= 1
+                else:
+                    self._rejections.reject(f"{self._name}_noauth", f"{self._name} socket: a connection ended before "
+                                            f"ZeroMQ's security handshake was done ({os.strerror(event['value'])})")
 
     def _shut(self, fd: int) -> None:
         """End a connection ZeroMQ just accepted; ZeroMQ sees it close and releases the descriptor."""
@@ -100,6 +118,7 @@ class ConnectionGuard:
             return
         try:
             duplicate.shutdown(tcp.SHUT_RDWR)
+            self._shut_in_handshake += 1
         except OSError:
             pass  # the peer left first: ZeroMQ reports it disconnected as well
         finally:
@@ -119,8 +138,10 @@ class ServerSocketThread(threading.Thread, ABC):
     socket_type: int
     guard_name: str
 
-    def __init__(self, name: str, bind_address: str, port: int = 0) -> None:
+    def __init__(self, name: str, bind_address: str, port: int = 0, *, security: Security, message_cap: int) -> None:
         super().__init__(name=name, daemon=True)
+        self.security = security
+        self.message_cap = message_cap  # ZMQ_MAXMSGSIZE: a larger message part ends its connection unread
         self.rejections = RejectionLog()
         self.port = port
         self.error: BaseException | None = None
@@ -157,7 +178,9 @@ class ServerSocketThread(threading.Thread, ABC):
         try:
             socket = zmq.Context.instance().socket(self.socket_type)
             guard = ConnectionGuard(socket, self.guard_name, self.rejections)  # before bind: the listener copies options
+            gate = None
             try:
+                gate = Gate(socket, self.security, self.rejections, self.guard_name, self.message_cap)  # before bind too
                 self.configure(socket)
                 address = f"tcp://{self._bind_address}"
                 if self.port:
@@ -176,6 +199,8 @@ class ServerSocketThread(threading.Thread, ABC):
             finally:
                 guard.close()
                 socket.close(linger=0)
+                if gate is not None:  # after the close: a CURVE socket without ZAP handler would admit anyone
+                    gate.close()
         except BaseException as error:  # handed to the main thread, which ends the job
             self.error = error
             self._ready.set()

@@ -34,8 +34,11 @@ import zmq
 from melissa_dl.connections import ConnectionGuard, ServerSocketThread
 from melissa_dl.errors import ProtocolError
 from melissa_dl.protocol import PROTOCOL_VERSION, Layout, check_layout, decode_json, describe, encode_json, quote
+from melissa_dl.security import Security, hello_bytes
 
 logger = logging.getLogger(__name__)
+
+HELLO_QUEUE = 4  # hellos queued per connection (a REQ client sends one at a time)
 
 # refusals that the same simulation would meet again on every relaunch
 DETERMINISTIC = frozenset({"unknown_field", "missing_field", "dtype", "shape", "oversize", "client_size", "twice"})
@@ -58,8 +61,11 @@ class HandshakeServer(ServerSocketThread):
         client_size: int = 1,
         layouts: dict[str, Layout] | None = None,
         port: int = 0,
+        security: Security | None = None,
     ) -> None:
-        super().__init__("handshake", bind_address, port)
+        super().__init__("handshake", bind_address, port,
+                         security=security if security is not None else Security("token", token),
+                         message_cap=hello_bytes(fields))
         self._token = token
         self._fields = list(fields)
         self._simulations = simulations
@@ -86,6 +92,9 @@ class HandshakeServer(ServerSocketThread):
         with self._lock:
             failures, self._failures = self._failures, []
         return failures
+
+    def configure(self, socket: zmq.Socket) -> None:
+        socket.setsockopt(zmq.RCVHWM, HELLO_QUEUE)  # a peer pipelining hellos holds at most this many
 
     def handle(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
         socket.send(encode_json(self.answer(socket.recv_multipart())))

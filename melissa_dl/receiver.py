@@ -21,6 +21,7 @@ from melissa_dl.connections import POLL_MS, ConnectionGuard, ServerSocketThread
 from melissa_dl.errors import ProtocolError, ReceiverDied
 from melissa_dl.ledger import Ledger
 from melissa_dl.sample import Sample
+from melissa_dl.security import Security, hello_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,11 @@ class Receiver(ServerSocketThread):
     socket_type = zmq.PULL
     guard_name = "data"
 
-    def __init__(self, spec: StreamSpec, buffer: Buffer, bind_address: str, receive_queue_bytes: int) -> None:
-        super().__init__(f"receiver-{spec.server_rank}", bind_address)
+    def __init__(self, spec: StreamSpec, buffer: Buffer, bind_address: str, receive_queue_bytes: int,
+                 security: Security | None = None) -> None:
+        super().__init__(f"receiver-{spec.server_rank}", bind_address,
+                         security=security if security is not None else Security("token", spec.token),
+                         message_cap=max(spec.max_message_bytes, hello_bytes(spec.fields)))  # DECLARE: fields' JSON
         self.buffer = buffer
         self._assembler = Assembler(spec, self.rejections)
         # ZeroMQ counts messages, not bytes: size the queue for the largest slice allowed

@@ -45,6 +45,7 @@ from melissa_dl.recovery import (
 from melissa_dl.dataset import END
 from melissa_dl.receiver import Receiver
 from melissa_dl.sample import Sample
+from melissa_dl.security import Security
 from melissa_dl.report import StatusLine, final_report, write_report
 from melissa_dl.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
 from melissa_dl.study import Study
@@ -103,6 +104,9 @@ class Server:
         study = config.study
         self.parameters = study_parameters(study)
         self.token: bytes = comm.bcast(secrets.token_bytes(32) if self.rank == 0 else None)
+        self.security: Security = comm.bcast(  # CURVE keys drawn once, by rank 0
+            Security.generate(config.server.security, self.token, config.launcher.client_timeout)
+            if self.rank == 0 else None)
         options = config.buffer
         self.buffer = make_buffer(
             options.kind,
@@ -126,7 +130,8 @@ class Server:
             layouts=study.field_layouts,
         )
         self.bind_address, self.host = addresses(config.server.interface)
-        self.receiver = Receiver(spec, self.buffer, self.bind_address, config.server.receive_queue_bytes)
+        self.receiver = Receiver(spec, self.buffer, self.bind_address, config.server.receive_queue_bytes,
+                                 self.security)
         self.drained = 0
         self.consumed: Callable[[], int] = lambda: self.drained
 
@@ -187,6 +192,7 @@ class Server:
                     client_size=self.config.launcher.client_ranks,
                     layouts=self.config.study.field_layouts,
                     port=self.config.server.handshake_port,
+                    security=self.security,
                 )
                 server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
                 logger.info("study of %d simulations, handshake at %s, %d server ranks",
@@ -256,6 +262,7 @@ class Server:
             client.ENV_PARAMETERS: json.dumps(self.parameters[sim].tolist()),
             client.ENV_CLIENT_TIMEOUT: str(options.client_timeout),
             client.ENV_SEND_QUEUE_BYTES: str(options.send_queue_bytes),
+            **self.security.client_environment(),
         }
 
     def _next_samples(self, wait: float) -> list[Sample] | object | None:

@@ -4,7 +4,9 @@
  * same wire protocol. A simulation started by the server's launcher finds
  * everything it needs in its environment (MELISSA_SERVER, MELISSA_TOKEN,
  * MELISSA_SIMULATION_ID, MELISSA_ATTEMPT, MELISSA_PARAMETERS,
- * MELISSA_CLIENT_TIMEOUT, MELISSA_SEND_QUEUE_BYTES):
+ * MELISSA_CLIENT_TIMEOUT, MELISSA_SEND_QUEUE_BYTES, and the security level
+ * MELISSA_SECURITY with, for "curve", MELISSA_CURVE_SERVER_KEY,
+ * MELISSA_CURVE_PUBLIC_KEY and MELISSA_CURVE_SECRET_KEY):
  *
  *     double p[5]; int n;
  *     melissa_dl_parameters(p, 5, &n);                       // this simulation's parameter set
@@ -35,7 +37,7 @@ extern "C" {
 #endif
 
 #define MELISSA_DL_VERSION "0.1.0"      /* this header's library version */
-#define MELISSA_DL_PROTOCOL_VERSION 1   /* the wire protocol it speaks */
+#define MELISSA_DL_PROTOCOL_VERSION 2   /* the wire protocol it speaks */
 
 #if defined(__GNUC__)
 #define MELISSA_DL_API __attribute__((visibility("default")))
@@ -58,8 +60,8 @@ enum melissa_dl_status {
     MELISSA_DL_ERR_UNDECLARED = 4,  /* send of a field that melissa_dl_init did not declare */
     MELISSA_DL_ERR_DTYPE = 5,       /* send of float data to a double field, or the reverse */
     MELISSA_DL_ERR_COUNT = 6,       /* send of another element count than declared */
-    MELISSA_DL_ERR_REFUSED = 7,     /* the server refused the handshake (the message gives its reason) */
-    MELISSA_DL_ERR_UNREACHABLE = 8, /* no answer, or no progress, for MELISSA_CLIENT_TIMEOUT seconds */
+    MELISSA_DL_ERR_REFUSED = 7,     /* the server refused the handshake or the credentials (the message says why) */
+    MELISSA_DL_ERR_UNREACHABLE = 8, /* no answer, or a server rank unreachable, for MELISSA_CLIENT_TIMEOUT seconds */
     MELISSA_DL_ERR_PROTOCOL = 9,    /* the server's answer is not what the protocol says */
     MELISSA_DL_ERR_MPI = 10,        /* MPI is not initialised */
     MELISSA_DL_ERR_SYSTEM = 11      /* out of memory, or a ZeroMQ failure */
@@ -85,15 +87,17 @@ MELISSA_DL_API int melissa_dl_init(const char *field, int dtype, size_t local_co
 /* Send this rank's slice of a field at a time step (an integer in
  * [0, 2^32), e.g. 0, 1, 2, ...). The data is copied into ZeroMQ's queue, so
  * the caller may overwrite it at once; the call blocks while the server is
- * full and fails with MELISSA_DL_ERR_UNREACHABLE after MELISSA_CLIENT_TIMEOUT
- * seconds without progress. count must be the declared local count. */
+ * full, however long, and fails with MELISSA_DL_ERR_UNREACHABLE once the
+ * server rank has been unreachable (no connection, no heartbeat) for
+ * MELISSA_CLIENT_TIMEOUT seconds. count must be the declared local count. */
 MELISSA_DL_API int melissa_dl_send_float(const char *field, int64_t time_step, const float *data, size_t count);
 MELISSA_DL_API int melissa_dl_send_double(const char *field, int64_t time_step, const double *data, size_t count);
 
-/* Tell each server rank how many steps it should hold, wait (at most
- * MELISSA_CLIENT_TIMEOUT seconds) until every queued frame has left, and
- * release everything: melissa_dl_init may then start again. A simulation that
- * ends without a successful finalize is relaunched by the server. */
+/* Tell each server rank how many steps it should hold, wait until every
+ * queued frame has left (as long as the server lives; MELISSA_DL_ERR_UNREACHABLE
+ * once a server rank has been unreachable for MELISSA_CLIENT_TIMEOUT seconds),
+ * and release everything: melissa_dl_init may then start again. A simulation
+ * that ends without a successful finalize is relaunched by the server. */
 MELISSA_DL_API int melissa_dl_finalize(void);
 
 /* What the last failing call said ("" before any failure); successful calls

@@ -5,13 +5,23 @@
  * EMPTY (nothing declared) -> DECLARED (melissa_dl_init) -> CONNECTED (the
  * first send or finalize did the handshake and declared the fields to every
  * server rank) -> EMPTY again after finalize. A failed handshake or a send
- * that timed out leaves it BROKEN: further sends are refused until finalize
- * releases everything. Mistakes of the caller (unknown field, wrong dtype or
- * count) change nothing, as in Python.
+ * that found the server gone leaves it BROKEN: further sends are refused until
+ * finalize releases everything. Mistakes of the caller (unknown field, wrong
+ * dtype or count) change nothing, as in Python.
  *
- * Frames are built by hand, little-endian, field by field: the 63-byte header
- * is struct ``<4sHBB8sIIHHHB6IQ`` of protocol.py. ZeroMQ copies the payload
+ * Frames are built by hand, little-endian, field by field: the 67-byte header
+ * is struct ``<4sHBB8sIIIHHHB6IQ`` of protocol.py. ZeroMQ copies the payload
  * (zmq_send), so the caller may reuse its array at once.
+ *
+ * Every socket carries the study's credentials (MELISSA_SECURITY: PLAIN with
+ * the token, or CURVE with the MELISSA_CURVE_* keys) and a monitor (link.c).
+ * As in Python, there is no send timeout: a full queue is waited out for as
+ * long as the server lives, which its heartbeats tell, and a server rank
+ * unreachable for MELISSA_CLIENT_TIMEOUT seconds breaks the connection. The
+ * flush of finalize closes the sockets with an unbounded linger, terminates
+ * the context in a helper thread, and watches the server ranks through probe
+ * sockets meanwhile; if one is gone, finalize fails and abandons that thread
+ * and context (libzmq cannot cut a lingering close short).
  */
 #define _GNU_SOURCE /* clock_gettime */
 #include "melissa_dl.h"
@@ -19,6 +29,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,9 +38,10 @@
 #include <zmq.h>
 
 #include "json.h"
+#include "link.h"
 #include "sha256.h"
 
-enum { HEADER_BYTES = 63, KEY_BYTES = 8, MAX_NDIM = 6, DTYPE_UINT8 = 7, MESSAGE_BYTES = 1024 };
+enum { HEADER_BYTES = 67, KEY_BYTES = 8, MAX_NDIM = 6, DTYPE_UINT8 = 7, MESSAGE_BYTES = 1024 };
 enum { KIND_DATA = 1, KIND_DECLARE = 2, KIND_FINALIZE = 3 };
 
 static const char *const DTYPE_NAMES[] = {"float32", "float64"};
@@ -53,10 +65,14 @@ typedef struct {
 
 #define EMPTY_SLOT UINT64_MAX
 
+enum { WAKE_MS = 1000, FLUSH_GRACE_MS = 200, FLUSH_POLL_MS = 50, PROBE_SETTLE_MS = 1000 };
+
 typedef struct {
-    uint32_t simulation_id;
+    uint32_t simulation_id, attempt;
     char *endpoint;
     char *token;
+    char *curve[3]; /* MELISSA_CURVE_SERVER_KEY, _PUBLIC_KEY, _SECRET_KEY, with MELISSA_SECURITY=curve */
+    mdl_security security;
     uint8_t key[KEY_BYTES];
     double timeout;
     double queue_bytes;
@@ -69,8 +85,8 @@ static struct {
     field *fields;
     size_t nfields;
     void *context;
-    void **sockets; /* one PUSH socket per server rank */
-    size_t nsockets;
+    mdl_link *links; /* one PUSH socket per server rank */
+    size_t nlinks;
     bool bind_simulation;
     step_set steps;
     char broken[MESSAGE_BYTES]; /* why the connection failed, while BROKEN */
@@ -180,8 +196,8 @@ static int env_number(const char *name, double fallback, double low, double high
     return MELISSA_DL_OK;
 }
 
-/* The frames' key: HMAC-SHA256(token bytes, simulation id as 4 bytes LE)[:8]. */
-static int make_key(const char *token, uint32_t simulation_id, uint8_t key[KEY_BYTES]) {
+/* The frames' key: HMAC-SHA256(token bytes, simulation id || attempt, each 4 bytes LE)[:8]. */
+static int make_key(const char *token, uint32_t simulation_id, uint32_t attempt, uint8_t key[KEY_BYTES]) {
     size_t n = strlen(token) / 2;
     uint8_t *secret = malloc(n + 1);
     if (secret == NULL)
@@ -193,8 +209,9 @@ static int make_key(const char *token, uint32_t simulation_id, uint8_t key[KEY_B
         if (ok)
             secret[i] = (uint8_t)(high << 4 | low);
     }
-    uint8_t message[4] = {(uint8_t)simulation_id, (uint8_t)(simulation_id >> 8), (uint8_t)(simulation_id >> 16),
-                          (uint8_t)(simulation_id >> 24)};
+    uint8_t message[8] = {(uint8_t)simulation_id, (uint8_t)(simulation_id >> 8), (uint8_t)(simulation_id >> 16),
+                          (uint8_t)(simulation_id >> 24), (uint8_t)attempt, (uint8_t)(attempt >> 8),
+                          (uint8_t)(attempt >> 16), (uint8_t)(attempt >> 24)};
     uint8_t mac[SHA256_BYTES];
     if (ok)
         mdl_hmac_sha256(secret, n, message, sizeof message, mac);
@@ -208,7 +225,33 @@ static int make_key(const char *token, uint32_t simulation_id, uint8_t key[KEY_B
 static void free_environment(environment *env) {
     free(env->endpoint);
     free(env->token);
+    for (int i = 0; i < 3; i++)
+        free(env->curve[i]);
     memset(env, 0, sizeof *env);
+}
+
+/* MELISSA_SECURITY (default token) and, for curve, the three Z85 keys. */
+static int read_security(environment *env) {
+    static const char *const KEYS[3] = {"MELISSA_CURVE_SERVER_KEY", "MELISSA_CURVE_PUBLIC_KEY",
+                                        "MELISSA_CURVE_SECRET_KEY"};
+    const char *level = getenv("MELISSA_SECURITY");
+    if (level == NULL || strcmp(level, "token") == 0) {
+        env->security.level = SECURITY_TOKEN;
+        return MELISSA_DL_OK;
+    }
+    if (strcmp(level, "curve") != 0)
+        return fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_SECURITY='%.50s' is neither 'token' nor 'curve'", level);
+    env->security.level = SECURITY_CURVE;
+    for (int i = 0; i < 3; i++) {
+        const char *key = getenv(KEYS[i]);
+        if (key == NULL || strlen(key) != 40)
+            return fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_SECURITY=curve but %s is %s", KEYS[i],
+                        key == NULL ? "not set" : "not a Z85 key");
+        env->curve[i] = strdup(key);
+        if (env->curve[i] == NULL)
+            return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    }
+    return MELISSA_DL_OK;
 }
 
 static int simulation_ids(double *simulation_id, double *attempt) {
@@ -231,16 +274,24 @@ static int read_environment(environment *env) {
     if (code == MELISSA_DL_OK)
         code = require("MELISSA_TOKEN", &token);
     if (code == MELISSA_DL_OK)
-        code = make_key(token, (uint32_t)simulation_id, env->key);
-    if (code != MELISSA_DL_OK)
+        code = make_key(token, (uint32_t)simulation_id, (uint32_t)attempt, env->key);
+    if (code == MELISSA_DL_OK)
+        code = read_security(env);
+    if (code != MELISSA_DL_OK) {
+        free_environment(env);
         return code;
+    }
     env->simulation_id = (uint32_t)simulation_id;
+    env->attempt = (uint32_t)attempt;
     env->endpoint = strdup(endpoint);
     env->token = strdup(token);
     if (env->endpoint == NULL || env->token == NULL) {
         free_environment(env);
         return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     }
+    env->security.token = env->token;
+    for (int i = 0; i < 3; i++)
+        env->security.curve[i] = env->curve[i];
     return MELISSA_DL_OK;
 }
 
@@ -275,7 +326,7 @@ static bool steps_add(step_set *set, uint32_t step) {
 static size_t owner_rank(uint32_t time_step) {
     uint64_t order = client.bind_simulation ? client.env.simulation_id
                                             : (uint64_t)client.env.simulation_id + time_step;
-    return (size_t)(order % client.nsockets);
+    return (size_t)(order % client.nlinks);
 }
 
 static uint8_t *put(uint8_t *at, uint64_t value, int bytes) {
@@ -293,6 +344,7 @@ static void pack_header(uint8_t out[HEADER_BYTES], int kind, uint32_t time_step,
     at = put(at, (uint64_t)dtype, 1);
     memcpy(at, client.env.key, KEY_BYTES);
     at = put(at + KEY_BYTES, client.env.simulation_id, 4);
+    at = put(at, client.env.attempt, 4);
     at = put(at, time_step, 4);
     at = put(at, (uint64_t)client.rank, 2);
     at = put(at, (uint64_t)client.size, 2);
@@ -310,63 +362,161 @@ static int broken(int code) {
     return code;
 }
 
-/* Send a two-frame message; a full queue for the whole timeout breaks the connection. */
-static int send_message(void *socket, const uint8_t *header, const void *payload, size_t size) {
-    if (zmq_send(socket, header, HEADER_BYTES, ZMQ_SNDMORE) == HEADER_BYTES && zmq_send(socket, payload, size, 0) >= 0)
-        return MELISSA_DL_OK;
-    int error = errno;
-    int code = error == EAGAIN
-                   ? fail(MELISSA_DL_ERR_UNREACHABLE, "simulation %u: the server accepted no data for %g s",
-                          client.env.simulation_id, client.env.timeout)
-                   : fail(MELISSA_DL_ERR_SYSTEM, "simulation %u: zmq_send: %s", client.env.simulation_id,
-                          zmq_strerror(error));
-    return broken(code);
+/* The server refused the link's credentials or mechanism: a deterministic failure. */
+static int refused(const mdl_link *link) {
+    char why[256];
+    mdl_link_refusal(link, why, sizeof why);
+    return fail(MELISSA_DL_ERR_REFUSED, "simulation %u: %s: %s: this simulation's credentials "
+                "(MELISSA_SECURITY=%s) are not the server's (a stale environment, or another study's server?)",
+                client.env.simulation_id, link->endpoint, why, mdl_security_name(client.env.security.level));
+}
+
+/* MELISSA_DL_OK while the server rank behind a link lives; *left: seconds before it counts as gone. */
+static int alive(mdl_link *link, size_t rank, const char *prefix, double *left) {
+    mdl_link_update(link);
+    if (link->refused)
+        return refused(link);
+    *left = client.env.timeout - mdl_link_down_for(link);
+    if (*left <= 0)
+        return fail(MELISSA_DL_ERR_UNREACHABLE, "%ssimulation %u: server rank %zu (%s) has been unreachable for %g s "
+                    "(no connection, no heartbeat)", prefix, client.env.simulation_id, rank, link->endpoint,
+                    client.env.timeout);
+    return MELISSA_DL_OK;
+}
+
+/* Send a two-frame message to a server rank; while its queue is full, wait as long as that rank lives. */
+static int send_message(size_t rank, const uint8_t *header, const void *payload, size_t size) {
+    mdl_link *link = &client.links[rank];
+    for (;;) {
+        /* a message's first part taken, ZeroMQ takes the rest: its queue counts whole messages */
+        if (zmq_send(link->socket, header, HEADER_BYTES, ZMQ_SNDMORE | ZMQ_DONTWAIT) == HEADER_BYTES)
+            break;
+        if (errno != EAGAIN && errno != EINTR)
+            return broken(fail(MELISSA_DL_ERR_SYSTEM, "simulation %u: zmq_send: %s", client.env.simulation_id,
+                               zmq_strerror(errno)));
+        double left;
+        int code = alive(link, rank, "", &left);
+        if (code != MELISSA_DL_OK)
+            return broken(code);
+        zmq_pollitem_t items[2] = {{link->socket, 0, ZMQ_POLLOUT, 0}, {link->monitor, 0, ZMQ_POLLIN, 0}};
+        zmq_poll(items, 2, (long)fmin(WAKE_MS, left * 1000 + 1));
+    }
+    while (zmq_send(link->socket, payload, size, 0) < 0)
+        if (errno != EINTR)
+            return broken(fail(MELISSA_DL_ERR_SYSTEM, "simulation %u: zmq_send: %s", client.env.simulation_id,
+                               zmq_strerror(errno)));
+    return MELISSA_DL_OK;
 }
 
 /* A control message (DECLARE or FINALIZE): a JSON payload, no shape. */
-static int send_control(void *socket, int kind, const strbuf *body) {
+static int send_control(size_t rank, int kind, const strbuf *body) {
     uint8_t header[HEADER_BYTES];
     pack_header(header, kind, 0, 0, DTYPE_UINT8, NULL, 0, body->size);
-    return send_message(socket, header, body->data, body->size);
+    return send_message(rank, header, body->data, body->size);
 }
 
 /* -- connection ---------------------------------------------------------- */
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-/* Close the sockets (waiting ``linger`` seconds for queued frames) and the
- * context; forget the connection and the declarations. */
-static double release(double linger) {
-    double start = now();
-    for (size_t i = 0; i < client.nsockets; i++) {
-        int ms = (int)(linger * 1000);
-        zmq_setsockopt(client.sockets[i], ZMQ_LINGER, &ms, sizeof ms);
-        zmq_close(client.sockets[i]);
-    }
-    if (client.context != NULL)
-        while (zmq_ctx_term(client.context) != 0 && errno == EINTR)
-            ;
-    double elapsed = now() - start;
+/* Forget the connection and the declarations. */
+static void forget(void) {
     for (size_t i = 0; i < client.nfields; i++)
         free(client.fields[i].name);
     free(client.fields);
-    free(client.sockets);
+    free(client.links);
     free(client.steps.slots);
     free_environment(&client.env);
     memset(&client, 0, sizeof client);
-    return elapsed;
+}
+
+/* Close the sockets at once, dropping queued frames, and the context; forget everything. */
+static void release(void) {
+    for (size_t i = 0; i < client.nlinks; i++)
+        mdl_link_close(&client.links[i], 0);
+    if (client.context != NULL)
+        while (zmq_ctx_term(client.context) != 0 && errno == EINTR)
+            ;
+    forget();
+}
+
+struct flush {
+    void *context;
+    atomic_int done;
+};
+
+static void terminate_context(void *flush) {
+    struct flush *state = flush;
+    while (zmq_ctx_term(state->context) != 0 && errno == EINTR)
+        ;
+    atomic_store(&state->done, 1);
+}
+
+/* Close the sockets once every queued frame has left, for as long as the server lives (see the top). */
+static int flush(void) {
+    size_t n = client.nlinks;
+    char **endpoints = calloc(n ? n : 1, sizeof *endpoints);
+    for (size_t i = 0; endpoints != NULL && i < n; i++) {
+        endpoints[i] = client.links[i].endpoint; /* kept from the link */
+        client.links[i].endpoint = NULL;
+        mdl_link_close(&client.links[i], -1);
+    }
+    client.nlinks = 0;
+    struct flush *state = malloc(sizeof *state); /* abandoned with its thread if the server is gone */
+    if (state != NULL) {
+        state->context = client.context;
+        atomic_init(&state->done, 0);
+    }
+    client.context = NULL;
+    void *thread = endpoints && state ? zmq_threadstart(terminate_context, state) : NULL;
+    int code = thread ? MELISSA_DL_OK : fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    for (int waited = 0; code == MELISSA_DL_OK && !atomic_load(&state->done) && waited < FLUSH_GRACE_MS; waited += 10)
+        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+    if (code == MELISSA_DL_OK && !atomic_load(&state->done)) { /* still queued: watch the server ranks */
+        void *probes = zmq_ctx_new();
+        mdl_link *links = calloc(n ? n : 1, sizeof *links);
+        size_t opened = 0;
+        if (probes == NULL || links == NULL)
+            code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+        for (; code == MELISSA_DL_OK && opened < n; opened++)
+            if (mdl_link_open(&links[opened], probes, ZMQ_PUSH, endpoints[opened], &client.env.security, 0) != 0)
+                code = fail(MELISSA_DL_ERR_SYSTEM, "probe of %s: %s", endpoints[opened], zmq_strerror(errno));
+        while (code == MELISSA_DL_OK && !atomic_load(&state->done)) {
+            nanosleep(&(struct timespec){0, FLUSH_POLL_MS * 1000 * 1000}, NULL);
+            double left;
+            for (size_t r = 0; code == MELISSA_DL_OK && r < opened; r++)
+                code = alive(&links[r], r, "queued frames not delivered: ", &left);
+        }
+        double deadline = mdl_now() + PROBE_SETTLE_MS / 1000.0;
+        for (size_t r = 0; code == MELISSA_DL_OK && r < opened; r++) /* a probe closed amid its handshake would */
+            while (!links[r].up && !links[r].refused && mdl_now() < deadline) { /* count as a refusal (noauth) */
+                zmq_pollitem_t item = {links[r].monitor, 0, ZMQ_POLLIN, 0};
+                zmq_poll(&item, 1, 10);
+                mdl_link_update(&links[r]);
+            }
+        for (size_t r = 0; r < opened; r++)
+            mdl_link_close(&links[r], 0);
+        free(links);
+        if (probes != NULL)
+            zmq_ctx_term(probes);
+    }
+    if (thread != NULL && atomic_load(&state->done))
+        code = MELISSA_DL_OK;
+    if (thread != NULL && code == MELISSA_DL_OK) {
+        zmq_threadclose(thread);
+        free(state);
+    }
+    for (size_t i = 0; endpoints != NULL && i < n; i++)
+        free(endpoints[i]);
+    free(endpoints);
+    forget();
+    return code;
 }
 
 /* The handshake's JSON request. */
 static bool hello(strbuf *sb) {
     sb_printf(sb, "{\"protocol\":%d,\"token\":", MELISSA_DL_PROTOCOL_VERSION);
     sb_json_string(sb, client.env.token);
-    sb_printf(sb, ",\"simulation_id\":%u,\"client_rank\":%d,\"client_size\":%d,\"fields\":", client.env.simulation_id,
-              client.rank, client.size);
+    sb_printf(sb, ",\"simulation_id\":%u,\"attempt\":%u,\"client_rank\":%d,\"client_size\":%d,\"fields\":",
+              client.env.simulation_id, client.env.attempt, client.rank, client.size);
     sb_fields(sb);
     sb_printf(sb, "}");
     return !sb->failed;
@@ -379,34 +529,56 @@ static int ask(json_value *reply) {
         free(request.data);
         return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     }
-    void *socket = zmq_socket(client.context, ZMQ_REQ);
-    int linger = 0, code = MELISSA_DL_OK;
-    if (socket == NULL)
-        code = fail(MELISSA_DL_ERR_SYSTEM, "zmq_socket: %s", zmq_strerror(errno));
-    else if (zmq_setsockopt(socket, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
-             zmq_connect(socket, client.env.endpoint) != 0)
-        code = fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_SERVER='%s': %s", client.env.endpoint, zmq_strerror(errno));
-    else if (zmq_send(socket, request.data, request.size, 0) < 0)
+    mdl_link link;
+    int code = MELISSA_DL_OK;
+    if (mdl_link_open(&link, client.context, ZMQ_REQ, client.env.endpoint, &client.env.security, 0) != 0)
+        code = fail(errno == ENOMEM ? MELISSA_DL_ERR_SYSTEM : MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_SERVER='%s': %s",
+                    client.env.endpoint, zmq_strerror(errno));
+    else if (zmq_send(link.socket, request.data, request.size, 0) < 0)
         code = fail(MELISSA_DL_ERR_SYSTEM, "zmq_send: %s", zmq_strerror(errno));
     free(request.data);
     if (code != MELISSA_DL_OK) {
-        if (socket != NULL)
-            zmq_close(socket);
+        mdl_link_close(&link, 0);
         return code;
     }
-    zmq_pollitem_t item = {socket, 0, ZMQ_POLLIN, 0};
     zmq_msg_t message;
     zmq_msg_init(&message);
-    int ready = zmq_poll(&item, 1, (long)(client.env.timeout * 1000));
-    if (ready == 0)
-        code = fail(MELISSA_DL_ERR_UNREACHABLE, "no handshake answer from %s within %g s", client.env.endpoint,
-                    client.env.timeout);
-    else if (ready < 0 || zmq_msg_recv(&message, socket, 0) < 0)
-        code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", client.env.endpoint, zmq_strerror(errno));
-    else if (!mdl_json_parse(zmq_msg_data(&message), zmq_msg_size(&message), reply) || reply->type != JSON_OBJECT)
-        code = fail(MELISSA_DL_ERR_PROTOCOL, "the handshake answer of %s is not a JSON object", client.env.endpoint);
+    double deadline = mdl_now() + client.env.timeout;
+    for (;;) {
+        mdl_link_update(&link);
+        if (link.refused) {
+            code = refused(&link);
+            break;
+        }
+        double left = deadline - mdl_now();
+        if (left <= 0) {
+            code = link.failed_handshakes
+                       ? fail(MELISSA_DL_ERR_UNREACHABLE, "no handshake answer from %s within %g s (%u ZeroMQ "
+                              "handshakes with it failed: another security level or CURVE server key than "
+                              "MELISSA_SECURITY=%s?)", client.env.endpoint, client.env.timeout,
+                              link.failed_handshakes, mdl_security_name(client.env.security.level))
+                       : fail(MELISSA_DL_ERR_UNREACHABLE, "no handshake answer from %s within %g s",
+                              client.env.endpoint, client.env.timeout);
+            break;
+        }
+        zmq_pollitem_t items[2] = {{link.socket, 0, ZMQ_POLLIN, 0}, {link.monitor, 0, ZMQ_POLLIN, 0}};
+        int ready = zmq_poll(items, 2, (long)(left * 1000) + 1);
+        if (ready < 0 && errno != EINTR) {
+            code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", client.env.endpoint, zmq_strerror(errno));
+            break;
+        }
+        if (ready > 0 && (items[0].revents & ZMQ_POLLIN)) {
+            if (zmq_msg_recv(&message, link.socket, 0) < 0)
+                code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", client.env.endpoint, zmq_strerror(errno));
+            else if (!mdl_json_parse(zmq_msg_data(&message), zmq_msg_size(&message), reply) ||
+                     reply->type != JSON_OBJECT)
+                code = fail(MELISSA_DL_ERR_PROTOCOL, "the handshake answer of %s is not a JSON object",
+                            client.env.endpoint);
+            break;
+        }
+    }
     zmq_msg_close(&message);
-    zmq_close(socket);
+    mdl_link_close(&link, 0);
     return code;
 }
 
@@ -431,24 +603,19 @@ static int accept_reply(const json_value *reply) {
         return fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: the handshake answer lacks endpoints, fields or routing",
                     client.env.simulation_id);
     client.bind_simulation = bind->boolean;
-    client.sockets = calloc(endpoints->size, sizeof *client.sockets);
-    if (client.sockets == NULL)
+    client.links = calloc(endpoints->size, sizeof *client.links);
+    if (client.links == NULL)
         return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     double largest = 1;
     for (size_t f = 0; f < client.nfields; f++)
         largest = fmax(largest, (double)client.fields[f].count * (double)ITEM_BYTES[client.fields[f].dtype]);
     int hwm = (int)fmin(fmax(2, floor(client.env.queue_bytes / largest)), INT32_MAX);
-    int timeout = (int)(client.env.timeout * 1000);
     for (size_t i = 0; i < endpoints->size; i++) {
-        void *socket = zmq_socket(client.context, ZMQ_PUSH);
-        if (socket == NULL)
-            return fail(MELISSA_DL_ERR_SYSTEM, "zmq_socket: %s", zmq_strerror(errno));
-        client.sockets[client.nsockets++] = socket;
-        if (zmq_setsockopt(socket, ZMQ_SNDHWM, &hwm, sizeof hwm) != 0 ||
-            zmq_setsockopt(socket, ZMQ_SNDTIMEO, &timeout, sizeof timeout) != 0 ||
-            zmq_connect(socket, endpoints->items[i].string) != 0)
+        if (mdl_link_open(&client.links[i], client.context, ZMQ_PUSH, endpoints->items[i].string,
+                          &client.env.security, hwm) != 0)
             return fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: cannot connect to the data endpoint '%s': %s",
                         client.env.simulation_id, endpoints->items[i].string, zmq_strerror(errno));
+        client.nlinks++;
     }
     return MELISSA_DL_OK;
 }
@@ -474,8 +641,8 @@ static int handshake(void) {
         sb_fields(&declaration);
         sb_printf(&declaration, "}");
         code = declaration.failed ? fail(MELISSA_DL_ERR_SYSTEM, "out of memory") : MELISSA_DL_OK;
-        for (size_t i = 0; code == MELISSA_DL_OK && i < client.nsockets; i++)
-            code = send_control(client.sockets[i], KIND_DECLARE, &declaration);
+        for (size_t i = 0; code == MELISSA_DL_OK && i < client.nlinks; i++)
+            code = send_control(i, KIND_DECLARE, &declaration);
         free(declaration.data);
     }
     return code == MELISSA_DL_OK ? code : broken(code);
@@ -619,7 +786,7 @@ static int send_field(const char *name, int64_t time_step, const void *data, siz
     size_t bytes = count * ITEM_BYTES[dtype];
     uint8_t header[HEADER_BYTES];
     pack_header(header, KIND_DATA, step, f->id, dtype, &count, 1, bytes);
-    int code = send_message(client.sockets[owner_rank(step)], header, data, bytes);
+    int code = send_message(owner_rank(step), header, data, bytes);
     if (code == MELISSA_DL_OK && !steps_add(&client.steps, step))
         code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     return code;
@@ -645,34 +812,28 @@ int melissa_dl_finalize(void) {
         return fail(MELISSA_DL_ERR_STATE, "nothing to finalize: no field is declared");
     if (client.phase == BROKEN) {
         fail(MELISSA_DL_ERR_STATE, "nothing announced: the connection failed earlier (%s)", client.broken);
-        release(0);
+        release();
         return MELISSA_DL_ERR_STATE;
     }
     int code = client.phase == DECLARED ? handshake() : MELISSA_DL_OK;
-    size_t *counts = calloc(client.nsockets ? client.nsockets : 1, sizeof *counts);
+    size_t *counts = calloc(client.nlinks ? client.nlinks : 1, sizeof *counts);
     if (code == MELISSA_DL_OK && counts == NULL)
         code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     for (size_t i = 0; code == MELISSA_DL_OK && i < client.steps.capacity; i++)
         if (client.steps.slots[i] != EMPTY_SLOT)
             counts[owner_rank((uint32_t)client.steps.slots[i])]++;
-    for (size_t r = 0; code == MELISSA_DL_OK && r < client.nsockets; r++) {
+    for (size_t r = 0; code == MELISSA_DL_OK && r < client.nlinks; r++) {
         strbuf body = {0};
         sb_printf(&body, "{\"steps\":%zu}", counts[r]);
-        code = body.failed ? fail(MELISSA_DL_ERR_SYSTEM, "out of memory")
-                           : send_control(client.sockets[r], KIND_FINALIZE, &body);
+        code = body.failed ? fail(MELISSA_DL_ERR_SYSTEM, "out of memory") : send_control(r, KIND_FINALIZE, &body);
         free(body.data);
     }
     free(counts);
     if (code != MELISSA_DL_OK) {
-        release(0);
+        release();
         return code;
     }
-    uint32_t simulation_id = client.env.simulation_id;
-    double timeout = client.env.timeout;
-    if (release(timeout) >= timeout)
-        return fail(MELISSA_DL_ERR_UNREACHABLE, "simulation %u: queued frames not delivered within %g s",
-                    simulation_id, timeout);
-    return MELISSA_DL_OK;
+    return flush();
 }
 
 const char *melissa_dl_error_message(void) {

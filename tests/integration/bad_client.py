@@ -19,6 +19,7 @@ import zmq
 from fuzz import fuzz
 from melissa_dl.client import Client
 from melissa_dl.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, owner_rank, simulation_key
+from melissa_dl.security import configure_client
 
 SHAPE = (4, 8)
 GOOD = ["float32", list(SHAPE)]
@@ -26,6 +27,7 @@ GOOD = ["float32", list(SHAPE)]
 
 def secure(socket: zmq.Socket) -> None:
     """Give a raw socket the study's credentials, as the client does."""
+    configure_client(socket, os.environ)
 
 
 def handshake(context: zmq.Context, endpoint: str, request: bytes | list[bytes]) -> dict:

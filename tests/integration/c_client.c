@@ -52,7 +52,7 @@ static void handshake_mistakes(const float *data) {
     report("finalize before init", melissa_dl_finalize());
     report("unknown dtype", melissa_dl_init("field", 7, (size_t)count, MPI_COMM_WORLD));
     handshake("wrong token", "MELISSA_TOKEN", "00000000000000000000000000000000", NULL);
-    handshake("unknown field", NULL, NULL, "bogus");
+    handshake("unknown simulation", "MELISSA_SIMULATION_ID", "99", NULL); /* an unknown field would fail it for good */
     setenv("MELISSA_CLIENT_TIMEOUT", "0.5", 1);
     handshake("no server", "MELISSA_SERVER", "tcp://127.0.0.1:9", NULL);
     unsetenv("MELISSA_CLIENT_TIMEOUT");

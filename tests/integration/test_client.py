@@ -17,6 +17,7 @@ from melissa_dl.errors import ClientError, HandshakeRefused, ReceiverDied, Serve
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.receiver import Receiver
 from melissa_dl.sample import Sample
+from melissa_dl.security import Security
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,24 +48,26 @@ class Server:
         return samples
 
 
-def start_server(buffer: Buffer, max_message_bytes: int = 1 << 24, client_size: int = 1
-                 ) -> tuple[Server, HandshakeServer]:
+def start_server(buffer: Buffer, max_message_bytes: int = 1 << 24, client_size: int = 1, level: str = "token",
+                 client_timeout: float = 5.0) -> tuple[Server, HandshakeServer]:
     token = secrets.token_bytes(32)
+    security = Security.generate(level, token, client_timeout)
     parameters = np.arange(SIMULATIONS * 2, dtype=np.float64).reshape(SIMULATIONS, 2)
     spec = StreamSpec(["a", "b"], parameters, token, server_rank=0, server_size=1,
                       max_message_bytes=max_message_bytes)
-    receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=2 * max_message_bytes)
+    receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=2 * max_message_bytes, security=security)
     port = receiver.start_and_bind()
     handshake = HandshakeServer(token=token, fields=["a", "b"], simulations=SIMULATIONS,
                                 endpoints=[f"tcp://127.0.0.1:{port}"], bind_simulation=False,
                                 max_message_bytes=max_message_bytes, bind_address="127.0.0.1",
-                                client_size=client_size)
+                                client_size=client_size, security=security)
     environ = {
         "MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}",
         "MELISSA_TOKEN": token.hex(),
         "MELISSA_SIMULATION_ID": "1",
         "MELISSA_PARAMETERS": "[2.0, 3.0]",
-        "MELISSA_CLIENT_TIMEOUT": "5",
+        "MELISSA_CLIENT_TIMEOUT": str(client_timeout),
+        **security.client_environment(),
     }
     handshake.expect(1, 0)
     return Server(buffer, receiver, environ), handshake
@@ -140,7 +143,8 @@ def test_misuse_raises_client_errors_naming_the_field(server: Server) -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"MELISSA_TOKEN": "00" * 32}, "bad or missing token"),
+    ({"MELISSA_TOKEN": "00" * 32}, r"credentials refused \(ZAP status 400\): this simulation's credentials "
+                                   r"\(MELISSA_SECURITY=token\) are not the server's"),
     ({"MELISSA_SIMULATION_ID": "2"}, "simulation 2 is not expected"),
 ])
 def test_refused_handshakes_say_why(server: Server, change: dict[str, str], message: str) -> None:
@@ -192,7 +196,7 @@ def test_a_client_whose_server_vanishes_fails_after_its_timeout() -> None:
     server.environ.update(MELISSA_CLIENT_TIMEOUT="1", MELISSA_SEND_QUEUE_BYTES=str(2 * mib))
     fields = {"a": ("float32", (mib // 4,)), "b": ("float32", (1,))}
     start = 0.0
-    with pytest.raises(ServerUnreachable, match="the server accepted no data for 1 s"):
+    with pytest.raises(ServerUnreachable, match=r"server rank 0 \(tcp://127.0.0.1:\d+\) has been unreachable for 1 s"):
         with Client(fields, environ=server.environ) as client:
             client.send("a", 0, np.zeros(mib // 4, np.float32))
             client.send("b", 0, np.zeros(1, np.float32))

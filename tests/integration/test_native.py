@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
+import re
 import runpy
+import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +20,9 @@ from conftest import HERE, clean_environment, run_server, study_config
 from melissa_dl.client import Client
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.protocol import PROTOCOL_VERSION, Kind, unpack_header
+from melissa_dl.rejections import RejectionLog
+from melissa_dl.security import Gate, Security
+from test_security import stub_server, wait_until
 from test_studies import assert_every_step_once
 
 pytestmark = pytest.mark.timeout(180)
@@ -80,11 +87,15 @@ def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(tmp_path
     assert run.report is not None
     assert_every_step_once(run.report, 4, 10)
     assert [s["attempts"] for s in run.report["per_simulation"]] == [1, 1, 1, 1]
-    assert run.report["rejected"] == {"handshake_credentials": 1, "handshake_unknown_field": 1}
-    refused_token = "simulation 0: handshake: bad or missing token"
-    refused_field = "simulation 0: handshake: simulation 0: unknown field 'bogus' (study has ['field'])"
+    assert run.report["rejected"] == {"handshake_auth": 1, "handshake_unknown_simulation": 1}
+    refused_token = ("simulation 0: tcp://127.0.0.1:PORT: credentials refused (ZAP status 400): this simulation's "
+                     "credentials (MELISSA_SECURITY=token) are not the server's (a stale environment, or another "
+                     "study's server?)")
+    refused_simulation = "simulation 99: handshake: simulation 99 is not in the study"
     unreachable = "no handshake answer from tcp://127.0.0.1:9 within 0.5 s"
-    assert lines(output / "simulations" / "simulation0.attempt0.log") == [
+    log = output / "simulations" / "simulation0.attempt0.log"
+    log.write_text(re.sub(r"tcp://127\.0\.0\.1:\d{3,}", "tcp://127.0.0.1:PORT", log.read_text()))
+    assert lines(log) == [
         ("version", f"{VERSION} protocol {PROTOCOL_VERSION}"),
         ("no simulation id", "1 MELISSA_SIMULATION_ID is not set: start this simulation through melissa-server's launcher"),
         ("send before init", "3 field 'field': no field is declared: call melissa_dl_init first"),
@@ -93,9 +104,10 @@ def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(tmp_path
         ("wrong token", f"7 {refused_token}"),
         ("send after that", f"3 field 'field': the connection failed earlier ({refused_token}): call melissa_dl_finalize"),
         ("finalize after that", f"3 nothing announced: the connection failed earlier ({refused_token})"),
-        ("unknown field", f"7 {refused_field}"),
-        ("send after that", f"3 field 'field': the connection failed earlier ({refused_field}): call melissa_dl_finalize"),
-        ("finalize after that", f"3 nothing announced: the connection failed earlier ({refused_field})"),
+        ("unknown simulation", f"7 {refused_simulation}"),
+        ("send after that",
+         f"3 field 'field': the connection failed earlier ({refused_simulation}): call melissa_dl_finalize"),
+        ("finalize after that", f"3 nothing announced: the connection failed earlier ({refused_simulation})"),
         ("no server", f"8 {unreachable}"),
         ("send after that", f"3 field 'field': the connection failed earlier ({unreachable}): call melissa_dl_finalize"),
         ("finalize after that", f"3 nothing announced: the connection failed earlier ({unreachable})"),
@@ -145,21 +157,29 @@ def receive_until_finalize(sockets: list[zmq.Socket]) -> list[list[list[bytes]]]
 
 
 @contextlib.contextmanager
-def data_sockets(token: bytes, bind: bool) -> Iterator[tuple[dict[str, str], list[zmq.Socket]]]:
-    """A handshake service for simulation 3 of a study with the field "field", and two bare PULL sockets
-    standing for two server ranks; yields the client's environment and the sockets."""
+def data_sockets(token: bytes, bind: bool, level: str = "token"
+                 ) -> Iterator[tuple[dict[str, str], list[zmq.Socket], HandshakeServer]]:
+    """A handshake service for simulation 3 of a study with the field "field", and two bare PULL sockets (behind
+    the study's gates) standing for two server ranks; yields the client's environment, the sockets and the
+    handshake service."""
+    security = Security.generate(level, token, 10.0)
     sockets = [zmq.Context.instance().socket(zmq.PULL) for _ in range(2)]
+    gates = [Gate(socket, security, RejectionLog(), "data", 1 << 20) for socket in sockets]
     endpoints = [f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}" for socket in sockets]
     handshake = HandshakeServer(token=token, fields=["field"], simulations=4, endpoints=endpoints,
-                                bind_simulation=bind, max_message_bytes=1 << 20, bind_address="127.0.0.1")
+                                bind_simulation=bind, max_message_bytes=1 << 20, bind_address="127.0.0.1",
+                                security=security)
     handshake.expect(3, 0)
     try:
         yield {"MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}", "MELISSA_TOKEN": token.hex(),
-               "MELISSA_SIMULATION_ID": "3", "MELISSA_PARAMETERS": "[0.5]", "MELISSA_CLIENT_TIMEOUT": "10"}, sockets
+               "MELISSA_SIMULATION_ID": "3", "MELISSA_PARAMETERS": "[0.5]", "MELISSA_CLIENT_TIMEOUT": "10",
+               **security.client_environment()}, sockets, handshake
     finally:
         handshake.stop()
         for socket in sockets:
             socket.close(linger=0)
+        for gate in gates:
+            gate.close()
 
 
 def run_c_client(native: Path, environ: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -170,10 +190,11 @@ def run_c_client(native: Path, environ: dict[str, str], *args: str) -> subproces
 @pytest.mark.parametrize("token_bytes, bind", [(32, False), (120, True)])
 def test_the_c_client_sends_the_python_clients_bytes(native: Path, token_bytes: int, bind: bool) -> None:
     token = bytes((7 * i + 3) % 256 for i in range(token_bytes))  # a key longer than SHA-256's block, too
-    with data_sockets(token, bind) as (environ, sockets):
+    with data_sockets(token, bind) as (environ, sockets, handshake):
         done = run_c_client(native, environ, "--steps", "5", "--count", "6")
         assert done.returncode == 0, done.stdout + done.stderr
         from_c = receive_until_finalize(sockets)
+        handshake.expect(3, 0)  # the same attempt again: its client rank may say hello once more
         with Client({"field": ("float32", (6,))}, environ=environ) as client:
             for t in range(5):
                 client.send("field", t, np.full(6, 3000 + t, np.float32))
@@ -186,11 +207,12 @@ def test_the_c_client_sends_the_python_clients_bytes(native: Path, token_bytes: 
 
 def test_names_are_escaped_in_json_both_ways(native: Path) -> None:
     name = 'ta"g\\ é 😀'  # sent in the hello, echoed back by the refusal as \" \\ \u00e9 and a surrogate pair
-    with data_sockets(b"secret", bind=False) as (environ, _):
+    with data_sockets(b"secret", bind=False) as (environ, _, _):
         done = run_c_client(native, environ, "--field", name)
     assert done.returncode == 1
+    quoted = name.replace("\\", "\\\\")  # refusals quote peer text as repr does
     assert done.stderr == (f"c_client: melissa_dl error 7: simulation 3: handshake: simulation 3: unknown field "
-                           f"'{name}' (study has ['field'])\n")
+                           f"'{quoted}' (study has ['field'])\n")
 
 
 def test_the_c_client_links_the_static_library_and_the_solvers_the_shared_one(native: Path) -> None:
@@ -200,3 +222,86 @@ def test_the_c_client_links_the_static_library_and_the_solvers_the_shared_one(na
     assert "libmelissa_dl" not in needed("c_client")
     assert "[libmelissa_dl.so.0]" in needed("heat_c")
     assert "[libmelissa_dl_fortran.so.0]" in needed("heat_fortran")
+
+
+@pytest.mark.parametrize("level", ["token", "curve"])
+def test_a_c_client_without_the_studys_credentials_is_refused_at_the_door(native: Path, level: str) -> None:
+    with data_sockets(b"secret", bind=False, level=level) as (environ, sockets, handshake):
+        public, secret = (key.decode() for key in zmq.curve_keypair())
+        wrong = {"token": {"MELISSA_TOKEN": "00" * 6},
+                 "curve": {"MELISSA_CURVE_PUBLIC_KEY": public, "MELISSA_CURVE_SECRET_KEY": secret}}[level]
+        done = run_c_client(native, {**environ, **wrong}, "--steps", "2", "--count", "4")
+        assert done.returncode == 1
+        assert re.fullmatch(r"c_client: melissa_dl error 7: simulation 3: tcp://127\.0\.0\.1:\d+: credentials refused "
+                            rf"\(ZAP status 400\): this simulation's credentials \(MELISSA_SECURITY={level}\) are not "
+                            r"the server's \(a stale environment, or another study's server\?\)\n", done.stderr)
+        assert handshake.rejections.counts() == {"handshake_auth": 1}
+        if level == "curve":  # another server's key: the server cannot read the hello, the client hears nothing
+            done = run_c_client(native, {**environ, "MELISSA_CURVE_SERVER_KEY": public, "MELISSA_CLIENT_TIMEOUT": "1"})
+            assert done.returncode == 1
+            assert re.fullmatch(r"c_client: melissa_dl error 8: no handshake answer from tcp://127\.0\.0\.1:\d+ within "
+                                r"1 s \(\d+ ZeroMQ handshakes with it failed: another security level or CURVE server "
+                                r"key than MELISSA_SECURITY=curve\?\)\n", done.stderr)
+            assert wait_until(lambda: handshake.rejections.counts()["handshake_auth"] > 1)  # it cannot decrypt
+        assert not any(socket.poll(200) for socket in sockets)  # nothing reached a data socket
+        done = run_c_client(native, environ, "--steps", "2", "--count", "4")  # the study's credentials pass
+        assert done.returncode == 0, done.stderr
+        kinds = [[unpack_header(m[0]).kind for m in messages] for messages in receive_until_finalize(sockets)]
+        assert kinds == [[Kind.DECLARE, Kind.DATA, Kind.FINALIZE]] * 2
+
+
+def test_c_and_fortran_clients_run_a_study_at_the_curve_level(tmp_path: Path, output: Path, native: Path) -> None:
+    config = study_config(output, [str(native / "c_client")], server={"security": "curve"},
+                          launcher={"scheduler": "mpirun", "client_ranks": 2})
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert_every_step_once(run.report, 4, 10)
+    assert run.report["rejected"] == {}
+    config = study_config(tmp_path / "fortran", [str(native / "f_client"), "6"], server={"security": "curve"},
+                          study={"simulations": 2, "time_steps": 6}, launcher={"scheduler": "mpirun", "client_ranks": 2})
+    run = run_server(tmp_path, config, ranks=1)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert_every_step_once(run.report, 2, 6)
+    assert run.report["rejected"] == {}
+
+
+MIB = 1 << 20
+
+
+def test_the_c_client_waits_out_back_pressure_longer_than_its_timeout(native: Path) -> None:
+    """The stub server holds its buffer full for 3.5 s; MELISSA_CLIENT_TIMEOUT is 1 s."""
+    with stub_server("--timeout", "1", "--capacity", "2", "--hold", "3.5") as (process, environ):
+        start = time.monotonic()
+        done = run_c_client(native, environ, "--steps", "24", "--count", str(MIB // 4))
+        assert done.returncode == 0, done.stderr
+        assert time.monotonic() - start > 3.0
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.close()
+        tally = json.loads(process.stdout.readline())
+        assert process.wait(30) == 0
+    assert sorted(tally["steps"]) == list(range(24)) and tally["announced"] == 24
+
+
+@pytest.mark.parametrize("how, bound", [(signal.SIGKILL, 1.0), (signal.SIGSTOP, 1.5)])
+def test_a_blocked_c_client_of_a_dead_server_fails_within_its_timeout(native: Path, how: signal.Signals,
+                                                                      bound: float) -> None:
+    with stub_server("--timeout", "1", "--capacity", "1") as (process, environ):
+        client = subprocess.Popen([str(native / "c_client"), "--steps", "1000", "--count", str(MIB // 4)],
+                                  env={**clean_environment(), **environ}, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.5)  # blocked by back-pressure for 1.5 timeouts: waiting, not failed
+            assert client.poll() is None
+            process.send_signal(how)
+            start = time.monotonic()
+            _, stderr = client.communicate(timeout=30)
+            elapsed = time.monotonic() - start
+        finally:
+            client.kill()
+        process.kill()
+        assert process.wait(10) == -signal.SIGKILL
+    assert client.returncode == 1
+    assert re.fullmatch(r"c_client: melissa_dl error 8: simulation 1: server rank 0 \(tcp://127\.0\.0\.1:\d+\) has "
+                        r"been unreachable for 1 s \(no connection, no heartbeat\)\n", stderr)
+    assert bound - 0.2 < elapsed < bound + 1.5, elapsed
