@@ -284,10 +284,11 @@ class Assembler:
         self.ledger.add(sample.simulation_id, sample.time_step)
         self._changed.add(sample.simulation_id)
 
-    def restore(self, ledger: Ledger, bytes_received: int) -> None:
+    def restore(self, ledger: Ledger, bytes_received: int, duplicates: int) -> None:
         """Continue from a checkpoint: its steps count as received and will be dropped on arrival."""
         self.ledger = ledger
         self.bytes_received = bytes_received
+        self.duplicates = duplicates
         self._changed.update(ledger.simulations())
 
     # -- bookkeeping ----------------------------------------------------------

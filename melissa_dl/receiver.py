@@ -80,18 +80,24 @@ class Receiver(ServerSocketThread):
             self._assembler.commit(sample)
 
     def snapshot(self) -> dict[str, Any]:
-        """The buffer and the ledger, consistent: a step is in the ledger exactly when the buffer took it."""
+        """The buffer and the ledger, consistent: a step is in the ledger exactly when the buffer took it.
 
-        def counters() -> tuple[dict[int, bytes], int]:
+        With them, the counters the final report adds up, so that a restart forgets none.
+        """
+
+        def counters() -> tuple[dict[int, bytes], int, int]:
             with self._lock:
-                return self._assembler.ledger.state_dict(), self._assembler.bytes_received
+                assembler = self._assembler
+                return assembler.ledger.state_dict(), assembler.bytes_received, assembler.duplicates
 
-        buffer, (ledger, bytes_received) = self.buffer.state_dict_with(counters)
-        return {"buffer": buffer, "ledger": ledger, "bytes_received": bytes_received}
+        buffer, (ledger, bytes_received, duplicates) = self.buffer.state_dict_with(counters)
+        return {"buffer": buffer, "ledger": ledger, "bytes_received": bytes_received, "duplicates": duplicates,
+                "rejected": self.rejections.state_dict()}
 
-    def restore(self, ledger: Ledger, bytes_received: int) -> None:
-        """Before ``start``: the steps a checkpoint holds, so that their second arrival is dropped."""
-        self._assembler.restore(ledger, bytes_received)
+    def restore(self, ledger: Ledger, bytes_received: int, duplicates: int, rejected: dict[str, int]) -> None:
+        """Before ``start``: the steps a checkpoint holds, so that their second arrival is dropped, and the counters."""
+        self._assembler.restore(ledger, bytes_received, duplicates)
+        self.rejections.load_state_dict(rejected)
 
     def follow(self, attempts: dict[int, int], finished: list[int]) -> None:
         """Rank 0's news: newer attempts (their predecessors' frames are refused) and finished simulations."""

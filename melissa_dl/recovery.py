@@ -2,10 +2,11 @@
 
 Files of one version (stored by ``checkpoint.py``)::
 
-    rank<r>/stream.pt    the rank's buffer and ledger, taken together (``Receiver.snapshot``)
+    rank<r>/stream.pt    the rank's buffer and ledger, taken together (``Receiver.snapshot``), and its
+                         refusal and duplicate counts
     rank<r>/trainer.pt   its embedding shards with row ranges and optimizer state, RNG states, counters
     rank0/dense.pt       the dense module and its optimizer (identical on every rank)
-    rank0/study.pt       every simulation's state, attempts and failures
+    rank0/study.pt       every simulation's state, attempts and failures; the hellos refused
     rank0/config.json    the resolved configuration
 
 Why it works this way:
@@ -58,6 +59,7 @@ from melissa_dl.errors import ConfigError
 from melissa_dl.ledger import Ledger
 from melissa_dl.protocol import owner_rank
 from melissa_dl.receiver import Receiver
+from melissa_dl.report import merge_rejections
 
 if TYPE_CHECKING:
     from melissa_dl.training import Trainer
@@ -73,7 +75,7 @@ class Checkpointer:
     """One rank's side of the periodic checkpoints; ``snapshot``, ``sync`` and ``final`` are called on every rank."""
 
     def __init__(self, config: Config, comm: Any, trainer: Trainer, receiver: Receiver,
-                 study_state: Callable[[], list[dict[str, Any]]] | None, first_version: int) -> None:
+                 study_state: Callable[[], dict[str, Any]] | None, first_version: int) -> None:
         assert config.training is not None
         self.root = checkpoint_root(config)
         self.comm = comm
@@ -103,7 +105,7 @@ class Checkpointer:
         self._writer.submit(lambda: self._write(version, batch, state, stream, study))
 
     def _write(self, version: int, batch: int, state: dict[str, Any], stream: dict[str, Any],
-               study: list[dict[str, Any]] | None) -> None:
+               study: dict[str, Any] | None) -> None:
         copied = state["copied"].wait()
         files = {
             "stream.pt": stream,
@@ -204,7 +206,7 @@ def restore_stream(version: Version, rank: int, size: int, receiver: Receiver, b
         ledger = Ledger()
         ledger.load_state_dict(stream["ledger"])
         buffer.load_state_dict({**stream["buffer"], "entries": _owned(stream["buffer"]["entries"]), "closed": False})
-        receiver.restore(ledger, stream["bytes_received"])
+        receiver.restore(ledger, stream["bytes_received"], stream["duplicates"], stream["rejected"])
         return
     streams = [loads(version.read(old, "stream.pt")) for old in range(version.ranks)]
     ledger = Ledger()
@@ -212,7 +214,11 @@ def restore_stream(version: Version, rank: int, size: int, receiver: Receiver, b
         ledger.merge(stream["ledger"], lambda sim, steps: owner_rank(sim, steps, size, bind_simulation) == rank)
     entries = [entry for stream in streams for entry in stream["buffer"]["entries"]][rank::size]
     _load_entries(buffer, _owned(entries))
-    receiver.restore(ledger, sum(s["bytes_received"] for s in streams) if rank == 0 else 0)
+    if rank == 0:  # the old ranks' counters, added up once
+        receiver.restore(ledger, sum(s["bytes_received"] for s in streams), sum(s["duplicates"] for s in streams),
+                         merge_rejections([s["rejected"] for s in streams]))
+    else:
+        receiver.restore(ledger, 0, 0, {})
 
 
 def _owned(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -246,5 +252,6 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return max(a[0], b[0]) < min(a[1], b[1])
 
 
-def restore_study(version: Version) -> list[dict[str, Any]]:
+def restore_study(version: Version) -> dict[str, Any]:
+    """``simulations`` (the study's ``state_dict``) and ``handshake_rejected`` (refusal counts)."""
     return loads(version.read(0, "study.pt"))

@@ -2,7 +2,8 @@
 
 A misbehaving client can send thousands of bad frames a second; each kind of
 refusal is logged in full the first time, then summarised at most once per
-``interval`` seconds, and every refusal is counted for the final report.
+``interval`` seconds, and every refusal is counted for the final report
+(and checkpointed, so that a restart forgets none).
 """
 from __future__ import annotations
 
@@ -40,3 +41,11 @@ class RejectionLog:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.counts()
+
+    def load_state_dict(self, counts: dict[str, int]) -> None:
+        """Continue the counts of an earlier run, so that the final report forgets no refusal."""
+        with self._lock:
+            self._counts = Counter(counts)

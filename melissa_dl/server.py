@@ -207,14 +207,17 @@ class Server:
                     self.config.launcher.max_retries,
                     self.config.launcher.simulation_timeout,
                 )
-                study.start(restore_study(version) if version is not None else None)
+                restored = restore_study(version) if version is not None else None
+                if restored is not None:
+                    handshake.rejections.load_state_dict(restored["handshake_rejected"])
+                study.start(restored["simulations"] if restored is not None else None)
             control = StudyControl(self, study, handshake, start)
             control.beat()  # the restore and the start of the study may have taken a while
             summary = None
             if trainer is not None:
                 first_version = self.comm.bcast(next_version(checkpoint_root(self.config)) if self.rank == 0 else None)
                 checkpointer = Checkpointer(self.config, self.comm, trainer, self.receiver,
-                                            study.state_dict if study is not None else None, first_version)
+                                            self._study_state(study, handshake), first_version)
                 control.checkpointer = checkpointer
                 self.consumed = lambda: trainer.summary.samples
                 self.stop.install()
@@ -250,6 +253,13 @@ class Server:
                 launcher.shutdown()
             if handshake is not None:
                 handshake.stop()
+
+    @staticmethod
+    def _study_state(study: Study | None, handshake: HandshakeServer | None) -> Callable[[], dict[str, Any]] | None:
+        """Rank 0's part of a checkpoint: the simulations, and the hellos refused so far."""
+        if study is None or handshake is None:
+            return None
+        return lambda: {"simulations": study.state_dict(), "handshake_rejected": handshake.rejections.state_dict()}
 
     def _client_environment(self, endpoint: str, sim: int, attempt: int) -> dict[str, str]:
         options = self.config.launcher

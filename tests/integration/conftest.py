@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -15,6 +16,12 @@ HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
 MPIRUN = str(BIN / "mpirun")
 TOY_SIM = str(HERE / "toy_sim.py")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def clean_environment() -> dict[str, str]:

@@ -17,9 +17,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
+import zmq
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import HERE, TOY_SIM, clean_environment, run_server, server_command, study_config
+from conftest import HERE, TOY_SIM, clean_environment, free_port, run_server, server_command, study_config
 from melissa_dl.checkpoint import latest_valid, loads
 from melissa_dl.ledger import Ledger
 from melissa_dl.status import EXIT_STOPPED
@@ -222,3 +223,24 @@ def test_the_heartbeat_goes_on_while_the_buffers_drain_after_the_study(tmp_path:
     assert "no heartbeat" not in done.stderr and "restarting" not in done.stderr
     rank0 = (output / "logs" / "rank0.log").read_text()
     assert rank0[rank0.index("simulation 5 done"):].count(" committed ") >= 2  # during the drain, and the last
+
+
+def test_refusals_counted_before_a_restart_are_in_the_final_report(tmp_path: Path, output: Path) -> None:
+    port = free_port()
+    config = paced_config(output)
+    config["server"]["handshake_port"] = port
+    process = start(server_command(tmp_path, config, 2))
+    wait_for(lambda: committed(output), process)
+    intruder = zmq.Context.instance().socket(zmq.REQ)
+    intruder.plain_username, intruder.plain_password = b"melissa", b"not the study's token"
+    intruder.connect(f"tcp://127.0.0.1:{port}")
+    intruder.send(b"hello")
+    wait_for(lambda: "refused (handshake_auth)" in (output / "logs" / "rank0.log").read_text(), process)
+    intruder.close(linger=0)
+    process.send_signal(signal.SIGTERM)
+    log, _ = process.communicate(timeout=60)
+    assert process.returncode == EXIT_STOPPED, log
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert "resuming from checkpoint" in run.log and "refused (handshake_auth)" not in run.log
+    assert run.report is not None and run.report["rejected"].get("handshake_auth", 0) >= 1, run.report["rejected"]

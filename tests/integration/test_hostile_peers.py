@@ -11,15 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TOY_SIM, clean_environment, server_command, study_config
+from conftest import TOY_SIM, clean_environment, free_port, server_command, study_config
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def connect_idle(port: int, count: int, deadline: float) -> list[socket.socket]:
