@@ -30,6 +30,7 @@ Why it works this way:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -85,6 +86,8 @@ class Checkpointer:
         self.study_state = study_state
         self.keep = config.training.keep_checkpoints
         self.digest = config.digest()
+        self.module_digest = module_digest(config) if self.rank == 0 else ""
+        self.complete = False  # set by ``final`` when the study ended: a rerun then has nothing to do
         self.config_json = json.dumps(config.to_dict(), indent=2).encode()
         self.next_version = first_version
         self._writer = BackgroundWriter()
@@ -135,7 +138,8 @@ class Checkpointer:
             if common:
                 chosen = max(common)
                 batch = written[chosen][0]
-                meta = {"samples": [w[chosen][1] for w in everyone]}
+                meta = {"samples": [w[chosen][1] for w in everyone], "module_digest": self.module_digest,
+                        "complete": self.complete}
                 records = [w[chosen][2] for w in everyone]
                 self._committer.submit(lambda: commit(self.root, chosen, records, meta, batch=batch,
                                                       config_digest=self.digest, keep=self.keep))
@@ -144,10 +148,14 @@ class Checkpointer:
             with self._lock:
                 self._written = {v: w for v, w in self._written.items() if v > chosen}
 
-    def final(self, snapshot: bool = True) -> None:
-        """Collective, when training ends or stops: a last checkpoint, committed before this returns."""
+    def final(self, snapshot: bool = True, complete: bool = False) -> None:
+        """Collective, when training ends or stops: a last checkpoint, committed before this returns.
+
+        ``complete``: the study is over, and this checkpoint holds its end.
+        """
         if snapshot:
             self.snapshot()
+        self.complete = complete
         self._writer.close()
         self.sync()
         if self._committer is not None:
@@ -184,9 +192,21 @@ def find_checkpoint(config: Config) -> Version | None:
             raise ConfigError(f"{key}: changed since checkpoint {version.path} ({json.dumps(old)} -> "
                               f"{json.dumps(new)}); restore it or run with --fresh to start over")
         logger.warning("resuming with %s changed: %s -> %s", key, json.dumps(old), json.dumps(new))
+    saved_digest, digest = version.meta.get("module_digest"), module_digest(config)
+    if saved_digest != digest:
+        assert config.training is not None
+        raise ConfigError(f"training.module: {config.training.module} changed since checkpoint {version.path} "
+                          f"(sha256 {str(saved_digest)[:12]} -> {digest[:12]}): its weights may not fit the new code; "
+                          "restore the file or run with --fresh to start over")
     logger.info("resuming from checkpoint %s (batch %d, written by %d ranks)",
                 version.path, version.manifest["batch"], version.ranks)
     return version
+
+
+def module_digest(config: Config) -> str:
+    """SHA-256 of the training module's source: a checkpoint's weights belong to the code that made them."""
+    assert config.training is not None
+    return hashlib.sha256((config.base_dir / config.training.module).read_bytes()).hexdigest()
 
 
 def _changed_keys(old: Any, new: Any, path: str = "") -> dict[str, tuple[Any, Any]]:

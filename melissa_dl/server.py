@@ -170,6 +170,11 @@ class Server:
                     if self.rank == 0:
                         logger.info("model of checkpoint %s written to %s", version.path, model)
                     return 0
+                if version.meta.get("complete"):
+                    if self.rank == 0:
+                        logger.info("the study in %s is complete (checkpoint %s): nothing to do; --fresh starts "
+                                    "it over", self.config.output_path, version.path)
+                    return 0
                 restore_stream(version, self.rank, self.size, self.receiver,
                                self.config.server.bind_simulation_to_server_rank)
         except ConfigError as error:

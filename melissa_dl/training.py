@@ -224,7 +224,7 @@ class Trainer:
                         "when the first rank runs dry)", self.summary.batches, len(self.receiver.buffer))
             self.validate_unless_done()
         if checkpointer is not None:
-            checkpointer.final(snapshot=outcome is not Outcome.STOPPED_MIDWAY)
+            checkpointer.final(snapshot=outcome is not Outcome.STOPPED_MIDWAY, complete=outcome is Outcome.ENDED)
         self.writer.close()
         self.collectives.close()
         return outcome

@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import HERE, TOY_SIM, clean_environment, free_port, run_server, server_command, study_config
 from melissa_dl.checkpoint import latest_valid, loads
 from melissa_dl.ledger import Ledger
-from melissa_dl.status import EXIT_STOPPED
+from melissa_dl.status import EXIT_CONFIG, EXIT_STOPPED
 from tiny_module import Tiny
 
 pytestmark = pytest.mark.timeout(240)
@@ -244,3 +244,38 @@ def test_refusals_counted_before_a_restart_are_in_the_final_report(tmp_path: Pat
     assert run.code == 0, run.log
     assert "resuming from checkpoint" in run.log and "refused (handshake_auth)" not in run.log
     assert run.report is not None and run.report["rejected"].get("handshake_auth", 0) >= 1, run.report["rejected"]
+
+
+@pytest.mark.parametrize("change", [("# a comment\n", ""), ("nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 32)",
+                                                             "nn.Linear(3, 24), nn.Tanh(), nn.Linear(24, 32)")],
+                         ids=["comment", "layer size"])
+def test_a_changed_training_module_is_refused_on_resume(tmp_path: Path, output: Path, change: tuple[str, str]) -> None:
+    module = tmp_path / "tiny_module.py"
+    source = (HERE / "tiny_module.py").read_text()
+    module.write_text(source)
+    config = paced_config(output)
+    config["training"]["module"] = str(module)
+    stop_after_first_checkpoint(tmp_path, config, ranks=2)
+    old, new = change
+    module.write_text(old + source if not new else source.replace(old, new))
+    assert module.read_text() != source
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == EXIT_CONFIG, run.log
+    assert "training.module:" in run.log and "changed since checkpoint" in run.log and "--fresh" in run.log
+    assert "Traceback" not in run.log
+    assert not (output / "model.pt").exists() and not (output / "report.json").exists()
+    module.write_text(source)  # put back, it resumes
+    assert run_server(tmp_path, config, ranks=2).code == 0
+
+
+def test_a_finished_study_run_again_says_so_and_changes_nothing(tmp_path: Path, output: Path) -> None:
+    config = paced_config(output)
+    first = run_server(tmp_path, config, ranks=2)
+    assert first.code == 0, first.log
+    results = [output / "model.pt", output / "report.json"]
+    before = [(path.read_bytes(), path.stat().st_mtime_ns) for path in results]
+    again = run_server(tmp_path, config, ranks=2)
+    assert again.code == 0, again.log
+    assert "is complete (checkpoint" in again.log and "nothing to do" in again.log
+    assert [(path.read_bytes(), path.stat().st_mtime_ns) for path in results] == before
+    assert "resuming from checkpoint" in again.log and "simulation 0 attempt" not in again.log  # nothing launched
