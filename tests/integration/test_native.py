@@ -23,7 +23,7 @@ from melissa_dl.protocol import PROTOCOL_VERSION, Kind, unpack_header
 from melissa_dl.rejections import RejectionLog
 from melissa_dl.security import Gate, Security
 from test_security import stub_server, wait_until
-from test_studies import assert_every_step_once
+from test_studies import assert_clean_study, assert_every_step_once
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -253,18 +253,10 @@ def test_a_c_client_without_the_studys_credentials_is_refused_at_the_door(native
 def test_c_and_fortran_clients_run_a_study_at_the_curve_level(tmp_path: Path, output: Path, native: Path) -> None:
     config = study_config(output, [str(native / "c_client")], server={"security": "curve"},
                           launcher={"scheduler": "mpirun", "client_ranks": 2})
-    run = run_server(tmp_path, config, ranks=2)
-    assert run.code == 0, run.log
-    assert run.report is not None
-    assert_every_step_once(run.report, 4, 10)
-    assert run.report["rejected"] == {}
+    assert_clean_study(run_server(tmp_path, config, ranks=2), 4, 10)
     config = study_config(tmp_path / "fortran", [str(native / "f_client"), "6"], server={"security": "curve"},
                           study={"simulations": 2, "time_steps": 6}, launcher={"scheduler": "mpirun", "client_ranks": 2})
-    run = run_server(tmp_path, config, ranks=1)
-    assert run.code == 0, run.log
-    assert run.report is not None
-    assert_every_step_once(run.report, 2, 6)
-    assert run.report["rejected"] == {}
+    assert_clean_study(run_server(tmp_path, config, ranks=1), 2, 6)
 
 
 MIB = 1 << 20

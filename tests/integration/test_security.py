@@ -24,7 +24,7 @@ from melissa_dl.errors import HandshakeRefused, ServerUnreachable
 from melissa_dl.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, simulation_key
 from melissa_dl.rejections import RejectionLog
 from test_client import Server, start_server
-from test_studies import assert_every_step_once
+from test_studies import assert_clean_study
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -302,8 +302,4 @@ def test_a_whole_study_runs_at_each_security_level(tmp_path: Path, output: Path,
     """The launcher hands each simulation what its level needs (MELISSA_SECURITY and, for curve, the keys)."""
     config = study_config(output, [sys.executable, TOY_SIM, "--mpi"], server={"security": level},
                           launcher={"scheduler": "mpirun", "client_ranks": 2})
-    run = run_server(tmp_path, config, ranks=2)
-    assert run.code == 0, run.log
-    assert run.report is not None
-    assert_every_step_once(run.report, 4, 10)
-    assert run.report["rejected"] == {}
+    assert_clean_study(run_server(tmp_path, config, ranks=2), 4, 10)

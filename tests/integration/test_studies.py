@@ -6,12 +6,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HERE, TOY_SIM, run_server, study_config
+from conftest import HERE, TOY_SIM, Run, run_server, study_config
 from melissa_dl.status import EXIT_FAILED_SIMULATIONS
 
 pytestmark = pytest.mark.timeout(180)
 
 HEAT = HERE.parent.parent / "examples" / "heat_pde" / "heat.py"
+
+
+def assert_clean_study(run: Run, simulations: int, steps: int) -> None:
+    """Exit 0, every step received and consumed once, nothing refused."""
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert_every_step_once(run.report, simulations, steps)
+    assert run.report["rejected"] == {}
 
 
 def assert_every_step_once(report: dict, simulations: int, steps: int) -> None:
