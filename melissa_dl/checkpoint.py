@@ -3,7 +3,8 @@
 Layout under ``root`` (``<output>/checkpoints/``)::
 
     LATEST                 name of the latest committed version ("v3")
-    v3/manifest.json       format, K, batch, config digest, meta, every file's size and CRC-32
+    v3/manifest.json       format, K, batch, config digest, meta, every file's size and CRC-32,
+                           and the CRC-32 of the manifest itself
     v3/rank0/<name>        the files of rank 0, ...
 
 Why it is shaped like this:
@@ -16,7 +17,9 @@ Why it is shaped like this:
   warning) and pruned by a later commit.
 * Disks and copies still tear or rot files, so the manifest records a size and
   a CRC-32 per file and ``latest_valid`` falls back to an older version when
-  one does not match. ``keep`` versions are kept for that reason; older ones
+  one does not match. The manifest carries its own CRC-32 and is checked
+  field by field before anything in it is used: an edited or torn manifest
+  is one more damaged version, never a crash. ``keep`` versions are kept for that reason; older ones
   are deleted only after a newer one is committed.
 * This module does no MPI: every rank calls ``write_rank_files``, the caller
   gathers the records on rank 0, which calls ``commit``.
@@ -58,10 +61,12 @@ from melissa_dl.errors import MelissaError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest checksums itself
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 _VERSION_RE = re.compile(r"^v([1-9][0-9]*)$")
+_FILE_RE = re.compile(r"^rank(0|[1-9][0-9]*)/[^./][^/]*$")
+_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 _CHUNK = 8 << 20
 _MAGIC = b"MLDLCKP1"
 _ALIGN = 64  # arrays start on cache lines, so that a loaded tensor is as aligned as a fresh one
@@ -220,7 +225,7 @@ def _version_numbers(root: Path) -> list[int]:
 def _read_latest(root: Path) -> int | None:
     try:
         match = _VERSION_RE.match((root / LATEST).read_text().strip())
-    except (FileNotFoundError, UnicodeDecodeError):
+    except (OSError, UnicodeDecodeError):  # missing, a directory, unreadable: no pointer to trust
         return None
     return int(match.group(1)) if match else None
 
@@ -248,10 +253,14 @@ def commit(root: Path, version: int, records: Sequence[Sequence[FileRecord]], me
         "meta": dict(meta),
         "files": [asdict(record) for rank_records in records for record in rank_records],
     }
+    manifest["crc32"] = _manifest_crc32(manifest)
     for rank, rank_records in enumerate(records):
         assert all(r.path.startswith(f"rank{rank}/") for r in rank_records), f"records of rank {rank} misplaced"
     _write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
     _fsync_dir(path)
+    if (root / LATEST).is_dir() and not (root / LATEST).is_symlink():  # a damaged pointer, skipped when resuming
+        logger.warning("checkpoint pointer %s is a directory: replacing it", root / LATEST)
+        shutil.rmtree(root / LATEST)
     _write_atomic(root / LATEST, f"v{version}\n".encode())
     _fsync_dir(root)
     logger.info("checkpoint v%d committed (%d ranks, %d files, batch %d)",
@@ -272,6 +281,12 @@ def _prune(root: Path, committed: int, keep: int) -> None:
             continue
         shutil.rmtree(path, ignore_errors=True)
         logger.info("checkpoint v%d pruned", number)
+
+
+def _manifest_crc32(manifest: Mapping[str, Any]) -> str:
+    """CRC-32 of the manifest without its own checksum, over a canonical JSON form (key order, spacing)."""
+    body = {key: value for key, value in manifest.items() if key != "crc32"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
 
 
 def _file_crc32(path: Path) -> str:
@@ -322,17 +337,9 @@ def verify(path: Path) -> Version:
     match = _VERSION_RE.match(path.name)
     if match is None:
         raise CheckpointCorrupt(f"{path} is not a version folder")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise CheckpointCorrupt(f"checkpoint {path.name}: missing manifest") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointCorrupt(f"checkpoint {path.name}: unreadable manifest JSON ({error})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION \
-            or not isinstance(manifest.get("files"), list) or not isinstance(manifest.get("meta"), dict):
-        raise CheckpointCorrupt(f"checkpoint {path.name}: unsupported or malformed manifest")
-    if manifest.get("version") != int(match.group(1)):
-        raise CheckpointCorrupt(f"checkpoint {path.name}: manifest names version {manifest.get('version')}")
+    manifest = _read_manifest(path)
+    if manifest["version"] != int(match.group(1)):
+        raise CheckpointCorrupt(f"checkpoint {path.name}: manifest names version {manifest['version']}")
     for record in manifest["files"]:
         file = path / record["path"]
         try:
@@ -345,6 +352,43 @@ def verify(path: Path) -> Version:
         if _file_crc32(file) != record["crc32"]:
             raise CheckpointCorrupt(f"checkpoint {path.name}: checksum mismatch of {record['path']}")
     return Version(int(match.group(1)), path, manifest)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of a version folder, whole and well-formed; every field used later is checked here."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"checkpoint {path.name}: missing manifest") from None
+    except (OSError, ValueError) as error:  # a directory, bad UTF-8, bad JSON
+        raise CheckpointCorrupt(f"checkpoint {path.name}: unreadable manifest ({error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointCorrupt(f"checkpoint {path.name}: unsupported manifest format {found!r} "
+                                f"(this server reads format {FORMAT_VERSION})")
+    if manifest.get("crc32") != _manifest_crc32(manifest):
+        raise CheckpointCorrupt(f"checkpoint {path.name}: manifest checksum mismatch (edited or torn)")
+    fields = {"version": int, "ranks": int, "batch": int, "config_digest": str, "meta": dict, "files": list}
+    for key, kind in fields.items():
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest[key], bool):
+            raise CheckpointCorrupt(f"checkpoint {path.name}: manifest field {key!r} missing or not {kind.__name__}")
+    ranks: set[int] = set()
+    for record in manifest["files"]:
+        if not (isinstance(record, dict) and isinstance(record.get("path"), str) and _FILE_RE.match(record["path"])
+                and type(record.get("size")) is int and record["size"] >= 0
+                and isinstance(record.get("crc32"), str) and _CRC_RE.match(record["crc32"])):
+            raise CheckpointCorrupt(f"checkpoint {path.name}: malformed file record {str(record)[:120]}")
+        ranks.add(int(record["path"].split("/")[0][4:]))
+    if ranks != set(range(manifest["ranks"])):
+        raise CheckpointCorrupt(f"checkpoint {path.name}: manifest says {manifest['ranks']} ranks, "
+                                f"its files are of ranks {sorted(ranks)}")
+    return manifest
+
+
+def ever_committed(root: Path) -> bool:
+    """A pointer or a manifest is there: some version was committed, even if none is intact now."""
+    root = Path(root)
+    return (root / LATEST).exists() or any((version_dir(root, n) / MANIFEST).exists() for n in _version_numbers(root))
 
 
 def latest_valid(root: Path) -> Version | None:

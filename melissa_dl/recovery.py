@@ -42,13 +42,13 @@ import numpy as np
 
 from melissa_dl.buffers import Buffer
 from melissa_dl.checkpoint import (
-    LATEST,
     BackgroundWriter,
     CheckpointCorrupt,
     FileRecord,
     Version,
     commit,
     dumps,
+    ever_committed,
     latest_valid,
     loads,
     version_dir,
@@ -181,7 +181,7 @@ def find_checkpoint(config: Config) -> Version | None:
         return None
     version = latest_valid(root)
     if version is None:
-        if (root / LATEST).exists():
+        if ever_committed(root):
             raise CheckpointCorrupt(f"no checkpoint in {root} is intact (see the warnings above); "
                                     "run with --fresh to start over")
         logger.warning("%s holds no committed checkpoint: starting from scratch", root)

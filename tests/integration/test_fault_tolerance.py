@@ -279,3 +279,57 @@ def test_a_finished_study_run_again_says_so_and_changes_nothing(tmp_path: Path, 
     assert "is complete (checkpoint" in again.log and "nothing to do" in again.log
     assert [(path.read_bytes(), path.stat().st_mtime_ns) for path in results] == before
     assert "resuming from checkpoint" in again.log and "simulation 0 attempt" not in again.log  # nothing launched
+
+
+def rename_a_path_key(checkpoints: Path, newest: int) -> None:
+    manifest = json.loads((checkpoints / f"v{newest}" / "manifest.json").read_text())
+    manifest["files"][0]["file"] = manifest["files"][0].pop("path")
+    (checkpoints / f"v{newest}" / "manifest.json").write_text(json.dumps(manifest))
+
+
+def edit_the_ranks(checkpoints: Path, newest: int) -> None:
+    manifest = json.loads((checkpoints / f"v{newest}" / "manifest.json").read_text())
+    manifest["ranks"] = 3
+    (checkpoints / f"v{newest}" / "manifest.json").write_text(json.dumps(manifest))
+
+
+def make_latest_a_directory(checkpoints: Path, newest: int) -> None:
+    (checkpoints / "LATEST").unlink()
+    (checkpoints / "LATEST").mkdir()
+
+
+@pytest.mark.parametrize(("damage", "warning"), [(rename_a_path_key, "manifest checksum mismatch"),
+                                                 (edit_the_ranks, "manifest checksum mismatch"),
+                                                 (make_latest_a_directory, "is unreadable; trying every version")])
+def test_a_damaged_manifest_or_pointer_falls_back_to_the_newest_intact_version(
+    tmp_path: Path, output: Path, damage: Callable[[Path, int], None], warning: str
+) -> None:
+    config = paced_config(output)
+    stop_after_first_checkpoint(tmp_path, config, ranks=2)
+    versions = sorted(int(p.name[1:]) for p in (output / "checkpoints").glob("v*"))
+    assert len(versions) >= 2, versions  # the first checkpoint and the one written on the stop
+    damage(output / "checkpoints", versions[-1])
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert "Traceback" not in run.log and warning in run.log
+    resumed = versions[-1] if damage is make_latest_a_directory else versions[-2]
+    assert re.search(rf"resuming from checkpoint \S*v{resumed} ", run.log), run.log
+    assert run.report is not None and run.report["simulations"]["done"] == SIMULATIONS
+    assert_every_step_once(output, ranks=2)
+
+
+def test_with_every_version_damaged_and_no_pointer_the_server_refuses_to_start_over(
+    tmp_path: Path, output: Path
+) -> None:
+    config = paced_config(output)
+    stop_after_first_checkpoint(tmp_path, config, ranks=2)
+    checkpoints = output / "checkpoints"
+    (checkpoints / "LATEST").unlink()
+    for stream in checkpoints.glob("v*/rank1/stream.pt"):
+        stream.write_bytes(stream.read_bytes()[:-1])
+    before = sorted(str(p.relative_to(output)) for p in output.rglob("*") if "tensorboard" not in p.parts)
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == EXIT_CONFIG, run.log
+    assert f"no checkpoint in {checkpoints} is intact" in run.log and "--fresh" in run.log
+    assert "simulation 0 attempt" not in run.log and "Traceback" not in run.log
+    assert sorted(str(p.relative_to(output)) for p in output.rglob("*") if "tensorboard" not in p.parts) == before

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
 import torch
 
-from melissa_dl.checkpoint import (LATEST, MANIFEST, BackgroundCopy, BackgroundWriter, CheckpointCorrupt, FileRecord, commit, dumps,
-                                   latest_valid, loads, next_version, verify, version_dir, write_rank_files)
+from melissa_dl.checkpoint import (FORMAT_VERSION, LATEST, MANIFEST, BackgroundCopy, BackgroundWriter, CheckpointCorrupt,
+                                   FileRecord, _manifest_crc32, commit, dumps, ever_committed, latest_valid, loads,
+                                   next_version, verify, version_dir, write_rank_files)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,7 +46,7 @@ def test_round_trip(tmp_path: Path) -> None:
     version = latest_valid(tmp_path)
     assert version is not None and version.number == 1 and version.path == tmp_path / "v1"
     manifest = version.manifest
-    assert (manifest["format"], manifest["ranks"], manifest["batch"], manifest["config_digest"]) == (1, 2, 10, "abc")
+    assert (manifest["format"], manifest["ranks"], manifest["batch"], manifest["config_digest"]) == (2, 2, 10, "abc")
     assert manifest["meta"] == {"progress": 1} and version.meta == {"progress": 1}
     assert {f["path"] for f in manifest["files"]} == {"rank0/model.pt", "rank0/buffer.pkl",
                                                       "rank1/model.pt", "rank1/buffer.pkl"}
@@ -110,8 +113,9 @@ def test_damaged_newest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixt
         verify(tmp_path / "v2")
 
 
-@pytest.mark.parametrize("content, reason", [(None, "missing manifest"), (b"{not json", "unreadable manifest JSON"),
-                                             (b'{"format": 99}', "unsupported or malformed manifest")])
+@pytest.mark.parametrize("content, reason", [(None, "missing manifest"), (b"{not json", "unreadable manifest"),
+                                             (b"\xff\xfe", "unreadable manifest"), (b"[1, 2]", "unsupported manifest"),
+                                             (b'{"format": 99}', "unsupported manifest format 99")])
 def test_bad_manifest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                  content: bytes | None, reason: str) -> None:
     save(tmp_path)
@@ -127,11 +131,103 @@ def test_bad_manifest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixtur
     assert f"checkpoint v2: {reason}" in caplog.text
 
 
+def rename_path_key(manifest: dict) -> None:
+    manifest["files"][0]["file"] = manifest["files"][0].pop("path")
+
+
+def set_ranks(ranks: int) -> Callable[[dict], None]:
+    return lambda manifest: manifest.update(ranks=ranks)
+
+
+def escape(manifest: dict) -> None:
+    manifest["files"][0]["path"] = "rank0/../../../etc/hostname"
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (rename_path_key, "malformed file record"),
+    (set_ranks(3), "manifest says 3 ranks, its files are of ranks [0, 1]"),
+    (set_ranks(1), "manifest says 1 ranks, its files are of ranks [0, 1]"),
+    (lambda manifest: manifest.update(ranks="2"), "manifest field 'ranks' missing or not int"),
+    (lambda manifest: manifest.pop("meta"), "manifest field 'meta' missing or not dict"),
+    (lambda manifest: manifest["files"][1].update(size=-1), "malformed file record"),
+    (escape, "malformed file record"),
+])
+@pytest.mark.parametrize("resigned", [False, True], ids=["edited", "edited-and-resigned"])
+def test_an_edited_manifest_is_a_damaged_version(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                 edit: Callable[[dict], None], reason: str, resigned: bool) -> None:
+    """Without its checksum the edit is caught as such; re-signed, the field checks still catch it, never a crash."""
+    save(tmp_path)
+    save(tmp_path)
+    path = tmp_path / "v2" / MANIFEST
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    if resigned:
+        manifest["crc32"] = _manifest_crc32(manifest)
+    path.write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+        version = latest_valid(tmp_path)
+    assert version is not None and version.number == 1
+    expected = reason if resigned else "manifest checksum mismatch (edited or torn)"
+    assert f"checkpoint v2: {expected}" in caplog.text
+    with pytest.raises(CheckpointCorrupt, match=re.escape(expected)):
+        verify(tmp_path / "v2")
+
+
+def test_a_manifest_of_another_format_is_refused_by_name(tmp_path: Path) -> None:
+    save(tmp_path)
+    path = tmp_path / "v1" / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["format"] = FORMAT_VERSION - 1
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointCorrupt, match=f"unsupported manifest format {FORMAT_VERSION - 1} "
+                                                f"\\(this server reads format {FORMAT_VERSION}\\)"):
+        verify(tmp_path / "v1")
+
+
+@pytest.mark.parametrize("pointer", ["directory", "garbage", "binary", "missing version"])
+def test_a_damaged_pointer_falls_back_to_the_newest_intact_version(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                   pointer: str) -> None:
+    save(tmp_path)
+    save(tmp_path)
+    latest = tmp_path / LATEST
+    latest.unlink()
+    if pointer == "directory":
+        latest.mkdir()
+    elif pointer == "garbage":
+        latest.write_text("v2; rm -rf /\n")
+    elif pointer == "binary":
+        latest.write_bytes(b"\xff\xfe\x00")
+    else:
+        latest.write_text("v9\n")
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+        version = latest_valid(tmp_path)
+    assert version is not None and version.number == 2
+    assert "v9 named by LATEST is missing" in caplog.text if pointer == "missing version" else "unreadable" in caplog.text
+    assert next_version(tmp_path) == (10 if pointer == "missing version" else 3)
+    committed = save(tmp_path)  # the next commit replaces the damaged pointer
+    version = latest_valid(tmp_path)
+    assert version is not None and version.number == committed and latest.read_text() == f"v{committed}\n"
+
+
 def test_everything_corrupt_gives_none(tmp_path: Path) -> None:
     save(tmp_path)
     (tmp_path / "v1" / MANIFEST).unlink()
     assert latest_valid(tmp_path) is None
     assert next_version(tmp_path) == 2
+
+
+def test_ever_committed_sees_a_pointer_or_any_manifest(tmp_path: Path) -> None:
+    """What tells "every version is damaged" (refuse) from "nothing was ever committed" (start)."""
+    assert not ever_committed(tmp_path)
+    save(tmp_path, do_commit=False)
+    assert not ever_committed(tmp_path)  # rank files of a first version that never got its manifest
+    save(tmp_path, 2)
+    (tmp_path / LATEST).unlink()
+    (tmp_path / "v2" / MANIFEST).write_text("{torn")
+    assert latest_valid(tmp_path) is None and ever_committed(tmp_path)
+    (tmp_path / "v2" / MANIFEST).unlink()
+    (tmp_path / LATEST).mkdir()
+    assert ever_committed(tmp_path)
 
 
 def test_keep_prunes_only_after_commit(tmp_path: Path) -> None:
