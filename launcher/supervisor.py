@@ -6,7 +6,8 @@ session. It is restarted from its checkpoints, up to
 (a crash, a killed rank) or when rank 0 has not touched the heartbeat file
 for ``launcher.server_timeout`` seconds (a hung rank). Exit codes that a
 restart cannot change end the supervisor with the same code: 0 (done),
-2 (configuration), 3 (simulations failed), 75 (stopped by a signal).
+2 (configuration, or an output folder that is full or not writable), 3
+(simulations failed), 75 (stopped by a signal).
 
 Before each restart every process of the dead run is killed: each run's
 processes (mpirun, the server ranks and the simulations they started, which
@@ -30,6 +31,7 @@ from typing import Any
 from launcher.schedulers import die_with_parent
 from melissa_dl.config import load_config
 from melissa_dl.errors import ConfigError
+from melissa_dl.files import check_writable
 from melissa_dl.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
 
 logger = logging.getLogger("melissa-launcher")
@@ -72,6 +74,7 @@ def kill_run(marker: str, timeout: float = 30.0) -> None:
 class Supervisor:
     def __init__(self, config_path: str, ranks: int, fresh: bool) -> None:
         config = load_config(config_path)
+        check_writable(config.output_path)
         self.config_path = config_path
         self.ranks = ranks
         self.fresh = fresh
@@ -115,7 +118,7 @@ class Supervisor:
             time.sleep(POLL)
             try:
                 beat = max(started, self.heartbeat.stat().st_mtime)
-            except FileNotFoundError:
+            except OSError:  # not written yet
                 beat = started
             if time.time() - beat > self.timeout:
                 logger.error("no heartbeat from the server for %.0f s (launcher.server_timeout): killing it",

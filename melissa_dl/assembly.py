@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import hmac
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
 

@@ -58,6 +58,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from melissa_dl.errors import MelissaError
+from melissa_dl.files import Chunks, fsync_dir, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,6 @@ _CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 _CHUNK = 8 << 20
 _MAGIC = b"MLDLCKP1"
 _ALIGN = 64  # arrays start on cache lines, so that a loaded tensor is as aligned as a fresh one
-_PARALLEL_CHECKSUM = 16 << 20  # above this, the checksum runs in a thread while fsync waits
 
 
 class CheckpointCorrupt(MelissaError, RuntimeError):
@@ -84,9 +84,6 @@ class FileRecord:
     path: str
     size: int
     crc32: str  # 8 hex digits
-
-
-Chunks = Sequence[bytes | memoryview]  # one file's bytes, in pieces written one after the other
 
 
 class _Pickler(cloudpickle.CloudPickler):
@@ -149,55 +146,6 @@ def version_dir(root: Path, version: int) -> Path:
     return Path(root) / f"v{version}"
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a creation in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes | memoryview | Chunks) -> tuple[int, str]:
-    """Write ``data`` (or its chunks in order) to ``path`` via a fsynced temporary file; returns (size, CRC-32).
-
-    CRC-32 rather than a cryptographic hash: it catches torn and rotten files
-    (what a checkpoint must detect) at 3x sha256's speed, which would
-    otherwise bound the write. A large file's checksum runs in a thread while
-    ``fsync`` waits for the disk (zlib releases the GIL): computing it during
-    ``write`` would compete with the copy into the page cache for the cores.
-    """
-    chunks = [memoryview(c).cast("B") for c in ([data] if isinstance(data, (bytes, memoryview)) else data)]
-    size = sum(chunk.nbytes for chunk in chunks)
-    checksum: list[int] = []
-    thread = None
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(temporary, "wb") as handle:
-            for chunk in chunks:
-                for start in range(0, chunk.nbytes, 1 << 30):
-                    handle.write(chunk[start:start + (1 << 30)])
-            handle.flush()
-            if size >= _PARALLEL_CHECKSUM:
-                thread = threading.Thread(target=lambda: checksum.append(_crc32(chunks)), name="checkpoint-crc")
-                thread.start()
-            else:
-                checksum.append(_crc32(chunks))
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    finally:
-        if thread is not None:
-            thread.join()
-    return size, f"{checksum[0]:08x}"
-
-
-def _crc32(chunks: Sequence[memoryview]) -> int:
-    value = 0
-    for chunk in chunks:
-        value = zlib.crc32(chunk, value)
-    return value
-
-
 def write_rank_files(version_path: Path, rank: int,
                      files: Mapping[str, bytes | memoryview | Chunks]) -> list[FileRecord]:
     """Write one rank's files of a version atomically; the records go to rank 0 for ``commit``."""
@@ -208,11 +156,11 @@ def write_rank_files(version_path: Path, rank: int,
     folder.mkdir(parents=True, exist_ok=True)
     records = []
     for name, data in files.items():
-        size, digest = _write_atomic(folder / name, data)
+        size, digest = write_atomic(folder / name, data)
         records.append(FileRecord(f"rank{rank}/{name}", size, digest))
-    _fsync_dir(folder)
-    _fsync_dir(folder.parent)
-    _fsync_dir(folder.parent.parent)
+    fsync_dir(folder)
+    fsync_dir(folder.parent)
+    fsync_dir(folder.parent.parent)
     return records
 
 
@@ -256,13 +204,13 @@ def commit(root: Path, version: int, records: Sequence[Sequence[FileRecord]], me
     manifest["crc32"] = _manifest_crc32(manifest)
     for rank, rank_records in enumerate(records):
         assert all(r.path.startswith(f"rank{rank}/") for r in rank_records), f"records of rank {rank} misplaced"
-    _write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
-    _fsync_dir(path)
+    write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
+    fsync_dir(path)
     if (root / LATEST).is_dir() and not (root / LATEST).is_symlink():  # a damaged pointer, skipped when resuming
         logger.warning("checkpoint pointer %s is a directory: replacing it", root / LATEST)
         shutil.rmtree(root / LATEST)
-    _write_atomic(root / LATEST, f"v{version}\n".encode())
-    _fsync_dir(root)
+    write_atomic(root / LATEST, f"v{version}\n".encode())
+    fsync_dir(root)
     logger.info("checkpoint v%d committed (%d ranks, %d files, batch %d)",
                 version, len(records), len(manifest["files"]), batch)
     _prune(root, version, keep)

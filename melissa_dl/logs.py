@@ -14,7 +14,7 @@ def setup_logging(rank: int, log_dir: Path | None = None, level: int = logging.I
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_dir / f"rank{rank}.log"))
+        handlers.append(_LogFile(log_dir / f"rank{rank}.log"))
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
@@ -22,3 +22,24 @@ def setup_logging(rank: int, log_dir: Path | None = None, level: int = logging.I
         handler.setFormatter(formatter)
         root.addHandler(handler)
     root.setLevel(level)
+
+
+class _LogFile(logging.FileHandler):
+    """A log file that gives up, saying so once on stderr, when its folder fills up: stderr still has every line.
+
+    (The default prints a traceback for every record it fails to write.)
+    """
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+        elif not self.failed:
+            self.failed = True
+            sys.stderr.write(f"melissa_dl: log file {self.baseFilename}: {error}; logging to stderr only\n")

@@ -2,7 +2,8 @@
 
 An uncaught exception in any thread of any rank is logged with its traceback
 and followed by ``MPI_Abort``, which makes ``mpirun`` kill every rank and exit
-non-zero. SIGTERM is turned into ``SystemExit`` so that ``finally`` blocks,
+non-zero (1; 2 without a traceback for an output folder that is full or
+read-only, where a restart cannot help). SIGTERM is turned into ``SystemExit`` so that ``finally`` blocks,
 which stop the simulation jobs, still run; while training, the first SIGTERM
 or SIGINT (``mpirun`` forwards both to every rank) asks for a graceful stop
 instead: the ranks agree on a batch, checkpoint and exit (``GracefulStop``).
@@ -17,6 +18,9 @@ import time
 from types import TracebackType
 from typing import Any
 
+from melissa_dl.files import unwritable
+from melissa_dl.status import EXIT_CONFIG
+
 logger = logging.getLogger(__name__)
 
 ABORT_GRACE = 0.5  # seconds
@@ -26,10 +30,14 @@ def install_abort_on_error(comm: Any) -> None:
     """Abort ``comm`` on any uncaught exception (after ``finally`` blocks ran)."""
 
     def abort(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
-        logger.critical("fatal error, aborting the MPI job", exc_info=(kind, error, trace))
+        reason = unwritable(error)
+        if reason is None:
+            logger.critical("fatal error, aborting the MPI job", exc_info=(kind, error, trace))
+        else:  # a full or read-only output folder: one line, and a code the supervisor does not restart on
+            logger.critical("%s", reason)
         logging.shutdown()
         time.sleep(ABORT_GRACE)  # let mpirun forward what this rank printed before it tears the job down
-        comm.Abort(1)
+        comm.Abort(1 if reason is None else EXIT_CONFIG)
 
     sys.excepthook = abort
     threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
+from melissa_dl.files import write_atomic
 from melissa_dl.receiver import ReceiverReport
 from melissa_dl.study import State, Study
 
@@ -81,7 +82,7 @@ def final_report(
 
 def write_report(report: dict[str, Any], path: Path) -> None:
     """Save the report as JSON and log its summary, listing every unsuccessful simulation."""
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    write_atomic(path, (json.dumps(report, indent=2) + "\n").encode())
     sims = report["simulations"]
     total = sum(sims.values())
     expected = report["samples_expected"]

@@ -44,8 +44,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import ClassVar
 
 import zmq
 from zmq.utils import z85
@@ -231,7 +232,7 @@ class _Gatekeeper(threading.Thread):
     """The ZAP handler of one ZeroMQ context: answers its gates' requests from its own REP socket."""
 
     _lock = threading.Lock()  # guards _running and every keeper's gates
-    _running: dict[int, _Gatekeeper] = {}
+    _running: ClassVar[dict[int, _Gatekeeper]] = {}
 
     def __init__(self, context: zmq.Context) -> None:
         super().__init__(name="zap", daemon=True)

@@ -29,6 +29,7 @@ from melissa_dl.buffers import make_buffer
 from melissa_dl.config import Config, load_config
 from melissa_dl.connections import raise_open_file_limit
 from melissa_dl.errors import ConfigError
+from melissa_dl.files import check_writable, write_atomic
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
 from melissa_dl.checkpoint import CheckpointCorrupt, next_version
@@ -242,7 +243,7 @@ class Server:
                 model = trainer.save(self.config.output_path)
                 extra["training"] = {**summary.to_dict(), "samples_trained": consumed, "model": str(model)}
                 if self.rank == 0:
-                    (self.config.output_path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+                    write_atomic(self.config.output_path / "config.json", json.dumps(self.config.to_dict(), indent=2).encode())
             code = 0
             if self.rank == 0:
                 assert study is not None and handshake is not None
@@ -345,7 +346,8 @@ class StudyControl:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="melissa-server", description="Online-learning server for simulation ensembles.")
     parser.add_argument("config", help="the study's JSON configuration")
-    parser.add_argument("--check", action="store_true", help="validate the configuration, print it resolved, and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the configuration and that output_dir can be written, print it resolved, and exit")
     parser.add_argument("--fresh", action="store_true",
                         help="start over: delete the checkpoints and TensorBoard logs of an earlier run "
                         "instead of resuming")
@@ -358,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args.config)
+        check_writable(config.output_path)
     except ConfigError as error:
         if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":  # one line, not K
             sys.stderr.write(f"melissa-server: {args.config}: {error}\n")

@@ -16,6 +16,7 @@ independently and stop when all are dry.
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import os
 import random
@@ -38,6 +39,7 @@ from melissa_dl.config import TrainingConfig
 from melissa_dl.dataset import END, StreamDataset, collate
 from melissa_dl.embedding import ShardedEmbedding, set_default_collectives
 from melissa_dl.errors import ConfigError, TrainingStalled
+from melissa_dl.files import write_atomic
 from melissa_dl.module import TrainingModule, load_module_class
 from melissa_dl.receiver import Receiver
 
@@ -309,7 +311,9 @@ class Trainer:
                 state.pop(f"{name}._extra_state", None)
         path = output / "model.pt"
         if self.rank == 0:
-            torch.save(state, path)
+            stream = io.BytesIO()
+            torch.save(state, stream)
+            write_atomic(path, stream.getbuffer())
         return path
 
     def state(self, into: Any = None) -> dict[str, Any]:

@@ -15,8 +15,8 @@ import sys
 
 import numpy as np
 import zmq
-
 from fuzz import fuzz
+
 from melissa_dl.client import Client
 from melissa_dl.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, owner_rank, simulation_key
 from melissa_dl.security import configure_client

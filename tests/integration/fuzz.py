@@ -15,7 +15,8 @@ import random
 import socket as tcp
 import struct
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import zmq
@@ -62,19 +63,21 @@ class FrameFuzzer:
     def header(self, kind: Kind, step: int = 0, dtype: str = "float32", shape: tuple[int, ...] = SHAPE,
                size: int | None = None, **change: Any) -> bytes:
         size = int(np.prod(shape)) * np.dtype(dtype).itemsize if size is None else size
-        fields = dict(kind=kind, key=self.key, simulation_id=self.sim, attempt=0, time_step=step, client_rank=0,
-                      client_size=1, field_id=0, dtype=dtype, shape=shape, payload_bytes=size)
+        fields = {"kind": kind, "key": self.key, "simulation_id": self.sim, "attempt": 0, "time_step": step,
+                  "client_rank": 0, "client_size": 1, "field_id": 0, "dtype": dtype, "shape": shape,
+                  "payload_bytes": size}
         return Header(**{**fields, **change}).pack()
+
+    def json_message(self, kind: Kind, payload: bytes) -> list[bytes]:
+        return [self.header(kind, dtype="uint8", shape=(), size=len(payload)), payload]
 
     def valid(self) -> list[bytes]:
         """A well-formed message: a declaration, a finalize, or a step (mostly beyond the study's steps)."""
         choice = self.rng.randrange(4)
         if choice == 0:
-            payload = encode_json({"fields": {"field": GOOD}})
-            return [self.header(Kind.DECLARE, dtype="uint8", shape=(), size=len(payload)), payload]
+            return self.json_message(Kind.DECLARE, encode_json({"fields": {"field": GOOD}}))
         if choice == 1:
-            payload = encode_json({"steps": self.rng.randrange(100)})
-            return [self.header(Kind.FINALIZE, dtype="uint8", shape=(), size=len(payload)), payload]
+            return self.json_message(Kind.FINALIZE, encode_json({"steps": self.rng.randrange(100)}))
         step = self.steps + self.rng.randrange(1000) if choice == 2 else self.rng.randrange(self.steps)
         return [self.header(Kind.DATA, step=step), np.full(SHAPE, step, dtype=np.float32).tobytes()]
 
@@ -88,8 +91,7 @@ class FrameFuzzer:
             lambda: [message[0], _flip(rng, message[1], rng.randint(1, 8))],  # and of the payload
             lambda: [self.header(Kind.DATA, size=rng.choice([1 << 40, (1 << 64) - 1])), message[1]],  # huge lengths
             lambda: [self.header(Kind.DATA, shape=(1 << 31, 1 << 31), size=len(message[1])), message[1]],
-            lambda: (lambda p: [self.header(rng.choice([Kind.DECLARE, Kind.FINALIZE]), dtype="uint8", shape=(),
-                                            size=len(p)), p])(rng.choice(JSON_MUTANTS)),
+            lambda: self.json_message(rng.choice([Kind.DECLARE, Kind.FINALIZE]), rng.choice(JSON_MUTANTS)),
             lambda: message[:1] if rng.random() < 0.5 else message + [b"extra"],
         ]
         return rng.choice(mutations)()

@@ -51,6 +51,22 @@ def test_a_wrong_training_class_is_one_line_with_exit_code_2_before_any_simulati
     assert not (output / "simulations").exists()  # no simulation was started
 
 
+@pytest.mark.parametrize("how", ["--check", "mpirun -n 2", "melissa-launcher -n 2"])
+def test_an_output_folder_that_cannot_be_written_is_one_line_with_exit_code_2(tmp_path: Path, how: str) -> None:
+    (tmp_path / "file").write_text("a regular file, where the output folder's parent should be")
+    output = tmp_path / "file" / "out"
+    config = write(tmp_path, study_config(output, ["true"]))
+    command = {"--check": [*SERVER, "--check", config], "mpirun -n 2": [MPIRUN, "-n", "2", *SERVER, config],
+               "melissa-launcher -n 2": [sys.executable, "-m", "launcher.supervisor", config, "-n", "2"]}[how]
+    done = subprocess.run(command, env=clean_environment(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    program = "melissa-launcher" if how.startswith("melissa-launcher") else "melissa-server"
+    assert done.stderr.strip().splitlines() == [
+        f"{program}: {config}: output_dir: cannot write {output}: ENOTDIR (Not a directory)"
+    ]
+    assert done.stdout == ""
+
+
 def test_check_prints_the_resolved_configuration(tmp_path: Path) -> None:
     config = study_config(tmp_path / "out", ["true"])
     done = subprocess.run([*SERVER, "--check", write(tmp_path, config)], capture_output=True, text=True, timeout=60)

@@ -246,8 +246,8 @@ def test_refusals_counted_before_a_restart_are_in_the_final_report(tmp_path: Pat
     assert run.report is not None and run.report["rejected"].get("handshake_auth", 0) >= 1, run.report["rejected"]
 
 
-@pytest.mark.parametrize("change", [("# a comment\n", ""), ("nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 32)",
-                                                             "nn.Linear(3, 24), nn.Tanh(), nn.Linear(24, 32)")],
+@pytest.mark.parametrize("change", [("# a comment\n", ""), ("nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 32)",
+                                                             "nn.Linear(3, hidden + 8), nn.Tanh(), nn.Linear(hidden + 8, 32)")],
                          ids=["comment", "layer size"])
 def test_a_changed_training_module_is_refused_on_resume(tmp_path: Path, output: Path, change: tuple[str, str]) -> None:
     module = tmp_path / "tiny_module.py"
@@ -333,3 +333,39 @@ def test_with_every_version_damaged_and_no_pointer_the_server_refuses_to_start_o
     assert f"no checkpoint in {checkpoints} is intact" in run.log and "--fresh" in run.log
     assert "simulation 0 attempt" not in run.log and "Traceback" not in run.log
     assert sorted(str(p.relative_to(output)) for p in output.rglob("*") if "tensorboard" not in p.parts) == before
+
+
+def test_an_output_folder_that_fills_up_ends_the_job_in_one_line_without_restarts(tmp_path: Path,
+                                                                                  output: Path) -> None:
+    """A file-size limit on rank 0, set once it runs (MPI's start needs large shared-memory files), stands for a
+    full disk: the first checkpoint's dense.pt (~13 MB) cannot be written.
+
+    Exit 2 (the supervisor does not restart on it), one line naming the file
+    and the errno, no temporary file left; once there is room, the same
+    command runs the study to its end with every step once.
+    """
+    import resource
+    config = paced_config(output, max_server_restarts=2)
+    config["training"]["options"] = {"hidden": 30_000}
+    supervisor = [sys.executable, "-m", "launcher.supervisor", server_command(tmp_path, config, 2)[-1], "-n", "2"]
+    process = start(supervisor)
+    log = output / "logs" / "rank0.log"
+    wait_for(lambda: log.exists() and "server rank 0 of 2, pid" in log.read_text(), process)
+    pid = int(re.search(r"server rank 0 of 2, pid (\d+)", log.read_text()).group(1))
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (2 << 20, resource.RLIM_INFINITY))
+    assert not committed(output), "the limit came too late"
+    stdout, _ = process.communicate(timeout=180)
+    assert process.returncode == EXIT_CONFIG, stdout
+    failures = [line for line in stdout.splitlines() if "CRITICAL" in line]
+    assert len(failures) == 1, stdout
+    assert re.search(r"cannot write \S+/checkpoints/v1/rank0/dense\.pt: EFBIG \(File too large\); free space or fix "
+                     r"the folder's permissions, then run the same command to resume$", failures[0]), failures[0]
+    assert "Traceback" not in stdout and "restarting" not in stdout
+    assert [str(p) for p in output.rglob("*.tmp")] == []
+    assert not committed(output)
+
+    again = subprocess.run(supervisor, env=clean_environment(), capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stderr
+    report = json.loads((output / "report.json").read_text())
+    assert report["simulations"]["done"] == SIMULATIONS and report["samples_received"] == SIMULATIONS * STEPS
+    assert_every_step_once(output, ranks=2)

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import HERE, clean_environment, server_command, study_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,7 +43,7 @@ def test_fuzzed_frames_and_hellos_are_refused_counted_and_survived(tmp_path: Pat
     peak: dict[int, float] = {}
     try:
         while server.poll() is None:
-            for line in list(lines):
+            for line in lines:
                 found = re.search(r"\[rank (\d)\] INFO .*server rank \d of 2, pid (\d+)", line)
                 if found:
                     pids[int(found.group(1))] = int(found.group(2))

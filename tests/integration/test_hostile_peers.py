@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import TOY_SIM, clean_environment, free_port, server_command, study_config
 
 pytestmark = pytest.mark.timeout(180)

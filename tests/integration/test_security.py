@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-
 from conftest import HERE, TOY_SIM, clean_environment, run_server, study_config
+from test_client import Server, start_server
+from test_studies import assert_clean_study
+
 from melissa_dl.buffers import make_buffer
 from melissa_dl.client import Client
 from melissa_dl.errors import HandshakeRefused, ServerUnreachable
 from melissa_dl.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, simulation_key
 from melissa_dl.rejections import RejectionLog
-from test_client import Server, start_server
-from test_studies import assert_clean_study
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -184,7 +184,7 @@ context.term()
 
 
 def test_frames_and_hellos_over_zeromqs_cap_cost_the_rank_no_memory() -> None:
-    with serving("token", max_message_bytes=MIB) as (server, handshake):
+    with serving("token", max_message_bytes=MIB) as (server, _):
         reset_peak_rss()
         before = status_megabytes("VmRSS")
         done = subprocess.run([sys.executable, "-c", BIG_SENDER, json.dumps(server.environ),

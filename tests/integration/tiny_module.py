@@ -16,12 +16,12 @@ class Tiny(TrainingModule):
 
     ``fail_rank``/``fail_after`` make ``training_step`` raise on one rank, to
     test that a user's error ends the whole job; ``step_delay`` makes training
-    slower than the simulations.
+    slower than the simulations; ``hidden`` makes its checkpoints larger.
     """
 
-    def __init__(self, fail_rank: int = -1, fail_after: int = 3, step_delay: float = 0.0) -> None:
+    def __init__(self, fail_rank: int = -1, fail_after: int = 3, step_delay: float = 0.0, hidden: int = 16) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 32))
+        self.net = nn.Sequential(nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 32))
         self.fail_rank, self.fail_after, self.step_delay = fail_rank, fail_after, step_delay
         self.steps = 0
 

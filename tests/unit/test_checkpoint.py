@@ -9,16 +9,32 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
 import torch
 
-from melissa_dl.checkpoint import (FORMAT_VERSION, LATEST, MANIFEST, BackgroundCopy, BackgroundWriter, CheckpointCorrupt,
-                                   FileRecord, _manifest_crc32, commit, dumps, ever_committed, latest_valid, loads,
-                                   next_version, verify, version_dir, write_rank_files)
+from melissa_dl.checkpoint import (
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    BackgroundCopy,
+    BackgroundWriter,
+    CheckpointCorrupt,
+    FileRecord,
+    _manifest_crc32,
+    commit,
+    dumps,
+    ever_committed,
+    latest_valid,
+    loads,
+    next_version,
+    verify,
+    version_dir,
+    write_rank_files,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
