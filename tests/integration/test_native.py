@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
 import re
 import runpy
 import signal
@@ -22,7 +21,7 @@ from melissa_dl.handshake import HandshakeServer
 from melissa_dl.protocol import PROTOCOL_VERSION, Kind, unpack_header
 from melissa_dl.rejections import RejectionLog
 from melissa_dl.security import Gate, Security
-from test_security import stub_server, wait_until
+from test_security import assert_received_every_step, stub_server, wait_until
 from test_studies import assert_clean_study, assert_every_step_once
 
 pytestmark = pytest.mark.timeout(180)
@@ -269,11 +268,7 @@ def test_the_c_client_waits_out_back_pressure_longer_than_its_timeout(native: Pa
         done = run_c_client(native, environ, "--steps", "24", "--count", str(MIB // 4))
         assert done.returncode == 0, done.stderr
         assert time.monotonic() - start > 3.0
-        assert process.stdin is not None and process.stdout is not None
-        process.stdin.close()
-        tally = json.loads(process.stdout.readline())
-        assert process.wait(30) == 0
-    assert sorted(tally["steps"]) == list(range(24)) and tally["announced"] == 24
+        assert_received_every_step(process, 24)
 
 
 @pytest.mark.parametrize("how, bound", [(signal.SIGKILL, 1.0), (signal.SIGSTOP, 1.5)])

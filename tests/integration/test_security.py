@@ -249,6 +249,15 @@ def stub_server(*args: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, s
         process.wait(10)
 
 
+def assert_received_every_step(process: subprocess.Popen[str], steps: int) -> None:
+    """Stop the stub server (closing its stdin) and check its tally: each step once, all announced."""
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.close()
+    tally = json.loads(process.stdout.readline())
+    assert process.wait(30) == 0
+    assert sorted(tally["steps"]) == list(range(steps)) and tally["announced"] == steps
+
+
 @pytest.mark.parametrize("how, bound", [(signal.SIGKILL, 1.0), (signal.SIGSTOP, 1.5)])
 def test_a_blocked_client_of_a_dead_server_fails_within_its_timeout(how: signal.Signals, bound: float) -> None:
     """Killed, the server's connections close at once; frozen, it stops its heartbeats (TTL: half the timeout)."""
@@ -290,11 +299,7 @@ def test_a_client_blocked_by_a_server_process_that_holds_its_buffer_loses_nothin
             for t in range(24):
                 client.send("field", t, np.full(MIB // 4, t, np.float32))
         assert time.monotonic() - start > 3.0
-        assert process.stdin is not None and process.stdout is not None
-        process.stdin.close()
-        tally = json.loads(process.stdout.readline())
-        assert process.wait(30) == 0
-    assert sorted(tally["steps"]) == list(range(24)) and tally["announced"] == 24
+        assert_received_every_step(process, 24)
 
 
 @pytest.mark.parametrize("level", LEVELS)
