@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from melissa_dl.errors import ConfigError
+from melissa_dl.files import open_log
 
 KILL_GRACE = 2.0
 """Seconds a job gets between SIGTERM and SIGKILL to flush and clean up."""
@@ -157,8 +158,7 @@ def _spawn(
     argv: list[str], cwd: Path, env: dict[str, str], log_path: Path, death_signal: signal.Signals
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a new session, stdin closed, stdout and stderr to ``log_path``."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:  # append: a restarted server may launch an attempt number again
+    with open_log(log_path) as log:  # append: a restarted server may launch an attempt number again
         return subprocess.Popen(
             argv,
             cwd=cwd,

@@ -47,7 +47,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -279,8 +279,15 @@ class Version:
         return data
 
 
-def verify(path: Path) -> Version:
-    """Check a version folder's manifest and every file's size and CRC-32; ``CheckpointCorrupt`` says why not."""
+def _nothing_required(rank: int) -> Collection[str]:
+    return ()
+
+
+def verify(path: Path, required: Callable[[int], Collection[str]] = _nothing_required) -> Version:
+    """Check a version folder's manifest and every file's size and CRC-32; ``CheckpointCorrupt`` says why not.
+
+    ``required(rank)``: the names that rank's files must include.
+    """
     path = Path(path)
     match = _VERSION_RE.match(path.name)
     if match is None:
@@ -292,14 +299,20 @@ def verify(path: Path) -> Version:
         file = path / record["path"]
         try:
             size = file.stat().st_size
+            if size != record["size"]:
+                raise CheckpointCorrupt(f"checkpoint {path.name}: size mismatch of {record['path']} "
+                                        f"({size} bytes, manifest says {record['size']})")
+            if _file_crc32(file) != record["crc32"]:
+                raise CheckpointCorrupt(f"checkpoint {path.name}: checksum mismatch of {record['path']}")
         except FileNotFoundError:
             raise CheckpointCorrupt(f"checkpoint {path.name}: missing file {record['path']}") from None
-        if size != record["size"]:
-            raise CheckpointCorrupt(f"checkpoint {path.name}: size mismatch of {record['path']} "
-                                    f"({size} bytes, manifest says {record['size']})")
-        if _file_crc32(file) != record["crc32"]:
-            raise CheckpointCorrupt(f"checkpoint {path.name}: checksum mismatch of {record['path']}")
-    return Version(int(match.group(1)), path, manifest)
+        except OSError as error:  # a bad disk block, a symlink loop, a folder: this version cannot be read
+            raise CheckpointCorrupt(f"checkpoint {path.name}: cannot read {record['path']} ({error})") from None
+    version = Version(int(match.group(1)), path, manifest)
+    for rank in range(version.ranks):
+        if missing := sorted(set(required(rank)) - set(version.names(rank))):
+            raise CheckpointCorrupt(f"checkpoint {path.name}: no {', '.join(missing)} for rank {rank}")
+    return version
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -308,7 +321,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
         raise CheckpointCorrupt(f"checkpoint {path.name}: missing manifest") from None
-    except (OSError, ValueError) as error:  # a directory, bad UTF-8, bad JSON
+    except (OSError, ValueError, RecursionError) as error:  # a directory, bad UTF-8, bad or too deep JSON
         raise CheckpointCorrupt(f"checkpoint {path.name}: unreadable manifest ({error})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
         found = manifest.get("format") if isinstance(manifest, dict) else None
@@ -327,7 +340,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
                 and isinstance(record.get("crc32"), str) and _CRC_RE.match(record["crc32"])):
             raise CheckpointCorrupt(f"checkpoint {path.name}: malformed file record {str(record)[:120]}")
         ranks.add(int(record["path"].split("/")[0][4:]))
-    if ranks != set(range(manifest["ranks"])):
+    if not 1 <= manifest["ranks"] <= len(manifest["files"]) or ranks != set(range(manifest["ranks"])):
         raise CheckpointCorrupt(f"checkpoint {path.name}: manifest says {manifest['ranks']} ranks, "
                                 f"its files are of ranks {sorted(ranks)}")
     return manifest
@@ -339,8 +352,8 @@ def ever_committed(root: Path) -> bool:
     return (root / LATEST).exists() or any((version_dir(root, n) / MANIFEST).exists() for n in _version_numbers(root))
 
 
-def latest_valid(root: Path) -> Version | None:
-    """The newest version that verifies: ``LATEST`` first, then the other folders newest first."""
+def latest_valid(root: Path, required: Callable[[int], Collection[str]] = _nothing_required) -> Version | None:
+    """The newest version that verifies (``verify``): ``LATEST`` first, then the other folders newest first."""
     root = Path(root)
     numbers = _version_numbers(root)
     latest = _read_latest(root)
@@ -348,7 +361,7 @@ def latest_valid(root: Path) -> Version | None:
         logger.warning("checkpoint pointer %s is unreadable; trying every version", root / LATEST)
     if latest is not None and latest in numbers:
         try:
-            version = verify(version_dir(root, latest))
+            version = verify(version_dir(root, latest), required)
         except CheckpointCorrupt as error:
             logger.warning("%s; trying the other versions", error)
         else:
@@ -361,7 +374,7 @@ def latest_valid(root: Path) -> Version | None:
         if number == latest:
             continue
         try:
-            return verify(version_dir(root, number))
+            return verify(version_dir(root, number), required)
         except CheckpointCorrupt as error:
             logger.warning("%s; trying an older version", error)
     return None

@@ -15,6 +15,15 @@ class ConfigError(MelissaError, ValueError):
     """The configuration file is wrong; the message names the JSON path."""
 
 
+class OutputUnwritable(MelissaError, RuntimeError):
+    """The output folder cannot take what the server writes (full, read-only): ends the job with exit 2.
+
+    Not an ``OSError``, so that no caller takes it for its own failure (the
+    launcher, for a simulation that could not start); the ``OSError`` is its
+    ``__cause__``.
+    """
+
+
 class ProtocolError(MelissaError, ValueError):
     """A frame or handshake is refused; ``kind`` names the reason for counting."""
 

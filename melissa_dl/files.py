@@ -2,25 +2,32 @@
 
 A full disk, a quota, a read-only mount or lost permissions are not bugs of
 the server and a restart cannot help: they get one line naming the path and
-the errno, exit code 2 (the supervisor does not restart on it), and no
-temporary file left behind. Everything the server writes for the user
-(checkpoints, ``model.pt``, ``report.json``) goes through ``write_atomic``, so
-a reader never sees half a file under its final name.
+the errno, exit code 2 (the supervisor does not restart on it), and a write
+that fails removes its temporary file. Everything the server writes for the
+user (checkpoints, ``model.pt``, ``report.json``) goes through
+``write_atomic``, so a reader never sees half a file under its final name;
+what a killed server left half-written is removed at the next start
+(``remove_temporaries``).
 """
 from __future__ import annotations
 
 import errno
 import os
+import tempfile
 import threading
 import zlib
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
+from typing import BinaryIO
 
-from melissa_dl.errors import ConfigError
+from melissa_dl.errors import ConfigError, OutputUnwritable
 
 # What a full or read-only output folder raises: these end the job with exit 2 and one line, not a traceback.
-UNWRITABLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM})
+UNWRITABLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM,
+                        errno.EISDIR, errno.ENOTDIR})
+# The folders of <output_dir> the server writes into, checked with it at start.
+OUTPUT_FOLDERS = ("logs", "simulations", "checkpoints", "tensorboard")
 _PARALLEL_CHECKSUM = 16 << 20  # above this, the checksum runs in a thread while fsync waits
 
 Chunks = Sequence[bytes | memoryview]  # one file's bytes, in pieces written one after the other
@@ -65,8 +72,8 @@ def write_atomic(path: Path, data: bytes | memoryview | Chunks) -> tuple[int, st
     except BaseException as error:
         with suppress(OSError):
             temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.filename in (None, str(temporary)):
-            error.filename = str(path)  # write() and fsync() name no file
+        if isinstance(error, OSError):  # name the file the caller asked for: write() names none, replace() two
+            error.filename, error.filename2 = str(path), None
         raise
     finally:
         if thread is not None:
@@ -89,19 +96,49 @@ def describe(error: OSError) -> str:
 
 def unwritable(error: BaseException) -> str | None:
     """The one line to end the job with, if ``error`` (or its cause) is a full or read-only output folder."""
+    advice = "; free space or fix the output folder, then run the same command to resume"
+    if isinstance(error, OutputUnwritable):
+        return f"{error}{advice}"
     for candidate in (error, error.__cause__):
         if isinstance(candidate, OSError) and candidate.errno in UNWRITABLE:
-            return (f"{describe(candidate)}; free space or fix the folder's permissions, then run the same "
-                    "command to resume")
+            return f"{describe(candidate)}{advice}"
     return None
 
 
-def check_writable(folder: Path) -> None:
-    """At start (``--check`` too): create ``folder`` and write a file in it, or say in one line why not."""
-    probe = folder / f".melissa-probe-{os.getpid()}"
+def open_log(path: Path) -> BinaryIO:
+    """Open a log the server writes for someone else (a simulation's output), appending.
+
+    A failure is the output folder's, not the caller's: ``OutputUnwritable``.
+    """
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(probe, b"melissa_dl\n")
-        probe.unlink()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "ab")
     except OSError as error:
-        raise ConfigError(f"output_dir: {describe(error)}") from None
+        raise OutputUnwritable(describe(error)) from error
+
+
+def check_writable(output: Path) -> None:
+    """At start (``--check`` too, creating nothing): ``output`` and its folders can take files, or one line why not.
+
+    Each is probed where it would be created: the nearest folder that exists
+    on its path gets a file without a name (``O_TMPFILE``), which vanishes
+    even if the process is killed.
+    """
+    for folder in (output, *(output / name for name in OUTPUT_FOLDERS)):
+        existing = next(path for path in (folder, *folder.parents) if path.exists())
+        try:
+            if not existing.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+            with tempfile.TemporaryFile(dir=existing) as probe:
+                probe.write(b"melissa_dl\n")
+                probe.flush()
+        except OSError as error:
+            error.filename = str(folder)
+            raise ConfigError(f"output_dir: {describe(error)}") from None
+
+
+def remove_temporaries(folder: Path) -> None:
+    """Remove what ``write_atomic`` calls of a killed server left in ``folder`` (its caller holds the output lock)."""
+    for temporary in folder.glob(".*.tmp"):
+        with suppress(FileNotFoundError):
+            temporary.unlink()

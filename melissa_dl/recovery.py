@@ -179,7 +179,7 @@ def find_checkpoint(config: Config) -> Version | None:
     root = checkpoint_root(config)
     if not root.is_dir():
         return None
-    version = latest_valid(root)
+    version = latest_valid(root, _files_of)
     if version is None:
         if ever_committed(root):
             raise CheckpointCorrupt(f"no checkpoint in {root} is intact (see the warnings above); "
@@ -201,6 +201,11 @@ def find_checkpoint(config: Config) -> Version | None:
     logger.info("resuming from checkpoint %s (batch %d, written by %d ranks)",
                 version.path, version.manifest["batch"], version.ranks)
     return version
+
+
+def _files_of(rank: int) -> tuple[str, ...]:
+    """The files ``Checkpointer`` writes for ``rank``: a version without one of them cannot be resumed."""
+    return ("stream.pt", "trainer.pt", *(("dense.pt", "study.pt", "config.json") if rank == 0 else ()))
 
 
 def module_digest(config: Config) -> str:

@@ -29,7 +29,7 @@ from melissa_dl.buffers import make_buffer
 from melissa_dl.config import Config, load_config
 from melissa_dl.connections import raise_open_file_limit
 from melissa_dl.errors import ConfigError
-from melissa_dl.files import check_writable, write_atomic
+from melissa_dl.files import check_writable, remove_temporaries, write_atomic
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
 from melissa_dl.checkpoint import CheckpointCorrupt, next_version
@@ -147,6 +147,8 @@ class Server:
         if self.rank == 0:  # before anything is written: resume or not, and is this output folder ours?
             try:
                 self.lock = lock_output(self.config.output_path)
+                for folder in (self.config.output_path, checkpoint_root(self.config)):
+                    remove_temporaries(folder)  # of a server killed while writing
                 if self.fresh:
                     start_fresh(self.config)
                 if self.config.training is not None:
@@ -171,7 +173,7 @@ class Server:
                     if self.rank == 0:
                         logger.info("model of checkpoint %s written to %s", version.path, model)
                     return 0
-                if version.meta.get("complete"):
+                if version.meta.get("complete") and (self.config.output_path / "report.json").is_file():
                     if self.rank == 0:
                         logger.info("the study in %s is complete (checkpoint %s): nothing to do; --fresh starts "
                                     "it over", self.config.output_path, version.path)
@@ -371,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI  # only now: --check and config errors need no MPI
 
     comm = MPI.COMM_WORLD
-    setup_logging(comm.Get_rank(), config.output_path / "logs")
     install_abort_on_error(comm)
+    setup_logging(comm.Get_rank(), config.output_path / "logs")
     raise_open_file_limit()
     return Server(config, comm, fresh=args.fresh, export_model=args.export_model).run()
 

@@ -51,10 +51,19 @@ def test_a_wrong_training_class_is_one_line_with_exit_code_2_before_any_simulati
     assert not (output / "simulations").exists()  # no simulation was started
 
 
+@pytest.mark.parametrize("blocked", ["output_dir", "logs"])
 @pytest.mark.parametrize("how", ["--check", "mpirun -n 2", "melissa-launcher -n 2"])
-def test_an_output_folder_that_cannot_be_written_is_one_line_with_exit_code_2(tmp_path: Path, how: str) -> None:
-    (tmp_path / "file").write_text("a regular file, where the output folder's parent should be")
-    output = tmp_path / "file" / "out"
+def test_an_output_folder_that_cannot_be_written_is_one_line_with_exit_code_2(tmp_path: Path, how: str,
+                                                                              blocked: str) -> None:
+    """A regular file where a folder goes: ENOTDIR (as root, the one refusal that needs no mount)."""
+    if blocked == "output_dir":
+        (tmp_path / "file").write_text("where the output folder's parent should be")
+        output = blocked_folder = tmp_path / "file" / "out"
+    else:
+        output = tmp_path / "out"
+        output.mkdir()
+        (output / "logs").write_text("where the server's log folder should be")
+        blocked_folder = output / "logs"
     config = write(tmp_path, study_config(output, ["true"]))
     command = {"--check": [*SERVER, "--check", config], "mpirun -n 2": [MPIRUN, "-n", "2", *SERVER, config],
                "melissa-launcher -n 2": [sys.executable, "-m", "launcher.supervisor", config, "-n", "2"]}[how]
@@ -62,9 +71,11 @@ def test_an_output_folder_that_cannot_be_written_is_one_line_with_exit_code_2(tm
     assert done.returncode == 2, done.stderr
     program = "melissa-launcher" if how.startswith("melissa-launcher") else "melissa-server"
     assert done.stderr.strip().splitlines() == [
-        f"{program}: {config}: output_dir: cannot write {output}: ENOTDIR (Not a directory)"
+        f"{program}: {config}: output_dir: cannot write {blocked_folder}: ENOTDIR (Not a directory)"
     ]
     assert done.stdout == ""
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["config.json", "file" if blocked == "output_dir" else
+                                                                  "out", *(["logs"] if blocked == "logs" else [])])
 
 
 def test_check_prints_the_resolved_configuration(tmp_path: Path) -> None:

@@ -280,6 +280,17 @@ def test_a_finished_study_run_again_says_so_and_changes_nothing(tmp_path: Path, 
     assert [(path.read_bytes(), path.stat().st_mtime_ns) for path in results] == before
     assert "resuming from checkpoint" in again.log and "simulation 0 attempt" not in again.log  # nothing launched
 
+    # the end was cut short after the last checkpoint (a full disk while writing the report): the report is written
+    results[1].unlink()
+    (output / ".report.json.tmp").write_text('{"half": ')
+    completed = run_server(tmp_path, config, ranks=2)
+    assert completed.code == 0, completed.log
+    assert "nothing to do" not in completed.log and "simulation 0 attempt" not in completed.log
+    report = json.loads(results[1].read_text())
+    assert (report["simulations"], report["samples_received"]) == ({"queued": 0, "running": 0, "done": SIMULATIONS,
+                                                                    "failed": 0}, SIMULATIONS * STEPS)
+    assert list(output.glob(".*.tmp")) == []
+
 
 def rename_a_path_key(checkpoints: Path, newest: int) -> None:
     manifest = json.loads((checkpoints / f"v{newest}" / "manifest.json").read_text())
@@ -359,7 +370,7 @@ def test_an_output_folder_that_fills_up_ends_the_job_in_one_line_without_restart
     failures = [line for line in stdout.splitlines() if "CRITICAL" in line]
     assert len(failures) == 1, stdout
     assert re.search(r"cannot write \S+/checkpoints/v1/rank0/dense\.pt: EFBIG \(File too large\); free space or fix "
-                     r"the folder's permissions, then run the same command to resume$", failures[0]), failures[0]
+                     r"the output folder, then run the same command to resume$", failures[0]), failures[0]
     assert "Traceback" not in stdout and "restarting" not in stdout
     assert [str(p) for p in output.rglob("*.tmp")] == []
     assert not committed(output)

@@ -167,6 +167,8 @@ def escape(manifest: dict) -> None:
     (lambda manifest: manifest.pop("meta"), "manifest field 'meta' missing or not dict"),
     (lambda manifest: manifest["files"][1].update(size=-1), "malformed file record"),
     (escape, "malformed file record"),
+    (lambda manifest: manifest.update(ranks=0, files=[]), "manifest says 0 ranks, its files are of ranks []"),
+    (set_ranks(10**10), "manifest says 10000000000 ranks"),
 ])
 @pytest.mark.parametrize("resigned", [False, True], ids=["edited", "edited-and-resigned"])
 def test_an_edited_manifest_is_a_damaged_version(tmp_path: Path, caplog: pytest.LogCaptureFixture,
@@ -187,6 +189,37 @@ def test_an_edited_manifest_is_a_damaged_version(tmp_path: Path, caplog: pytest.
     assert f"checkpoint v2: {expected}" in caplog.text
     with pytest.raises(CheckpointCorrupt, match=re.escape(expected)):
         verify(tmp_path / "v2")
+
+
+def test_a_version_without_a_file_its_reader_requires_is_damaged(tmp_path: Path) -> None:
+    save(tmp_path)
+    save(tmp_path)
+    required = {0: ("model.pt", "buffer.pkl"), 1: ("model.pt", "buffer.pkl")}
+    assert verify(tmp_path / "v2", required.__getitem__).number == 2
+    required[1] = ("model.pt", "ledger.pt", "extra.pt")
+    with pytest.raises(CheckpointCorrupt, match=r"^checkpoint v2: no extra.pt, ledger.pt for rank 1$"):
+        verify(tmp_path / "v2", required.__getitem__)
+    assert latest_valid(tmp_path, required.__getitem__) is None
+
+
+def test_a_deeply_nested_manifest_is_a_damaged_version(tmp_path: Path) -> None:
+    save(tmp_path)
+    save(tmp_path)
+    (tmp_path / "v2" / MANIFEST).write_text("[" * 100_000)
+    with pytest.raises(CheckpointCorrupt, match="unreadable manifest"):
+        verify(tmp_path / "v2")
+    assert (version := latest_valid(tmp_path)) is not None and version.number == 1
+
+
+def test_a_file_that_cannot_be_read_is_a_damaged_version(tmp_path: Path) -> None:
+    save(tmp_path)
+    save(tmp_path)
+    file = tmp_path / "v2" / "rank1" / "model.pt"
+    file.unlink()
+    file.symlink_to(file)  # a symlink loop: ELOOP, as a bad disk block gives EIO
+    with pytest.raises(CheckpointCorrupt, match=r"checkpoint v2: cannot read rank1/model.pt \(\[Errno 40\]"):
+        verify(tmp_path / "v2")
+    assert (version := latest_valid(tmp_path)) is not None and version.number == 1
 
 
 def test_a_manifest_of_another_format_is_refused_by_name(tmp_path: Path) -> None:

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from melissa_dl import files
-from melissa_dl.errors import ConfigError
-from melissa_dl.files import check_writable, unwritable, write_atomic
+from melissa_dl.errors import ConfigError, OutputUnwritable
+from melissa_dl.files import check_writable, open_log, remove_temporaries, unwritable, write_atomic
 from melissa_dl.logs import setup_logging
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def fail_with(number: int):
-    def fail(*args: object) -> None:
+    def fail(*args: object, **options: object) -> None:
         raise OSError(number, os.strerror(number))
     return fail
 
@@ -35,8 +35,8 @@ def test_a_full_disk_leaves_no_temporary_file_and_names_the_file(tmp_path: Path,
     assert target.read_text() == "the previous report"  # the old file stays whole
     assert caught.value.filename == str(target)
     line = unwritable(caught.value)
-    assert line == (f"cannot write {target}: ENOSPC (No space left on device); free space or fix the folder's "
-                    "permissions, then run the same command to resume")
+    assert line == (f"cannot write {target}: ENOSPC (No space left on device); free space or fix the output "
+                    "folder, then run the same command to resume")
 
 
 def test_a_file_size_limit_is_reported_like_a_full_disk(tmp_path: Path) -> None:
@@ -68,14 +68,40 @@ def test_an_output_folder_under_a_regular_file_is_refused_in_one_line(tmp_path: 
     assert str(caught.value) == f"output_dir: cannot write {tmp_path / 'file' / 'study'}: ENOTDIR (Not a directory)"
 
 
-def test_a_read_only_output_folder_is_refused_and_a_writable_one_left_clean(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checking_a_folder_creates_nothing(tmp_path: Path) -> None:
     check_writable(tmp_path / "a" / "b")
-    assert (tmp_path / "a" / "b").is_dir() and list((tmp_path / "a" / "b").iterdir()) == []
-    monkeypatch.setattr(files, "open", fail_with(errno.EROFS), raising=False)
-    with pytest.raises(ConfigError, match=r"^output_dir: cannot write .*\.melissa-probe-\d+: EROFS "):
-        check_writable(tmp_path / "a" / "b")
-    assert list((tmp_path / "a" / "b").iterdir()) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_read_only_output_folder_is_refused_naming_the_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(files.tempfile, "TemporaryFile", fail_with(errno.EROFS))
+    with pytest.raises(ConfigError) as caught:
+        check_writable(tmp_path / "out")
+    assert str(caught.value) == f"output_dir: cannot write {tmp_path / 'out'}: EROFS (Read-only file system)"
+
+
+def test_a_folder_the_server_writes_into_is_checked_with_the_output_folder(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "logs").write_text("a file where the log folder goes")
+    with pytest.raises(ConfigError, match=f"^output_dir: cannot write {tmp_path / 'out' / 'logs'}: ENOTDIR "):
+        check_writable(tmp_path / "out")
+
+
+def test_a_simulation_log_that_cannot_be_opened_is_the_output_folders_fault(tmp_path: Path) -> None:
+    """Not an OSError: the launcher must not count it as a simulation that failed to start."""
+    (tmp_path / "simulations").write_text("in the way")
+    with pytest.raises(OutputUnwritable) as caught:
+        open_log(tmp_path / "simulations" / "simulation0.attempt0.log")
+    assert not isinstance(caught.value, OSError)
+    assert unwritable(caught.value) == (f"cannot write {tmp_path / 'simulations'}: EEXIST (File exists); free space "
+                                        "or fix the output folder, then run the same command to resume")
+
+
+def test_temporaries_of_a_killed_writer_are_removed(tmp_path: Path) -> None:
+    for name in (".report.json.tmp", ".LATEST.tmp", "report.json", ".hidden"):
+        (tmp_path / name).write_text("x")
+    remove_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hidden", "report.json"]
 
 
 def test_a_log_file_that_cannot_be_written_says_so_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
