@@ -8,7 +8,9 @@ the real path: handshake, ``melissa_dl.client.Client.send``, the receiver
 thread (header checks, credentials, non-finite check, assembly), the FIFO
 buffer and a consumer thread draining it. The C-client side is the same
 server fed by ``bench/ingest_client.c`` through ``libmelissa_dl`` (built by
-``make native``, which this script runs). Both server sides run at each
+``make native``, which this script runs; without the Debian packages of
+``scripts/system-packages check native`` it says so and measures the
+Python side only). Both server sides run at each
 security level (``server.security``): ``token`` (ZeroMQ PLAIN, the default)
 and ``curve`` (CURVE encryption); the baseline is unauthenticated and
 unencrypted. Throughput is bytes over the time from the first message
@@ -162,8 +164,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     nbytes = int(args.mib * (1 << 20))
-    subprocess.run(["make", "-s", "-C", str(ROOT), "native"], check=True, stdout=subprocess.DEVNULL)
-    sides = [(c_client, level) for c_client in (False, True) for level in LEVELS]
+    missing = subprocess.run([str(ROOT / "scripts" / "system-packages"), "check", "native"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    if missing:
+        print(f"C clients: skipped, the build needs the Debian packages {missing} "
+              "(`scripts/system-packages install native` as root)")
+    else:
+        subprocess.run(["make", "-s", "-C", str(ROOT), "native"], check=True, stdout=subprocess.DEVNULL)
+    sides = [(c_client, level) for c_client in ((False,) if missing else (False, True)) for level in LEVELS]
     raw: list[float] = []
     served: dict[tuple[bool, str], list[float]] = {side: [] for side in sides}
     for _ in range(args.repeat):  # interleaved so that drifts of the machine hit every side

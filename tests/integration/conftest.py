@@ -18,6 +18,20 @@ MPIRUN = str(BIN / "mpirun")
 TOY_SIM = str(HERE / "toy_sim.py")
 
 
+def require_system_packages(group: str) -> None:
+    """Skip, with the command that installs them, unless the Debian packages of ``group`` are here.
+
+    Under ``CI=true`` nothing may be skipped: the test fails instead.
+    """
+    script = HERE.parent.parent / "scripts" / "system-packages"
+    missing = subprocess.run([str(script), "check", group], capture_output=True, text=True, check=True).stdout.strip()
+    if missing:
+        reason = f"needs the Debian packages {missing}: run `scripts/system-packages install {group}` as root"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

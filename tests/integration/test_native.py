@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import HERE, clean_environment, run_server, study_config
+from conftest import HERE, clean_environment, require_system_packages, run_server, study_config
 from melissa_dl.client import Client
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.protocol import PROTOCOL_VERSION, Kind, unpack_header
@@ -35,6 +35,7 @@ VERSION = importlib.metadata.version("melissa_dl")
 @pytest.fixture(scope="session")
 def native(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`make native` into a fresh folder; returns the folder of the programs it built."""
+    require_system_packages("native")
     prefix = tmp_path_factory.mktemp("native")
     done = subprocess.run(["make", "-C", str(ROOT), "native", f"NATIVE={prefix}"],
                           capture_output=True, text=True, timeout=300)
