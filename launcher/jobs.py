@@ -12,13 +12,15 @@ import time
 from collections import deque
 from pathlib import Path
 
-from launcher.schedulers import KILL_GRACE, Job, Scheduler
+from launcher.schedulers import KILL_GRACE, RunningJob, Scheduler
 from melissa_dl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 START_FAILED = 127
 """Return code reported for an attempt whose process could not be started, as a shell would."""
+TAIL = 300
+"""Characters of an attempt's output end that go into its failure reason."""
 
 
 class Launcher:
@@ -31,7 +33,7 @@ class Launcher:
         self._job_limit = job_limit
         self._log_dir = log_dir
         self._queue: deque[tuple[int, int, dict[str, str]]] = deque()
-        self._jobs: dict[int, Job] = {}
+        self._jobs: dict[int, RunningJob] = {}
 
     def submit(self, simulation_id: int, attempt: int, env: dict[str, str]) -> None:
         """Queue an attempt; :meth:`poll` starts it when a slot is free.
@@ -61,19 +63,34 @@ class Launcher:
                 )
         while self._queue and len(self._jobs) < self._job_limit:
             simulation_id, attempt, env = self._queue.popleft()
-            log_path = self._log_dir / f"simulation{simulation_id}.attempt{attempt}.log"
+            log_path = self.log_path(simulation_id, attempt)
             try:
                 job = self._scheduler.start(simulation_id, attempt, env, log_path)
-            except OSError:
-                logger.exception("simulation %d attempt %d could not start", simulation_id, attempt)
+            except OSError as error:
+                logger.error("simulation %d attempt %d could not start: %s", simulation_id, attempt, error)
                 ended.append((simulation_id, START_FAILED))
                 continue
             self._jobs[simulation_id] = job
             logger.info(
-                "simulation %d attempt %d started (pid %d, log %s)",
-                simulation_id, attempt, job.pid, log_path,
+                "simulation %d attempt %d started (%s, log %s)",
+                simulation_id, attempt, job.label, log_path,
             )
         return ended
+
+    def log_path(self, simulation_id: int, attempt: int) -> Path:
+        return self._log_dir / f"simulation{simulation_id}.attempt{attempt}.log"
+
+    def output_tail(self, simulation_id: int, attempt: int) -> str:
+        """``; output (LOG): ...`` with the end of an attempt's output, for its failure reason ('' if none)."""
+        path = self.log_path(simulation_id, attempt)
+        try:
+            with open(path, "rb") as log:
+                log.seek(max(0, log.seek(0, 2) - 4 * TAIL))
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return ""
+        lines = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+        return f"; output ({path}): {lines[-TAIL:]}" if lines else ""
 
     def kill(self, simulation_id: int) -> None:
         """Kill the simulation's running job or drop it from the queue; poll will not report it.
@@ -87,8 +104,8 @@ class Launcher:
         self._queue = deque(item for item in self._queue if item[0] != simulation_id)
 
     def running(self) -> set[int]:
-        """Simulations whose job has started and whose end has not been reported."""
-        return set(self._jobs)
+        """Simulations whose job has started (a Slurm job may wait in the queue) and whose end has not been reported."""
+        return {simulation_id for simulation_id, job in self._jobs.items() if job.started()}
 
     def queued(self) -> list[int]:
         """Simulations waiting for a slot, in start order."""

@@ -20,6 +20,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from melissa_dl.errors import ConfigError
 from melissa_dl.files import open_log
@@ -56,6 +57,24 @@ def child_environment(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+class RunningJob(Protocol):
+    """What the launcher needs of a started attempt, whatever runs it (a process, a Slurm job)."""
+
+    simulation_id: int
+    attempt: int
+
+    @property
+    def label(self) -> str: ...
+
+    def poll(self) -> int | None: ...
+
+    def started(self) -> bool: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self, deadline: float | None = None) -> None: ...
+
+
 class Job:
     """A started simulation process and its process group."""
 
@@ -68,6 +87,13 @@ class Job:
     def pid(self) -> int:
         """Also the process group id, since the job runs in its own session."""
         return self._process.pid
+
+    @property
+    def label(self) -> str:
+        return f"pid {self.pid}"
+
+    def started(self) -> bool:
+        return True
 
     def poll(self) -> int | None:
         """The return code (negative: killed by that signal), or None while running."""
@@ -114,7 +140,7 @@ class Scheduler(ABC):
     """Starts one simulation attempt as a :class:`Job`."""
 
     @abstractmethod
-    def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> Job:
+    def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> RunningJob:
         """Start the attempt with ``env`` added to :func:`child_environment`; output goes to ``log_path``."""
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.schedulers import die_with_parent
+from launcher.slurm import inside_allocation
 from melissa_dl.config import load_config
 from melissa_dl.errors import ConfigError
 from melissa_dl.files import check_writable
@@ -85,9 +86,13 @@ class Supervisor:
         self.stopping = False
 
     def command(self, fresh: bool) -> list[str]:
-        mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-        return [mpirun if os.path.exists(mpirun) else "mpirun", "-n", str(self.ranks),
-                sys.executable, "-m", "melissa_dl.server", self.config_path, *(["--fresh"] if fresh else [])]
+        """``mpirun -n K`` the server; inside a Slurm allocation ``srun --mpi=pmi2 -n K``, on its nodes."""
+        if inside_allocation():
+            launch = ["srun", "--mpi=pmi2", "-n", str(self.ranks)]
+        else:
+            mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+            launch = [mpirun if os.path.exists(mpirun) else "mpirun", "-n", str(self.ranks)]
+        return [*launch, sys.executable, "-m", "melissa_dl.server", self.config_path, *(["--fresh"] if fresh else [])]
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):

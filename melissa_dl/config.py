@@ -115,14 +115,26 @@ class BufferConfig:
 
 
 @dataclass
+class SlurmConfig:
+    partition: str | None = option(None, doc="`sbatch --partition` of each simulation's job (default: Slurm's).")
+    time_limit: str | None = option(None, doc="`sbatch --time` of each simulation's job, e.g. `\"00:30:00\"`.")
+    account: str | None = option(None, doc="`sbatch --account` of each simulation's job.")
+    sbatch_args: list[str] = option([], doc="More `sbatch` arguments of each simulation's job, e.g. "
+                                    "`[\"--mem=4G\", \"--qos=short\"]`.")
+
+
+@dataclass
 class LauncherConfig:
     command: list[str] = option(doc="Command line of one simulation, run from the config file's folder.")
-    scheduler: Literal["local", "mpirun"] = option(
-        "local", doc="`local`: one subprocess per simulation; `mpirun`: `mpirun -n client_ranks command`."
+    scheduler: Literal["local", "mpirun", "slurm"] = option(
+        "local", doc="`local`: one subprocess per simulation; `mpirun`: `mpirun -n client_ranks command`; "
+        "`slurm`: one `sbatch` job per simulation attempt, running `srun --mpi=pmi2 -n client_ranks command`."
     )
     client_ranks: int = option(
-        1, doc="MPI ranks of each simulation (scheduler `mpirun`); a hello of another client size is refused."
+        1, doc="MPI ranks of each simulation (scheduler `mpirun` or `slurm`); a hello of another client size is "
+        "refused."
     )
+    slurm: SlurmConfig = option(SlurmConfig, doc="Options of each simulation's job (scheduler `slurm`).")
     job_limit: int = option(4, doc="Simulations running at once.")
     simulation_timeout: float = option(
         300.0, doc="Seconds without data from a running simulation before it is killed and relaunched."
@@ -360,9 +372,9 @@ def _check(config: Config) -> None:
     _require(len(launcher.command) > 0, "launcher.command", "must not be empty")
     _require(launcher.client_ranks >= 1, "launcher.client_ranks", "must be at least 1")
     _require(
-        launcher.scheduler == "mpirun" or launcher.client_ranks == 1,
+        launcher.scheduler != "local" or launcher.client_ranks == 1,
         "launcher.client_ranks",
-        "more than one client rank needs scheduler 'mpirun'",
+        "more than one client rank needs scheduler 'mpirun' or 'slurm'",
     )
     _require(launcher.job_limit >= 1, "launcher.job_limit", "must be at least 1")
     _require(launcher.simulation_timeout > 0, "launcher.simulation_timeout", "must be positive")

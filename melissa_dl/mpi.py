@@ -11,6 +11,7 @@ instead: the ranks agree on a batch, checkpoint and exit (``GracefulStop``).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -42,6 +43,19 @@ def install_abort_on_error(comm: Any) -> None:
     sys.excepthook = abort
     threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)  # type: ignore[arg-type]
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def launch_problem(size: int) -> str | None:
+    """Why this MPI job is not what its launcher started, if it is not.
+
+    ``srun`` without ``--mpi=pmi2`` starts every task as an MPI singleton of
+    size 1: K servers that each think they are alone.
+    """
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if size == 1 and tasks > 1:
+        return (f"srun started {tasks} tasks but MPI sees one rank in each: start the server with "
+                f"`srun --mpi=pmi2 -n {tasks} melissa-server CONFIG` (the mpich wheel's MPI speaks PMI-2)")
+    return None
 
 
 class GracefulStop:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher import Launcher, LocalScheduler, MpirunScheduler, study_parameters
+from launcher.slurm import SlurmScheduler
 from melissa_dl import client
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
@@ -33,7 +34,7 @@ from melissa_dl.files import check_writable, remove_temporaries, write_atomic
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
 from melissa_dl.checkpoint import CheckpointCorrupt, next_version
-from melissa_dl.mpi import GracefulStop, install_abort_on_error
+from melissa_dl.mpi import GracefulStop, install_abort_on_error, launch_problem
 from melissa_dl.recovery import (
     Checkpointer,
     checkpoint_root,
@@ -86,6 +87,9 @@ def make_launcher(config: Config) -> Launcher:
     if options.scheduler == "mpirun":
         mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
         scheduler = MpirunScheduler(options.command, cwd, options.client_ranks, mpirun if os.path.exists(mpirun) else "mpirun")
+    elif options.scheduler == "slurm":
+        scheduler = SlurmScheduler(options.command, cwd, options.client_ranks, options.slurm,
+                                   f"melissa-{config.output_path.name}")
     else:
         scheduler = LocalScheduler(options.command, cwd)
     return Launcher(scheduler, options.job_limit, config.output_path / "simulations")
@@ -373,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI  # only now: --check and config errors need no MPI
 
     comm = MPI.COMM_WORLD
+    if (problem := launch_problem(comm.Get_size())) is not None:
+        if os.environ.get("SLURM_PROCID", "0") == "0":  # one line, not K
+            sys.stderr.write(f"melissa-server: {problem}\n")
+        return EXIT_CONFIG
     install_abort_on_error(comm)
     setup_logging(comm.Get_rank(), config.output_path / "logs")
     raise_open_file_limit()

@@ -172,7 +172,7 @@ class Study:
             if backpressure:
                 sim.last_activity = now  # a stalled server is not the simulation's fault
             if sim.exit_code not in (None, 0):
-                self._retry(sim, f"exit code {sim.exit_code}")
+                self._retry(sim, f"exit code {sim.exit_code}{self._launcher.output_tail(sim.id, sim.attempts - 1)}")
             elif sim.exit_code == 0 and sim.announced:
                 self._retry(sim, "exited with steps missing")
             elif sim.exit_code == 0 and now - sim.last_activity > EXIT_GRACE:  # type: ignore[operator]

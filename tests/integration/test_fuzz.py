@@ -62,7 +62,7 @@ def test_fuzzed_frames_and_hellos_are_refused_counted_and_survived(tmp_path: Pat
     assert report["simulations"] == {"queued": 0, "running": 0, "done": 4, "failed": 0}, log
     assert report["samples_received"] == 4 * steps == report["samples_consumed"]  # every sample exactly once
     fuzzer = report["per_simulation"][0]
-    assert (fuzzer["attempts"], fuzzer["reason"]) == (2, "exit code 3"), fuzzer  # it ran to its end, then behaved
+    assert fuzzer["attempts"] == 2 and fuzzer["reason"].startswith("exit code 3"), fuzzer  # ran to its end, then behaved
     tally = json.loads((tmp_path / "fuzz_tally.json").read_text())
     assert tally["data_frames"] >= 5000 and tally["handshakes"] >= 1000 and tally["unanswered"] == 0
     refused = report["rejected"]

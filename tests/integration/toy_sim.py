@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
@@ -47,6 +48,7 @@ def main() -> None:
     for t in range(args.steps):
         if failing and t == args.fail_at:
             if args.fail == "crash":
+                print(f"toy_sim: crashing on purpose at step {t}", file=sys.stderr, flush=True)
                 os._exit(1)
             if args.fail == "hang":
                 time.sleep(3600)

@@ -142,7 +142,7 @@ def test_missing_required_key(path: tuple, expected: str) -> None:
     [
         (("buffer", "kind"), "lifo", 'buffer.kind: expected one of "fifo", "firo", "reservoir", got "lifo"'),
         (("study", "sampler"), "halton", 'study.sampler: expected one of "uniform", "sobol", "list", got "halton"'),
-        (("launcher", "scheduler"), "slurm", 'launcher.scheduler: expected one of "local", "mpirun", got "slurm"'),
+        (("launcher", "scheduler"), "pbs", 'launcher.scheduler: expected one of "local", "mpirun", "slurm", got "pbs"'),
     ],
 )
 def test_literal_violation_lists_the_allowed_values(path: tuple, value: str, expected: str) -> None:
@@ -195,7 +195,7 @@ def test_literal_violation_lists_the_allowed_values(path: tuple, value: str, exp
         ),
         (
             {("launcher", "client_ranks"): 2},
-            "launcher.client_ranks: more than one client rank needs scheduler 'mpirun'",
+            "launcher.client_ranks: more than one client rank needs scheduler 'mpirun' or 'slurm'",
         ),
         ({("launcher", "job_limit"): 0}, "launcher.job_limit: must be at least 1"),
         ({("launcher", "simulation_timeout"): 0}, "launcher.simulation_timeout: must be positive"),

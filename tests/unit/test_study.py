@@ -34,6 +34,9 @@ class FakeLauncher:
         ended, self.ended = self.ended, []
         return ended
 
+    def output_tail(self, simulation_id: int, attempt: int) -> str:
+        return ""
+
     def kill(self, simulation_id: int) -> None:
         self.killed.append(simulation_id)
         self.active.discard(simulation_id)

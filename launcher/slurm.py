@@ -1,0 +1,177 @@
+"""Simulations as Slurm jobs: submitted with ``sbatch``, followed with ``squeue``/``scontrol``, cancelled with ``scancel``.
+
+Why it works this way:
+
+* One batch job per attempt. Slurm places it; inside it ``srun --mpi=pmi2``
+  starts the simulation's ranks (the ``mpich`` wheel's MPI and Debian's MPICH
+  both speak PMI-2 to ``srun``). The job's output file is the attempt's log.
+* The jobs' states come from one ``squeue`` call per ``POLL`` seconds for all
+  of them, not one call per job and round: the controller is shared by every
+  user of the cluster. A job that has left ``squeue`` is looked up once with
+  ``scontrol show job`` (finished jobs stay there ``MinJobAge`` seconds), for
+  its exit code; ``sacct`` is not used, since accounting is often off.
+* A pending job has not started: the study's timeout clock starts when Slurm
+  runs it, so a busy queue fails nothing.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+from signal import SIGTERM
+
+from launcher.schedulers import KILL_GRACE, Scheduler, child_environment
+from melissa_dl.config import SlurmConfig
+from melissa_dl.files import open_log
+
+logger = logging.getLogger(__name__)
+
+POLL = 1.0  # seconds between two squeue calls
+LOST = 255  # exit code of a job that left Slurm's memory before its end was seen
+COMMAND_TIMEOUT = 60  # seconds for one Slurm command: a controller that slow is down
+_RUNNING = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESIZING"})
+_WAITING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+
+
+class SlurmError(OSError):
+    """A Slurm command failed; the launcher counts the attempt as one that could not start."""
+
+
+def _slurm(*argv: str, env: dict[str, str] | None = None) -> str:
+    try:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{argv[0]} did not answer within {COMMAND_TIMEOUT} s") from None
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        raise SlurmError(f"{shlex.join(argv[:2])}...: {lines[-1] if lines else f'exit code {done.returncode}'}")
+    return done.stdout
+
+
+def job_environment(extra: dict[str, str]) -> dict[str, str]:
+    """``child_environment`` without the server's own Slurm job: a simulation's job gets its own."""
+    return {name: value for name, value in child_environment(extra).items()
+            if not name.startswith("SLURM_") or name == "SLURM_CONF"}
+
+
+class SlurmJob:
+    """One attempt's batch job."""
+
+    def __init__(self, scheduler: SlurmScheduler, simulation_id: int, attempt: int, job_id: str) -> None:
+        self.simulation_id = simulation_id
+        self.attempt = attempt
+        self.job_id = job_id
+        self._scheduler = scheduler
+        self._cancelled = False
+
+    @property
+    def label(self) -> str:
+        return f"Slurm job {self.job_id}"
+
+    def poll(self) -> int | None:
+        """The exit code (negative: ended by that signal, e.g. cancelled), or None while pending or running."""
+        return self._scheduler.exit_code(self.job_id)
+
+    def started(self) -> bool:
+        return self._scheduler.started(self.job_id)
+
+    def terminate(self) -> None:
+        if not self._cancelled and self.poll() is None:
+            self._cancelled = True
+            _slurm("scancel", self.job_id)
+
+    def kill(self, deadline: float | None = None) -> None:
+        """Cancel the job and wait (until ``deadline``) for Slurm to end it; Slurm SIGKILLs what outlives SIGTERM."""
+        self.terminate()
+        deadline = time.monotonic() + KILL_GRACE if deadline is None else deadline
+        while self._scheduler.exit_code(self.job_id, fresh=True) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+class SlurmScheduler(Scheduler):
+    """Runs ``command`` on ``ranks`` ranks as one Slurm job per attempt."""
+
+    def __init__(self, command: list[str], cwd: Path, ranks: int, options: SlurmConfig, study_name: str) -> None:
+        self._command = list(command)
+        self._cwd = cwd
+        self._ranks = ranks
+        self._options = options
+        self._name = study_name
+        self._states: dict[str, str] = {}  # job id -> squeue state, of the jobs not known to have ended
+        self._ended: dict[str, int] = {}  # job id -> exit code
+        self._polled = -POLL
+
+    def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> SlurmJob:
+        open_log(log_path).close()  # the folder exists and can be written before Slurm writes into it
+        run = shlex.join(self._command)
+        if self._ranks > 1:
+            run = f"srun --mpi=pmi2 -n {self._ranks} {run}"
+        options = self._options
+        argv = ["sbatch", "--parsable", f"--job-name={self._name}-s{simulation_id}a{attempt}",
+                f"--output={log_path}", "--open-mode=append", f"--chdir={self._cwd}", f"--ntasks={self._ranks}",
+                *([f"--partition={options.partition}"] if options.partition else []),
+                *([f"--time={options.time_limit}"] if options.time_limit else []),
+                *([f"--account={options.account}"] if options.account else []),
+                *options.sbatch_args, "--wrap", f"exec {run}"]
+        job_id = _slurm(*argv, env=job_environment(env)).strip().split(";")[0]
+        if not job_id.isdigit():
+            raise SlurmError(f"sbatch answered {job_id!r}, not a job id")
+        self._states[job_id] = "PENDING"
+        return SlurmJob(self, simulation_id, attempt, job_id)
+
+    def started(self, job_id: str) -> bool:
+        self._refresh()
+        return job_id in self._ended or self._states.get(job_id) in _RUNNING
+
+    def exit_code(self, job_id: str, fresh: bool = False) -> int | None:
+        if job_id not in self._ended:
+            self._refresh(force=fresh)
+        return self._ended.get(job_id)
+
+    def _refresh(self, force: bool = False) -> None:
+        """One squeue call for every job not known to have ended; each one it no longer lists is looked up."""
+        if not self._states or (not force and time.monotonic() - self._polled < POLL):
+            return
+        self._polled = time.monotonic()
+        listed = _slurm("squeue", "--noheader", "--states=all", "--format=%i %T", f"--jobs={','.join(self._states)}")
+        states = dict(line.split() for line in listed.splitlines() if line.strip())
+        for job_id in list(self._states):
+            state = states.get(job_id, "")
+            if state in _RUNNING or state in _WAITING:
+                self._states[job_id] = state
+            else:  # ended, or gone from squeue
+                code = self._final_exit_code(job_id)
+                if code is not None:
+                    del self._states[job_id]
+                    self._ended[job_id] = code
+
+    @staticmethod
+    def _final_exit_code(job_id: str) -> int | None:
+        """From ``scontrol show job``: the code, or minus the signal that ended the job; None if it has not ended."""
+        try:
+            shown = _slurm("scontrol", "--oneliner", "show", "job", job_id)
+        except SlurmError as error:
+            logger.warning("Slurm job %s: no record of its end (%s); counted as exit code %d", job_id, error, LOST)
+            return LOST
+        state = re.search(r"\bJobState=(\S+)", shown)
+        code = re.search(r"\bExitCode=(\d+):(\d+)", shown)
+        if state is None or code is None:
+            return LOST
+        if state.group(1) in _RUNNING or state.group(1) in _WAITING:
+            return None
+        status, signal = int(code.group(1)), int(code.group(2))
+        if signal or status or state.group(1) == "COMPLETED":
+            return -signal if signal else status
+        if state.group(1) == "CANCELLED":  # before it ran, or its signal not recorded
+            return -int(SIGTERM)
+        logger.warning("Slurm job %s ended %s with exit code 0; counted as exit code %d", job_id, state.group(1), LOST)
+        return LOST
+
+
+def inside_allocation() -> bool:
+    """Whether this process runs inside a Slurm allocation (a batch job or salloc)."""
+    return "SLURM_JOB_ID" in os.environ
