@@ -32,11 +32,12 @@ install-test: $(VENV)/.installed-test
 demo: install $(if $(filter-out python,$(SOLVER)),native)
 	$(BIN)/mpirun -n $(RANKS) $(BIN)/melissa-server --fresh examples/heat_pde/config$(if $(filter-out python,$(SOLVER)),_$(SOLVER)).json
 
-# The Debian packages of the C/Fortran tests come from scripts/system-packages,
-# installed when it may (root, passwordless sudo); otherwise it prints the
-# command, and those tests are skipped with that reason (failed under CI=true).
+# The Debian packages of the C/Fortran tests and of the test Slurm cluster come
+# from scripts/system-packages, installed when it may (root, passwordless sudo);
+# otherwise it prints the command, and those tests are skipped with that reason
+# (failed under CI=true).
 test: install-test
-	-scripts/system-packages install native
+	-scripts/system-packages install native slurm
 	$(BIN)/python -m pytest tests/unit tests/integration
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi

@@ -27,6 +27,8 @@ from melissa_dl.files import open_log
 
 KILL_GRACE = 2.0
 """Seconds a job gets between SIGTERM and SIGKILL to flush and clean up."""
+RUN_MARKER = "MELISSA_SUPERVISOR_RUN"
+"""Environment variable naming one run of a supervised server: its processes and jobs inherit it."""
 
 _MPI_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPIR_", "MPICH_", "OMPI_", "I_MPI_", "PRTE_")
 # Hydra (mpich's mpirun) sets these too; they describe the server's launch, not the child's.

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from signal import SIGTERM
 
-from launcher.schedulers import KILL_GRACE, Scheduler, child_environment
+from launcher.schedulers import KILL_GRACE, RUN_MARKER, Scheduler, child_environment
 from melissa_dl.config import SlurmConfig
 from melissa_dl.files import open_log
 
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 POLL = 1.0  # seconds between two squeue calls
 LOST = 255  # exit code of a job that left Slurm's memory before its end was seen
 COMMAND_TIMEOUT = 60  # seconds for one Slurm command: a controller that slow is down
+RUN_COMMENT = "melissa_dl run "  # + the supervised run's marker: the job comment cancel_run_jobs looks for
 _RUNNING = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESIZING"})
 _WAITING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
 
@@ -108,14 +109,16 @@ class SlurmScheduler(Scheduler):
     def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> SlurmJob:
         open_log(log_path).close()  # the folder exists and can be written before Slurm writes into it
         run = shlex.join(self._command)
-        if self._ranks > 1:
-            run = f"srun --mpi=pmi2 -n {self._ranks} {run}"
+        if self._ranks > 1:  # a rank that dies ends the others, as under mpirun
+            run = f"srun --mpi=pmi2 --kill-on-bad-exit=1 -n {self._ranks} {run}"
         options = self._options
+        marker = os.environ.get(RUN_MARKER)  # set when a supervisor runs this server
         argv = ["sbatch", "--parsable", f"--job-name={self._name}-s{simulation_id}a{attempt}",
                 f"--output={log_path}", "--open-mode=append", f"--chdir={self._cwd}", f"--ntasks={self._ranks}",
                 *([f"--partition={options.partition}"] if options.partition else []),
                 *([f"--time={options.time_limit}"] if options.time_limit else []),
                 *([f"--account={options.account}"] if options.account else []),
+                *([f"--comment={RUN_COMMENT}{marker}"] if marker else []),
                 *options.sbatch_args, "--wrap", f"exec {run}"]
         job_id = _slurm(*argv, env=job_environment(env)).strip().split(";")[0]
         if not job_id.isdigit():
@@ -175,3 +178,13 @@ class SlurmScheduler(Scheduler):
 def inside_allocation() -> bool:
     """Whether this process runs inside a Slurm allocation (a batch job or salloc)."""
     return "SLURM_JOB_ID" in os.environ
+
+
+def cancel_run_jobs(marker: str) -> list[str]:
+    """Cancel this user's jobs of one supervised server run (a dead server's simulations, on whatever node)."""
+    listed = _slurm("squeue", "--me", "--noheader", "--format=%i %k")
+    jobs = [job_id for job_id, _, comment in (line.strip().partition(" ") for line in listed.splitlines())
+            if comment == f"{RUN_COMMENT}{marker}"]
+    if jobs:
+        _slurm("scancel", *jobs)
+    return jobs

@@ -28,8 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from launcher.schedulers import die_with_parent
-from launcher.slurm import inside_allocation
+from launcher.schedulers import RUN_MARKER, die_with_parent
+from launcher.slurm import SlurmError, cancel_run_jobs, inside_allocation
 from melissa_dl.config import load_config
 from melissa_dl.errors import ConfigError
 from melissa_dl.files import check_writable
@@ -37,14 +37,13 @@ from melissa_dl.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED
 
 logger = logging.getLogger("melissa-launcher")
 
-MARKER = "MELISSA_SUPERVISOR_RUN"
 FINAL_CODES = frozenset({0, EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED})
 POLL = 0.5  # seconds between two looks at the server
 
 
 def marked_processes(marker: str) -> list[int]:
-    """Pids of the processes whose environment holds ``MARKER=marker`` (Linux /proc)."""
-    needle = f"{MARKER}={marker}".encode()
+    """Pids of the processes whose environment holds ``RUN_MARKER=marker`` (Linux /proc)."""
+    needle = f"{RUN_MARKER}={marker}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -82,13 +81,17 @@ class Supervisor:
         self.heartbeat = config.output_path / HEARTBEAT
         self.timeout = config.launcher.server_timeout
         self.max_restarts = config.launcher.max_server_restarts
+        self.slurm_simulations = config.launcher.scheduler == "slurm"
         self.process: subprocess.Popen[bytes] | None = None
         self.stopping = False
 
     def command(self, fresh: bool) -> list[str]:
-        """``mpirun -n K`` the server; inside a Slurm allocation ``srun --mpi=pmi2 -n K``, on its nodes."""
+        """``mpirun -n K`` the server; inside a Slurm allocation ``srun --mpi=pmi2 -n K``, on its nodes.
+
+        ``--kill-on-bad-exit``: a rank that dies ends the others, as mpirun does, so the restart comes at once.
+        """
         if inside_allocation():
-            launch = ["srun", "--mpi=pmi2", "-n", str(self.ranks)]
+            launch = ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "-n", str(self.ranks)]
         else:
             mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
             launch = [mpirun if os.path.exists(mpirun) else "mpirun", "-n", str(self.ranks)]
@@ -101,7 +104,7 @@ class Supervisor:
         while True:
             marker = uuid.uuid4().hex
             code = self._run_once(marker, fresh=self.fresh and restarts == 0)
-            kill_run(marker)  # simulations of a dead server, or a hung rank's leftovers
+            self._end_run(marker)
             if code in FINAL_CODES or self.stopping:
                 return code
             if restarts == self.max_restarts:
@@ -117,7 +120,7 @@ class Supervisor:
             return EXIT_STOPPED
         # start_new_session: a terminal's Ctrl-C reaches the server once, through _forward;
         # die_with_parent: a supervisor killed outright stops its server (which checkpoints) too
-        self.process = subprocess.Popen(self.command(fresh), env={**os.environ, MARKER: marker},
+        self.process = subprocess.Popen(self.command(fresh), env={**os.environ, RUN_MARKER: marker},
                                         start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
         while (code := self.process.poll()) is None:
             time.sleep(POLL)
@@ -130,6 +133,16 @@ class Supervisor:
                              time.time() - beat)
                 kill_run(marker)
         return code
+
+    def _end_run(self, marker: str) -> None:
+        """Kill what is left of a run: a hung rank, the simulations of a dead server (Slurm jobs: cancelled)."""
+        if self.slurm_simulations:
+            try:
+                if jobs := cancel_run_jobs(marker):
+                    logger.info("cancelled the Slurm jobs of the ended server's simulations: %s", " ".join(jobs))
+            except SlurmError as error:
+                logger.warning("could not cancel the Slurm jobs of the ended server: %s", error)
+        kill_run(marker)
 
     def _forward(self, signum: int, frame: Any) -> None:
         """Pass a stop request on to the server (it checkpoints and exits 75); no restart follows."""

@@ -6,9 +6,10 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -18,18 +19,20 @@ MPIRUN = str(BIN / "mpirun")
 TOY_SIM = str(HERE / "toy_sim.py")
 
 
-def require_system_packages(group: str) -> None:
-    """Skip, with the command that installs them, unless the Debian packages of ``group`` are here.
-
-    Under ``CI=true`` nothing may be skipped: the test fails instead.
-    """
-    script = HERE.parent.parent / "scripts" / "system-packages"
-    missing = subprocess.run([str(script), "check", group], capture_output=True, text=True, check=True).stdout.strip()
-    if missing:
-        reason = f"needs the Debian packages {missing}: run `scripts/system-packages install {group}` as root"
+def skip_unless(ready: bool, reason: str) -> None:
+    """Skip with ``reason`` unless ``ready``; under ``CI=true`` nothing may be skipped: the test fails instead."""
+    if not ready:
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         pytest.skip(reason)
+
+
+def require_system_packages(group: str) -> None:
+    """Skip, with the command that installs them, unless the Debian packages of ``group`` are here."""
+    script = HERE.parent.parent / "scripts" / "system-packages"
+    missing = subprocess.run([str(script), "check", group], capture_output=True, text=True, check=True).stdout.strip()
+    skip_unless(not missing, f"needs the Debian packages {missing}: run `scripts/system-packages install {group}` "
+                "as root")
 
 
 def free_port() -> int:
@@ -91,3 +94,39 @@ def run_server(tmp_path: Path, config: dict[str, Any], ranks: int, timeout: floa
 @pytest.fixture
 def output(tmp_path: Path) -> Path:
     return tmp_path / "output"
+
+
+SIMULATIONS, STEPS = 6, 12  # of paced_config
+
+
+def paced_config(output: Path, class_name: str = "Tiny", job_limit: int = 2, **launcher: Any) -> dict:
+    """A study of 6 simulations x 12 steps of 0.05 s, trained with a checkpoint every 2 batches."""
+    module, options = ("tiny_module.py", {}) if class_name == "Tiny" else \
+        ("table_module.py", {"simulations": SIMULATIONS, "steps": STEPS})
+    return study_config(
+        output,
+        [sys.executable, TOY_SIM, "--steps", str(STEPS), "--step-delay", "0.05"],
+        study={"simulations": SIMULATIONS, "time_steps": STEPS},
+        buffer={"kind": "fifo", "capacity_samples": 1000},
+        launcher={"job_limit": job_limit, **launcher},
+        training={"module": str(HERE / module), "class_name": class_name, "options": options, "batch_size": 4,
+                  "checkpoint_interval": 2, "nb_batches_update": 1000, "log_interval": 1, "device": "cpu",
+                  "seed": 3},
+    )
+
+
+def wait_for(condition: Callable[[], bool], process: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"exited with {process.returncode} before the condition held"
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def committed(output: Path) -> bool:
+    return (output / "checkpoints" / "LATEST").exists()
+
+
+def start(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(command, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)

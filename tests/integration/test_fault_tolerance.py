@@ -11,58 +11,34 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
 import zmq
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import HERE, TOY_SIM, clean_environment, free_port, run_server, server_command, study_config
+from conftest import (
+    HERE,
+    SIMULATIONS,
+    STEPS,
+    TOY_SIM,
+    clean_environment,
+    committed,
+    free_port,
+    paced_config,
+    run_server,
+    server_command,
+    start,
+    wait_for,
+)
 from melissa_dl.checkpoint import latest_valid, loads
 from melissa_dl.ledger import Ledger
 from melissa_dl.status import EXIT_CONFIG, EXIT_STOPPED
 from tiny_module import Tiny
 
 pytestmark = pytest.mark.timeout(240)
-
-SIMULATIONS, STEPS = 6, 12
-
-
-def paced_config(output: Path, class_name: str = "Tiny", job_limit: int = 2, **launcher: Any) -> dict:
-    """A study of 6 simulations x 12 steps of 0.05 s, trained with a checkpoint every 2 batches."""
-    module, options = ("tiny_module.py", {}) if class_name == "Tiny" else \
-        ("table_module.py", {"simulations": SIMULATIONS, "steps": STEPS})
-    return study_config(
-        output,
-        [sys.executable, TOY_SIM, "--steps", str(STEPS), "--step-delay", "0.05"],
-        study={"simulations": SIMULATIONS, "time_steps": STEPS},
-        buffer={"kind": "fifo", "capacity_samples": 1000},
-        launcher={"job_limit": job_limit, **launcher},
-        training={"module": str(HERE / module), "class_name": class_name, "options": options, "batch_size": 4,
-                  "checkpoint_interval": 2, "nb_batches_update": 1000, "log_interval": 1, "device": "cpu",
-                  "seed": 3},
-    )
-
-
-def wait_for(condition: Callable[[], bool], process: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, f"exited with {process.returncode} before the condition held"
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
-def committed(output: Path) -> bool:
-    return (output / "checkpoints" / "LATEST").exists()
-
-
-def start(command: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(command, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
 
 def stop_after_first_checkpoint(tmp_path: Path, config: dict, ranks: int) -> str:
     """Start a study, SIGTERM its mpirun once a checkpoint is committed; the log of the graceful stop."""

@@ -1,0 +1,204 @@
+"""Studies on a real one-node Slurm cluster (slurm_cluster.py): simulations as sbatch jobs, the server under srun."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import (
+    HERE,
+    SIMULATIONS,
+    STEPS,
+    TOY_SIM,
+    clean_environment,
+    committed,
+    paced_config,
+    require_system_packages,
+    run_server,
+    server_command,
+    skip_unless,
+    start,
+    study_config,
+    wait_for,
+)
+from slurm_cluster import SlurmCluster
+
+pytestmark = pytest.mark.timeout(300)
+
+EXAMPLE = HERE.parent.parent / "examples" / "heat_pde"
+JOB = "melissa-output"  # the simulations' job names: melissa-<output folder name>-s<id>a<attempt>
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    require_system_packages("slurm")
+    skip_unless(os.geteuid() == 0, "the test Slurm cluster needs root: slurmd starts jobs as their owner")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def slurm_conf(slurm: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every command of these tests, and what it starts, talks to the test cluster."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+
+
+class QueueWatch:
+    """Lists the queue's simulation jobs every 0.2 s while a study runs."""
+
+    def __init__(self, cluster: SlurmCluster) -> None:
+        self.most = 0  # simulation jobs listed at once, pending or running
+        self.running: set[str] = set()  # names of the jobs seen running
+        self._cluster = cluster
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.2):
+            listed = [line.split() for line in self._cluster.run("squeue", "--noheader", "--format=%j %T").splitlines()]
+            jobs = [(name, state) for name, state in listed if name.startswith(JOB)]
+            self.most = max(self.most, len(jobs))
+            self.running.update(name for name, state in jobs if state == "RUNNING")
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def slurm_study(output: Path, command: list[str], **launcher: Any) -> dict[str, Any]:
+    return study_config(output, command, launcher={"scheduler": "slurm", "simulation_timeout": 60, **launcher})
+
+
+def sbatch(tmp_path: Path, *job: str) -> list[str]:
+    """``sbatch --wait`` of ``job`` (a script and its arguments, or ``--wrap``), its output in tmp_path/job.out."""
+    return ["sbatch", "--wait", f"--output={tmp_path / 'job.out'}", f"--chdir={tmp_path}", *job]
+
+
+def venv_environment() -> dict[str, str]:
+    """As after ``source .venv/bin/activate``: what the example batch script expects (sbatch passes it on)."""
+    env = clean_environment()
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def report(output: Path) -> dict[str, Any]:
+    return json.loads((output / "report.json").read_text())
+
+
+def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(tmp_path: Path, output: Path,
+                                                                           slurm: SlurmCluster) -> None:
+    steps, simulations = 20, 4
+    config = json.loads((EXAMPLE / "config_slurm.json").read_text())
+    config["output_dir"] = str(output)
+    config["study"].update(simulations=simulations, time_steps=steps)
+    config["server"].update(status_interval=1.0)
+    config["buffer"].update(per_server_watermark=8)
+    assert (config["launcher"]["scheduler"], config["launcher"]["client_ranks"]) == ("slurm", 2)
+    config["launcher"].update(command=[sys.executable, str(EXAMPLE / "heat.py"), "--mpi", "--nx", "16", "--ny", "16",
+                                       "--steps", str(steps)], job_limit=2)
+    config["training"]["module"] = str(EXAMPLE / "surrogate.py")
+    config["training"]["options"].update(nx=16, ny=16, steps=steps, hidden=32, depth=1, validation_simulations=1)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    server = [sys.executable, "-m", "melissa_dl.server", str(path)]
+    done = subprocess.run(sbatch(tmp_path, "--ntasks=2", "--wrap", f"exec srun --mpi=pmi2 -n 2 {' '.join(server)}"),
+                          env=clean_environment(), capture_output=True, text=True, timeout=240)
+    log = (tmp_path / "job.out").read_text()
+    assert done.returncode == 0, done.stderr + log
+    result = report(output)
+    assert result["simulations"]["done"] == simulations
+    assert result["samples_received"] == simulations * steps == result["samples_expected"]
+    assert result["rejected"] == {}
+    assert all(count > 0 for count in result["per_rank_samples"]) and len(result["per_rank_samples"]) == 2
+    assert all(s["attempts"] == 1 for s in result["per_simulation"])  # and each was 2 ranks: hellos say so
+
+
+def test_srun_without_pmi2_is_refused_naming_the_fix(tmp_path: Path, output: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(slurm_study(output, [sys.executable, TOY_SIM])))
+    done = subprocess.run(["srun", "-n", "2", sys.executable, "-m", "melissa_dl.server", str(path)],
+                          env=clean_environment(), capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("melissa-server:")]
+    assert lines == ["melissa-server: srun started 2 tasks but MPI sees one rank in each: start the server with "
+                     "`srun --mpi=pmi2 -n 2 melissa-server CONFIG` (the mpich wheel's MPI speaks PMI-2)"], done.stderr
+    assert not (output / "checkpoints").exists()
+
+
+def test_the_queue_never_holds_more_simulations_than_job_limit(tmp_path: Path, output: Path,
+                                                               slurm: SlurmCluster) -> None:
+    config = slurm_study(output, [sys.executable, TOY_SIM, "--step-delay", "0.05"], job_limit=2)
+    config["study"]["simulations"] = 6
+    watch = QueueWatch(slurm)
+    run = run_server(tmp_path, config, ranks=1, timeout=240)
+    watch.stop()
+    assert run.code == 0, run.log
+    assert run.report is not None and run.report["samples_received"] == 6 * 10
+    assert watch.most == 2, "job_limit 2: two jobs at once, never more"
+    assert watch.running, "squeue never showed a simulation running"
+
+
+def test_a_simulation_cancelled_with_scancel_is_relaunched_and_the_study_completes(tmp_path: Path, output: Path,
+                                                                                   slurm: SlurmCluster) -> None:
+    config = slurm_study(output, [sys.executable, TOY_SIM, "--step-delay", "0.5"], job_limit=4, max_retries=1)
+    server = start(server_command(tmp_path, config, 1))
+    watch = QueueWatch(slurm)
+    wait_for(lambda: f"{JOB}-s1a0" in watch.running, server)
+    slurm.run("scancel", f"--name={JOB}-s1a0")
+    log, _ = server.communicate(timeout=240)
+    watch.stop()
+    assert server.returncode == 0, log
+    result = report(output)
+    assert result["samples_received"] == 4 * 10 == result["samples_expected"]
+    cancelled = result["per_simulation"][1]
+    assert cancelled["attempts"] == 2 and cancelled["reason"].startswith("exit code -"), cancelled
+    assert "CANCELLED" in cancelled["reason"], cancelled  # slurmstepd's line, from the job's output tail
+
+
+def test_a_simulation_that_always_fails_is_reported_with_its_exit_code_and_output(tmp_path: Path, output: Path) -> None:
+    command = [sys.executable, TOY_SIM, "--fail", "crash", "--fail-simulation", "1", "--fail-attempts", "99"]
+    run = run_server(tmp_path, slurm_study(output, command, max_retries=1), ranks=1, timeout=240)
+    assert run.code == 3, run.log
+    assert run.report is not None
+    failed = run.report["per_simulation"][1]
+    assert (failed["state"], failed["attempts"]) == ("failed", 2)
+    assert failed["reason"] == (f"exit code 1; output ({output / 'simulations' / 'simulation1.attempt1.log'}): "
+                                "toy_sim: crashing on purpose at step 3"), failed
+    assert run.report["simulations"]["done"] == 3
+
+
+def test_the_example_batch_script_restarts_a_server_rank_killed_with_kill_9(tmp_path: Path, output: Path,
+                                                                           slurm: SlurmCluster) -> None:
+    """examples/heat_pde/study.sbatch: melissa-launcher in the allocation, on a paced study of 2-rank servers."""
+    config = paced_config(output, server_timeout=30.0, max_server_restarts=2, scheduler="slurm")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    job = subprocess.Popen(sbatch(tmp_path, str(EXAMPLE / "study.sbatch"), str(path)), env=venv_environment(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: committed(output), job, timeout=120)
+    pid = int(re.search(r"server rank 1 of 2, pid (\d+)", (output / "logs" / "rank1.log").read_text()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    job.communicate(timeout=240)
+    log = (tmp_path / "job.out").read_text()
+    assert job.returncode == 0, log
+    assert "restarting it from its checkpoints (restart 1 of 2)" in log
+    assert "cancelled the Slurm jobs of the ended server's simulations" in log
+    assert "resuming from checkpoint" in (output / "logs" / "rank0.log").read_text()
+    result = report(output)
+    assert result["simulations"]["done"] == SIMULATIONS
+    assert result["samples_received"] == SIMULATIONS * STEPS == result["samples_expected"]
+    assert slurm.run("squeue", "--noheader").strip() == "", "a job of the study outlived it"

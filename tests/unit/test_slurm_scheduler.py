@@ -1,0 +1,147 @@
+"""The Slurm scheduler against a scripted stand-in for sbatch/squeue/scontrol (the real one: integration/test_slurm.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher import slurm
+from launcher.schedulers import RUN_MARKER
+from launcher.slurm import LOST, SlurmError, SlurmScheduler, job_environment
+from melissa_dl.config import SlurmConfig
+from melissa_dl.mpi import launch_problem
+
+
+class FakeSlurm:
+    """Answers Slurm commands from ``states`` (job id -> squeue state) and ``ends`` (job id -> scontrol line)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[str, ...], dict[str, str] | None]] = []
+        self.states: dict[str, str] = {}
+        self.ends: dict[str, str] = {}
+        self.next_id = 41
+
+    def __call__(self, *argv: str, env: dict[str, str] | None = None) -> str:
+        self.calls.append((argv, env))
+        if argv[0] == "sbatch":
+            self.next_id += 1
+            self.states[str(self.next_id)] = "PENDING"
+            return f"{self.next_id};cluster\n"
+        if argv[0] == "squeue":
+            return "".join(f"{job} {state}\n" for job, state in self.states.items())
+        if argv[0] == "scancel":
+            for job in argv[1:]:
+                del self.states[job]
+                self.ends[job] = "JobState=CANCELLED Reason=None ExitCode=0:15"
+            return ""
+        if argv[0] == "scontrol":
+            if argv[-1] not in self.ends:
+                raise SlurmError("scontrol show...: Invalid job id specified")
+            return self.ends[argv[-1]]
+        raise AssertionError(argv)
+
+    def commands(self, name: str) -> list[tuple[str, ...]]:
+        return [argv for argv, _ in self.calls if argv[0] == name]
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
+    stand_in = FakeSlurm()
+    monkeypatch.setattr(slurm, "_slurm", stand_in)
+    monkeypatch.setattr(slurm, "POLL", 0.0)
+    return stand_in
+
+
+def scheduler(tmp_path: Path, ranks: int = 1, **options: object) -> SlurmScheduler:
+    return SlurmScheduler(["python", "sim.py", "--x", "a b"], tmp_path, ranks, SlurmConfig(**options), "melissa-out")
+
+
+def test_sbatch_gets_the_options_the_log_and_srun_pmi2_for_mpi_simulations(
+        tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RUN_MARKER, "run7")
+    log = tmp_path / "simulations" / "simulation3.attempt1.log"
+    log.parent.mkdir()
+    job = scheduler(tmp_path, ranks=4, partition="short", time_limit="00:10:00", account="proj",
+                    sbatch_args=["--mem=1G"]).start(3, 1, {"MELISSA_SIMULATION_ID": "3"}, log)
+    assert (job.job_id, job.label) == ("42", "Slurm job 42")
+    [argv] = fake.commands("sbatch")
+    assert argv == ("sbatch", "--parsable", "--job-name=melissa-out-s3a1", f"--output={log}", "--open-mode=append",
+                    f"--chdir={tmp_path}", "--ntasks=4", "--partition=short", "--time=00:10:00", "--account=proj",
+                    "--comment=melissa_dl run run7", "--mem=1G", "--wrap",
+                    "exec srun --mpi=pmi2 --kill-on-bad-exit=1 -n 4 python sim.py --x 'a b'")
+    assert log.exists()
+
+
+def test_one_rank_runs_the_command_itself_and_the_servers_job_is_not_inherited(
+        tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_CONF", "/etc/test/slurm.conf")
+    monkeypatch.delenv(RUN_MARKER, raising=False)
+    scheduler(tmp_path).start(0, 0, {"MELISSA_SIMULATION_ID": "0"}, tmp_path / "s.log")
+    [(argv, env)] = [(argv, env) for argv, env in fake.calls if argv[0] == "sbatch"]
+    assert argv[-1] == "exec python sim.py --x 'a b'" and not any(a.startswith("--comment") for a in argv)
+    assert env is not None and "SLURM_JOB_ID" not in env
+    assert env["SLURM_CONF"] == "/etc/test/slurm.conf" and env["MELISSA_SIMULATION_ID"] == "0"
+    assert job_environment({})["SLURM_CONF"] == "/etc/test/slurm.conf"
+
+
+def test_an_answer_that_is_not_a_job_id_is_a_start_failure(tmp_path: Path, fake: FakeSlurm,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slurm, "_slurm", lambda *argv, env=None: "Submitted batch job 5\n")
+    with pytest.raises(SlurmError, match="sbatch answered 'Submitted batch job 5', not a job id"):
+        scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
+
+
+@pytest.mark.parametrize("shown, code", [
+    ("JobState=COMPLETED Reason=None ExitCode=0:0", 0),
+    ("JobState=FAILED Reason=NonZeroExitCode ExitCode=3:0", 3),
+    ("JobState=CANCELLED Reason=None ExitCode=0:15", -15),
+    ("JobState=CANCELLED Reason=None ExitCode=0:0", -15),  # cancelled while pending
+    ("JobState=TIMEOUT Reason=TimeLimit ExitCode=0:9", -9),
+    ("JobState=NODE_FAIL Reason=None ExitCode=0:0", LOST),
+    ("no such fields", LOST),
+])
+def test_the_exit_code_of_an_ended_job_comes_from_scontrol(tmp_path: Path, fake: FakeSlurm, shown: str,
+                                                           code: int) -> None:
+    job = scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
+    assert job.poll() is None and not job.started()
+    fake.states[job.job_id] = "RUNNING"
+    assert job.poll() is None and job.started()
+    del fake.states[job.job_id]  # left squeue
+    fake.ends[job.job_id] = f"JobId={job.job_id} JobName=x {shown} RunTime=00:00:01"
+    assert job.poll() == code and job.started()
+
+
+def test_a_job_slurm_forgot_counts_as_lost(tmp_path: Path, fake: FakeSlurm) -> None:
+    job = scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
+    del fake.states[job.job_id]
+    assert job.poll() == LOST
+
+
+def test_one_squeue_call_per_poll_for_all_jobs(tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slurm, "POLL", 3600.0)
+    runs = scheduler(tmp_path)
+    jobs = [runs.start(sim, 0, {}, tmp_path / f"{sim}.log") for sim in range(5)]
+    for _ in range(3):
+        assert [job.poll() for job in jobs] == [None] * 5
+    [squeue] = fake.commands("squeue")
+    assert squeue[-1] == "--jobs=42,43,44,45,46"
+
+
+def test_kill_cancels_once_and_waits_for_the_end(tmp_path: Path, fake: FakeSlurm) -> None:
+    job = scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
+    fake.states[job.job_id] = "RUNNING"
+    job.kill()
+    assert fake.commands("scancel") == [("scancel", job.job_id)]
+    assert job.poll() == -15
+    job.terminate()
+    job.kill()
+    assert len(fake.commands("scancel")) == 1
+
+
+def test_srun_without_pmi2_is_named_as_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    assert "srun --mpi=pmi2 -n 4 melissa-server CONFIG" in launch_problem(1)
+    assert launch_problem(4) is None
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    assert launch_problem(1) is None
