@@ -14,6 +14,7 @@ from pathlib import Path
 
 from launcher.schedulers import KILL_GRACE, RunningJob, Scheduler
 from melissa_dl.errors import ConfigError
+from melissa_dl.files import open_log
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,10 @@ class Launcher:
         """Report ``(simulation_id, returncode)`` of jobs ended since the last call, then fill free slots.
 
         An attempt that cannot even be started (e.g. its command does not
-        exist) is reported here too, with :data:`START_FAILED`, so that the
-        server handles it like any other failed attempt.
+        exist, sbatch refuses it) is reported here too, with
+        :data:`START_FAILED`, so that the server handles it like any other
+        failed attempt; the error is written to its log, so that its failure
+        reason says why.
         """
         ended: list[tuple[int, int]] = []
         for simulation_id, job in list(self._jobs.items()):
@@ -68,6 +71,8 @@ class Launcher:
                 job = self._scheduler.start(simulation_id, attempt, env, log_path)
             except OSError as error:
                 logger.error("simulation %d attempt %d could not start: %s", simulation_id, attempt, error)
+                with open_log(log_path) as log:
+                    log.write(f"could not start: {error}\n".encode())
                 ended.append((simulation_id, START_FAILED))
                 continue
             self._jobs[simulation_id] = job

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 POLL = 1.0  # seconds between two squeue calls
 LOST = 255  # exit code of a job that left Slurm's memory before its end was seen
 COMMAND_TIMEOUT = 60  # seconds for one Slurm command: a controller that slow is down
+UNKNOWN_JOB = "Invalid job id"  # what squeue and scontrol say of a job Slurm has forgotten (MinJobAge)
 RUN_COMMENT = "melissa_dl run "  # + the supervised run's marker: the job comment cancel_run_jobs looks for
 _RUNNING = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESIZING"})
 _WAITING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
@@ -49,7 +50,8 @@ def _slurm(*argv: str, env: dict[str, str] | None = None) -> str:
         raise SlurmError(f"{argv[0]} did not answer within {COMMAND_TIMEOUT} s") from None
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
-        raise SlurmError(f"{shlex.join(argv[:2])}...: {lines[-1] if lines else f'exit code {done.returncode}'}")
+        last = lines[-1] if lines else f"exit code {done.returncode}"
+        raise SlurmError(last if last.startswith(argv[0]) else f"{argv[0]}: {last}")
     return done.stdout
 
 
@@ -83,7 +85,10 @@ class SlurmJob:
     def terminate(self) -> None:
         if not self._cancelled and self.poll() is None:
             self._cancelled = True
-            _slurm("scancel", self.job_id)
+            try:
+                _slurm("scancel", self.job_id)
+            except SlurmError as error:  # the job then ends at its time limit, or when its client gives up
+                logger.warning("%s not cancelled: %s", self.label, error)
 
     def kill(self, deadline: float | None = None) -> None:
         """Cancel the job and wait (until ``deadline``) for Slurm to end it; Slurm SIGKILLs what outlives SIGTERM."""
@@ -140,7 +145,14 @@ class SlurmScheduler(Scheduler):
         if not self._states or (not force and time.monotonic() - self._polled < POLL):
             return
         self._polled = time.monotonic()
-        listed = _slurm("squeue", "--noheader", "--states=all", "--format=%i %T", f"--jobs={','.join(self._states)}")
+        try:
+            listed = _slurm("squeue", "--noheader", "--states=all", "--format=%i %T",
+                            f"--jobs={','.join(self._states)}")
+        except SlurmError as error:
+            if UNKNOWN_JOB not in str(error):  # a busy or restarting controller: the states stand until the next try
+                logger.warning("job states not refreshed: %s", error)
+                return
+            listed = ""  # squeue asked for one job only, and Slurm has forgotten it
         states = dict(line.split() for line in listed.splitlines() if line.strip())
         for job_id in list(self._states):
             state = states.get(job_id, "")
@@ -158,6 +170,9 @@ class SlurmScheduler(Scheduler):
         try:
             shown = _slurm("scontrol", "--oneliner", "show", "job", job_id)
         except SlurmError as error:
+            if UNKNOWN_JOB not in str(error):
+                logger.warning("Slurm job %s: end not read (%s); trying again", job_id, error)
+                return None
             logger.warning("Slurm job %s: no record of its end (%s); counted as exit code %d", job_id, error, LOST)
             return LOST
         state = re.search(r"\bJobState=(\S+)", shown)

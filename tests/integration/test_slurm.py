@@ -181,6 +181,18 @@ def test_a_simulation_that_always_fails_is_reported_with_its_exit_code_and_outpu
     assert run.report["simulations"]["done"] == 3
 
 
+def test_a_job_that_sbatch_refuses_fails_with_sbatchs_reason(tmp_path: Path, output: Path) -> None:
+    config = slurm_study(output, [sys.executable, TOY_SIM], max_retries=0, slurm={"partition": "nowhere"})
+    config["study"]["simulations"] = 2
+    run = run_server(tmp_path, config, ranks=1, timeout=120)
+    assert run.code == 3, run.log
+    assert run.report is not None and run.report["simulations"]["failed"] == 2
+    log = output / "simulations" / "simulation0.attempt0.log"
+    assert run.report["per_simulation"][0]["reason"] == (
+        f"exit code 127; output ({log}): could not start: sbatch: error: Batch job submission failed: "
+        "Invalid partition name specified")
+
+
 def test_the_example_batch_script_restarts_a_server_rank_killed_with_kill_9(tmp_path: Path, output: Path,
                                                                            slurm: SlurmCluster) -> None:
     """examples/heat_pde/study.sbatch: melissa-launcher in the allocation, on a paced study of 2-rank servers."""

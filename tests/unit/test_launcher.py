@@ -126,6 +126,8 @@ def test_unstartable_command_is_reported_as_failed(tmp_path: Path) -> None:
     launcher.submit(0, 0, {})
     assert launcher.poll() == [(0, START_FAILED)]
     assert launcher.running() == set()
+    assert launcher.output_tail(0, 0).endswith(f"could not start: [Errno 2] No such file or directory: "
+                                               f"'{tmp_path / 'no-such-simulation'}'")
 
 
 def test_kill_stops_job_without_grace_and_poll_does_not_report_it(tmp_path: Path) -> None:

@@ -20,9 +20,12 @@ class FakeSlurm:
         self.states: dict[str, str] = {}
         self.ends: dict[str, str] = {}
         self.next_id = 41
+        self.failing: dict[str, str] = {}  # command -> the error it fails with, until removed
 
     def __call__(self, *argv: str, env: dict[str, str] | None = None) -> str:
         self.calls.append((argv, env))
+        if argv[0] in self.failing:
+            raise SlurmError(self.failing[argv[0]])
         if argv[0] == "sbatch":
             self.next_id += 1
             self.states[str(self.next_id)] = "PENDING"
@@ -126,6 +129,29 @@ def test_one_squeue_call_per_poll_for_all_jobs(tmp_path: Path, fake: FakeSlurm, 
         assert [job.poll() for job in jobs] == [None] * 5
     [squeue] = fake.commands("squeue")
     assert squeue[-1] == "--jobs=42,43,44,45,46"
+
+
+def test_a_controller_that_does_not_answer_changes_nothing(tmp_path: Path, fake: FakeSlurm) -> None:
+    job = scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
+    fake.states[job.job_id] = "RUNNING"
+    assert job.started()
+    fake.failing = {"squeue": "squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation",
+                    "scontrol": "scontrol: error: Socket timed out on send/recv operation",
+                    "scancel": "scancel: error: Socket timed out on send/recv operation"}
+    assert job.poll() is None and job.started()
+    del fake.states[job.job_id]
+    fake.ends[job.job_id] = "JobState=FAILED ExitCode=2:0"
+    job.terminate()  # not cancelled, and no exception: the job ends anyway at its time limit
+    assert job.poll() is None
+    fake.failing = {}
+    assert job.poll() == 2
+
+
+def test_a_single_job_slurm_forgot_is_lost_not_a_squeue_failure(tmp_path: Path, fake: FakeSlurm) -> None:
+    job = scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
+    del fake.states[job.job_id]
+    fake.failing = {"squeue": "squeue: slurm_load_jobs error: Invalid job id specified"}
+    assert job.poll() == LOST
 
 
 def test_kill_cancels_once_and_waits_for_the_end(tmp_path: Path, fake: FakeSlurm) -> None:
