@@ -1,6 +1,7 @@
 """Fixtures of the tests that run under `mpirun -n 1` and `mpirun -n 2`."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -8,6 +9,18 @@ import torch
 from mpi4py import MPI
 
 from melissa_dl.collectives import MpiCollectives, TorchCollectives
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failure on one rank ends every rank at once: the others would wait in a collective until the timeout."""
+    report = yield
+    if report.failed and MPI.COMM_WORLD.Get_size() > 1:
+        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: {item.nodeid} failed, aborting every rank\n"
+                         f"{report.longreprtext}\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    return report
 
 
 @pytest.fixture(scope="module")
