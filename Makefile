@@ -15,7 +15,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+# The packages' __init__ files too: the editable install records which ones are namespace packages.
+$(VENV)/.installed: $(BIN)/python pyproject.toml melissa_dl/__init__.py launcher/__init__.py
 	$(BIN)/pip install --quiet $(TORCH) mpich
 	$(BIN)/pip install --quiet -e .
 	touch $@

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from melissa_dl.client import Client
+from melissa_dl import Client
 from solver import DEFAULT_DT, HeatSolver, local_shape  # solver.py sits next to this script
 
 

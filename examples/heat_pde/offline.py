@@ -59,9 +59,9 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 
 from launcher.samplers import study_parameters  # noqa: E402
+from melissa_dl import Sample  # noqa: E402
 from melissa_dl.config import Config, TrainingConfig, load_config  # noqa: E402
 from melissa_dl.module import TrainingModule, load_module_class  # noqa: E402
-from melissa_dl.sample import Sample  # noqa: E402
 from solver import DEFAULT_DT, HeatSolver  # noqa: E402
 
 FIELD = "temperature"

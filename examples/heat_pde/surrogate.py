@@ -35,8 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from melissa_dl.module import TrainingModule
-from melissa_dl.sample import Sample
+from melissa_dl import Sample, TrainingModule
 from solver import DEFAULT_DT, HeatSolver  # solver.py sits next to this file
 
 FIELD = "temperature"

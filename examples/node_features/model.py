@@ -52,10 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from melissa_dl.embedding import ShardedEmbedding
-from melissa_dl.module import TrainingModule
-from melissa_dl.sample import Sample
-from melissa_dl.sparse_optim import make_sparse_optimizer
+from melissa_dl import Sample, ShardedEmbedding, TrainingModule, make_sparse_optimizer
 
 FIELD = "temperature"
 N_PARAMETERS = 5

@@ -259,10 +259,11 @@ def run_heat(
 ) -> tuple[int, dict, str]:
     """Run heat.py against the stubs; return its exit code, log and log prefix."""
     stub = tmp_path / "stub"
-    stubs = (("melissa_dl", "client", STUB_CLIENT), ("mpi4py", "MPI", STUB_MPI))
-    for package, module, text in stubs:
+    stubs = (("melissa_dl", "client", STUB_CLIENT, "from melissa_dl.client import Client\n"),
+             ("mpi4py", "MPI", STUB_MPI, ""))
+    for package, module, text, init in stubs:
         (stub / package).mkdir(parents=True, exist_ok=True)
-        (stub / package / "__init__.py").write_text("")
+        (stub / package / "__init__.py").write_text(init)
         (stub / package / f"{module}.py").write_text(textwrap.dedent(text))
     log = f"{tmp_path}/log-{sid}-{attempt}"
     env = dict(
