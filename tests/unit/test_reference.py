@@ -1,0 +1,57 @@
+"""The configuration reference (README table, config/schema.json) is generated from config.py's option docs."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from melissa_dl import reference
+from melissa_dl.config import load_config, parse_config
+from melissa_dl.errors import ConfigError
+
+STALE = "stale: run `python -m melissa_dl.reference`"
+EXAMPLES = sorted((reference.ROOT / "examples").glob("*/config*.json"))
+
+
+def test_the_readme_table_is_the_generated_one() -> None:
+    readme = reference.README.read_text()
+    assert reference.readme_with_table(readme) == readme, STALE
+
+
+def test_the_schema_file_is_the_generated_one() -> None:
+    assert reference.SCHEMA.read_text() == reference.schema_text(), STALE
+
+
+def test_every_option_has_a_row_with_its_default() -> None:
+    rows = {key: (kind, default) for key, kind, default, _ in reference.rows()}
+    assert rows["launcher.slurm.partition"] == ("string or null", "`null`")
+    assert rows["study.parameters[].low"] == ("number", "required")
+    assert rows["buffer.kind"] == ('one of "fifo", "firo", "reservoir"', '`"fifo"`')
+    assert "launcher.slurm" not in rows and "training" not in rows  # sections: their options only
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_example_configs_pass_the_schema_and_the_loader(path: Path) -> None:
+    data = json.loads(path.read_text())
+    jsonschema.validate(data, reference.schema())
+    assert data["$schema"] == "../../config/schema.json"
+    load_config(path)
+
+
+@pytest.mark.parametrize("change, culprit", [
+    (lambda c: c["buffer"].update(kind="reservior"), "'reservior' is not one of"),
+    (lambda c: c.update(buffr={}), "Additional properties are not allowed ('buffr' was unexpected)"),
+    (lambda c: c["launcher"].update(job_limit="4"), "'4' is not of type 'integer'"),
+    (lambda c: c["launcher"].pop("command"), "'command' is a required property"),
+    (lambda c: c["launcher"]["slurm"].update(partiton="x"), "('partiton' was unexpected)"),
+])
+def test_the_schema_refuses_what_the_loader_refuses(change, culprit: str) -> None:
+    config = json.loads((reference.ROOT / "examples" / "heat_pde" / "config_slurm.json").read_text())
+    change(config)
+    with pytest.raises(jsonschema.ValidationError, match=re.escape(culprit)):
+        jsonschema.validate(config, reference.schema())
+    with pytest.raises(ConfigError):
+        parse_config(config, reference.ROOT)
