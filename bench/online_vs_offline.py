@@ -1,6 +1,6 @@
 """Online vs offline heat-equation study, in one run (DESIGN.md §11, last row).
 
-Online: ``mpirun -n K python -m melissa_dl.server`` on a copy of
+Online: ``mpirun -n K python -m melissa_dl`` on a copy of
 ``examples/heat_pde/config.json`` (output in a temporary folder): the
 simulations stream into K ranks that train the config's ``training`` module
 while data arrives. Its wall time W (mpirun start to exit) and the
@@ -86,7 +86,7 @@ def run_online(config: Path, ranks: int, folder: Path, timeout: float) -> dict[s
     """One online study; its wall time and the training section of its report."""
     mpirun = Path(sys.executable).parent / "mpirun"
     command = [str(mpirun) if mpirun.exists() else "mpirun", "-n", str(ranks),
-               sys.executable, "-m", "melissa_dl.server", str(config)]
+               sys.executable, "-m", "melissa_dl", str(config)]
     report_path = folder / "online" / "report.json"
     report_path.unlink(missing_ok=True)
     start = time.monotonic()

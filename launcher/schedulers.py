@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,19 @@ def child_environment(extra: dict[str, str]) -> dict[str, str]:
     env["PATH"] = f"{bin_dir}{os.pathsep}{path}" if path else bin_dir
     env.update(extra)
     return env
+
+
+def missing_program(command: list[str], cwd: Path) -> str | None:
+    """Why ``command`` cannot start from ``cwd`` with the simulations' ``PATH``; None when it can."""
+    program = command[0]
+    if os.sep in program:
+        path = cwd / program
+        if not path.is_file():
+            return f"no file {path}"
+        return None if os.access(path, os.X_OK) else f"{path} is not executable"
+    if shutil.which(program, path=child_environment({})["PATH"]) is None:
+        return f"no program '{program}' in PATH (the server's, its venv first)"
+    return None
 
 
 class RunningJob(Protocol):

@@ -95,7 +95,7 @@ class Supervisor:
         else:
             mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
             launch = [mpirun if os.path.exists(mpirun) else "mpirun", "-n", str(self.ranks)]
-        return [*launch, sys.executable, "-m", "melissa_dl.server", self.config_path, *(["--fresh"] if fresh else [])]
+        return [*launch, sys.executable, "-m", "melissa_dl", self.config_path, *(["--fresh"] if fresh else [])]
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):

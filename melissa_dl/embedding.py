@@ -272,6 +272,8 @@ class ShardedEmbedding(nn.Module):
 def _initial_rows(start: int, stop: int, dim: int, std: float, seed: int) -> torch.Tensor:
     """Rows ``start:stop`` of the seed's table, generated only from the blocks that overlap them."""
     out = torch.empty((stop - start, dim), dtype=torch.float32)
+    if out.is_meta:  # built under torch.device("meta") (melissa-server --check): shapes only
+        return out
     for block in range(start // INIT_BLOCK_ROWS, -(-stop // INIT_BLOCK_ROWS)):
         first = block * INIT_BLOCK_ROWS
         # numpy's seed sequence mixes all of (seed, block); torch's CPU generator keeps only 32 bits of a seed.

@@ -25,7 +25,9 @@ The config names the file and the class (``training.module``,
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
+import inspect
 import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -80,8 +82,32 @@ def load_module_class(path: Path, class_name: str) -> type[TrainingModule]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # so that cloudpickle and dataclasses find it
     sys.path.insert(0, str(path.parent))  # its own helpers, next to it, import as usual
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # the user's code: whatever it raises is this config's error
+        raise ConfigError(f"training.module: importing {path} failed: {type(error).__name__}: {error}") from error
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, TrainingModule)):
-        raise ConfigError(f"training.class_name: {path.name} defines no TrainingModule subclass '{class_name}'")
+        defined = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, TrainingModule)
+                   and v is not TrainingModule]
+        close = difflib.get_close_matches(class_name, defined, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else f" (it defines {', '.join(defined) or 'none'})"
+        raise ConfigError(f"training.class_name: {path.name} defines no TrainingModule subclass '{class_name}'{hint}")
     return cls
+
+
+def check_options(cls: type[TrainingModule], options: dict[str, Any]) -> None:
+    """``training.options`` against the constructor: a misspelt or missing option is a config error, not a
+    ``TypeError`` on every rank."""
+    parameters = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    named = [n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in options:
+        if key not in named:
+            close = difflib.get_close_matches(key, named, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" ({cls.__name__} takes {', '.join(named) or 'none'})"
+            raise ConfigError(f"training.options.{key}: not an option of {cls.__name__}{hint}")
+    for name in named:
+        if parameters[name].default is inspect.Parameter.empty and name not in options:
+            raise ConfigError(f"training.options.{name}: missing, {cls.__name__} requires it")

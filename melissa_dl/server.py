@@ -10,7 +10,6 @@ called from the main thread only.
 """
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import logging
@@ -22,15 +21,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from mpi4py import MPI
+
 from launcher import Launcher, LocalScheduler, MpirunScheduler, study_parameters
 from launcher.slurm import SlurmScheduler
 from melissa_dl import client
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
-from melissa_dl.config import Config, load_config
+from melissa_dl.config import Config
 from melissa_dl.connections import raise_open_file_limit
 from melissa_dl.errors import ConfigError
-from melissa_dl.files import check_writable, remove_temporaries, write_atomic
+from melissa_dl.files import remove_temporaries, write_atomic
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
 from melissa_dl.checkpoint import CheckpointCorrupt, next_version
@@ -349,33 +350,8 @@ class StudyControl:
             os.utime(self.heartbeat)  # needs no file descriptor, unlike touch()
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="melissa-server", description="Online-learning server for simulation ensembles.")
-    parser.add_argument("config", help="the study's JSON configuration")
-    parser.add_argument("--check", action="store_true",
-                        help="validate the configuration and that output_dir can be written, print it resolved, and exit")
-    parser.add_argument("--fresh", action="store_true",
-                        help="start over: delete the checkpoints and TensorBoard logs of an earlier run "
-                        "instead of resuming")
-    parser.add_argument("--export-model", action="store_true",
-                        help="write model.pt from the latest checkpoint (on any number of ranks) and exit")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        config = load_config(args.config)
-        check_writable(config.output_path)
-    except ConfigError as error:
-        if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":  # one line, not K
-            sys.stderr.write(f"melissa-server: {args.config}: {error}\n")
-        return EXIT_CONFIG
-    if args.check:
-        sys.stdout.write(json.dumps(config.to_dict(), indent=2) + "\n")
-        return 0
-    from mpi4py import MPI  # only now: --check and config errors need no MPI
-
+def serve(config: Config, fresh: bool, export_model: bool) -> int:
+    """Run this rank of the server on a checked configuration (``melissa_dl.cli`` checks it before MPI starts)."""
     comm = MPI.COMM_WORLD
     if (problem := launch_problem(comm.Get_size())) is not None:
         if os.environ.get("SLURM_PROCID", "0") == "0":  # one line, not K
@@ -384,8 +360,4 @@ def main(argv: list[str] | None = None) -> int:
     install_abort_on_error(comm)
     setup_logging(comm.Get_rank(), config.output_path / "logs")
     raise_open_file_limit()
-    return Server(config, comm, fresh=args.fresh, export_model=args.export_model).run()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return Server(config, comm, fresh=fresh, export_model=export_model).run()

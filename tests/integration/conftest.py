@@ -79,7 +79,7 @@ def server_command(tmp_path: Path, config: dict[str, Any], ranks: int, *args: st
     """``mpirun -n ranks melissa-server config.json args`` with ``config`` written to ``tmp_path``."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    return [MPIRUN, "-n", str(ranks), sys.executable, "-m", "melissa_dl.server", str(path), *args]
+    return [MPIRUN, "-n", str(ranks), sys.executable, "-m", "melissa_dl", str(path), *args]
 
 
 def run_server(tmp_path: Path, config: dict[str, Any], ranks: int, timeout: float = 120, *args: str) -> Run:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from conftest import MPIRUN, TOY_SIM, clean_environment, study_config
 
 pytestmark = pytest.mark.timeout(120)
 
-SERVER = [sys.executable, "-m", "melissa_dl.server"]
+SERVER = [sys.executable, "-m", "melissa_dl"]
 
 
 def write(tmp_path: Path, config: dict) -> str:
@@ -45,9 +46,9 @@ def test_a_wrong_training_class_is_one_line_with_exit_code_2_before_any_simulati
     done = subprocess.run([MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)], env=clean_environment(),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and "training.class_name: tiny_module.py defines no TrainingModule subclass 'Tinny'" in errors[0]
-    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [  # one line, from rank 0, before MPI started
+        f"melissa-server: {tmp_path / 'config.json'}: training.class_name: tiny_module.py defines no "
+        "TrainingModule subclass 'Tinny' (did you mean 'Tiny'?)"]
     assert not (output / "simulations").exists()  # no simulation was started
 
 
@@ -123,3 +124,75 @@ def gone_within(pid: int, seconds: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+NO_MPI = ("import sys; from melissa_dl.cli import main; code = main(sys.argv[1:]); "
+          "loaded = [m for m in ('mpi4py.MPI', 'melissa_dl.server', 'melissa_dl.training') if m in sys.modules]; "
+          "assert not loaded, f'--check loaded {loaded}'; sys.exit(code)")
+
+
+def check(tmp_path: Path, config: dict) -> subprocess.CompletedProcess:
+    """``melissa-server --check``, asserting that it loaded neither MPI nor the server."""
+    return subprocess.run([sys.executable, "-c", NO_MPI, write(tmp_path, config), "--check"], env=clean_environment(),
+                          capture_output=True, text=True, timeout=60)
+
+
+BROKEN_MODULE = "import no_such_package\n"
+RAISING_MODULE = '''
+from tiny_module import Tiny
+
+
+class Picky(Tiny):
+    def __init__(self, hidden: int = 16) -> None:
+        if hidden > 8:
+            raise ValueError(f"hidden {hidden} is too large")
+        super().__init__(hidden=hidden)
+'''
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("class", "training.class_name: tiny_module.py defines no TrainingModule subclass 'Tinny' (did you mean 'Tiny'?)"),
+    ("option", "training.options.hiden: not an option of Tiny (did you mean 'hidden'?)"),
+    ("import", "training.module: importing {module} failed: ModuleNotFoundError: No module named 'no_such_package'"),
+    ("build", "training: building Picky(**training.options) failed: ValueError: hidden 16 is too large"),
+    ("command", "launcher.command[0]: no file {tmp_path}/no-such-solver"),
+    ("program", "launcher.command[0]: no program 'no-such-solver' in PATH (the server's, its venv first)"),
+])
+def test_check_catches_what_a_run_would_meet_in_one_line_without_mpi(tmp_path: Path, case: str, expected: str) -> None:
+    here = Path(__file__).parent
+    module = tmp_path / "user_module.py"
+    config = study_config(tmp_path / "out", [sys.executable, TOY_SIM])
+    config["training"] = {"module": str(here / "tiny_module.py"), "class_name": "Tiny"}
+    if case == "class":
+        config["training"]["class_name"] = "Tinny"
+    elif case == "option":
+        config["training"]["options"] = {"hiden": 8}
+    elif case == "import":
+        module.write_text(BROKEN_MODULE)
+        config["training"].update(module=str(module), class_name="Broken")
+    elif case == "build":
+        shutil.copy(here / "tiny_module.py", tmp_path)  # imported by the user's module, from its folder
+        module.write_text(RAISING_MODULE)
+        config["training"].update(module=str(module), class_name="Picky")
+    elif case == "command":
+        config["launcher"]["command"] = ["./no-such-solver"]
+    else:
+        config["launcher"]["command"] = ["no-such-solver", "--steps", "3"]
+    done = check(tmp_path, config)
+    assert done.returncode == 2, done.stderr
+    message = expected.format(module=module, tmp_path=tmp_path)
+    assert done.stderr.strip().splitlines() == [f"melissa-server: {tmp_path / 'config.json'}: {message}"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("example", ["heat_pde", "node_features"])
+def test_check_builds_the_examples_training_modules_without_mpi(tmp_path: Path, example: str) -> None:
+    """node_features builds a ShardedEmbedding: on the meta device, with no MPI."""
+    folder = Path(__file__).parents[2] / "examples" / example
+    config = json.loads((folder / "config.json").read_text())
+    config["training"]["module"] = str(folder / config["training"]["module"])
+    config["launcher"]["command"] = [sys.executable, TOY_SIM]
+    config["output_dir"] = str(tmp_path / "out")
+    done = check(tmp_path, config)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["training"]["class_name"] == config["training"]["class_name"]

@@ -114,7 +114,7 @@ def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(tmp_pat
     config["training"]["options"].update(nx=16, ny=16, steps=steps, hidden=32, depth=1, validation_simulations=1)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    server = [sys.executable, "-m", "melissa_dl.server", str(path)]
+    server = [sys.executable, "-m", "melissa_dl", str(path)]
     done = subprocess.run(sbatch(tmp_path, "--ntasks=2", "--wrap", f"exec srun --mpi=pmi2 -n 2 {' '.join(server)}"),
                           env=clean_environment(), capture_output=True, text=True, timeout=240)
     log = (tmp_path / "job.out").read_text()
@@ -130,7 +130,7 @@ def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(tmp_pat
 def test_srun_without_pmi2_is_refused_naming_the_fix(tmp_path: Path, output: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(slurm_study(output, [sys.executable, TOY_SIM])))
-    done = subprocess.run(["srun", "-n", "2", sys.executable, "-m", "melissa_dl.server", str(path)],
+    done = subprocess.run(["srun", "-n", "2", sys.executable, "-m", "melissa_dl", str(path)],
                           env=clean_environment(), capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("melissa-server:")]

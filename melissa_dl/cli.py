@@ -1,0 +1,73 @@
+"""``melissa-server config.json``: check the study, then start this rank of the MPI server.
+
+Everything that can be checked without MPI is checked here, before MPI or a
+process group starts, so that ``--check`` costs none and a mistake is one
+line and exit 2, not a traceback on K ranks that a supervisor restarts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from launcher.schedulers import missing_program
+from melissa_dl.config import Config, load_config
+from melissa_dl.errors import ConfigError
+from melissa_dl.files import check_writable
+from melissa_dl.module import check_options, load_module_class
+from melissa_dl.status import EXIT_CONFIG
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="melissa-server", description="Online-learning server for simulation ensembles.")
+    parser.add_argument("config", help="the study's JSON configuration")
+    parser.add_argument("--check", action="store_true",
+                        help="check the configuration, that output_dir can be written, that the simulation's program "
+                        "exists and that the training module builds; print the configuration resolved, and exit")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over: delete the checkpoints and TensorBoard logs of an earlier run "
+                        "instead of resuming")
+    parser.add_argument("--export-model", action="store_true",
+                        help="write model.pt from the latest checkpoint (on any number of ranks) and exit")
+    return parser.parse_args(argv)
+
+
+def check_study(config: Config, build: bool) -> None:
+    """What a run needs besides a valid config; ``build``: also construct the training module (on the meta
+    device, so that a large table costs no memory)."""
+    check_writable(config.output_path)
+    if (problem := missing_program(config.launcher.command, config.base_dir)) is not None:
+        raise ConfigError(f"launcher.command[0]: {problem}")
+    training = config.training
+    if training is None:
+        return
+    module_class = load_module_class(config.base_dir / training.module, training.class_name)
+    check_options(module_class, training.options)
+    if build:
+        try:
+            with torch.device("meta"):
+                module_class(**training.options)
+        except Exception as error:  # the user's constructor: whatever it raises is this config's error
+            raise ConfigError(f"training: building {module_class.__name__}(**training.options) failed: "
+                              f"{type(error).__name__}: {error}") from error
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config)
+        check_study(config, build=args.check)
+    except ConfigError as error:
+        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("SLURM_PROCID", "0")))
+        if rank == "0":  # one line, not K
+            sys.stderr.write(f"melissa-server: {args.config}: {error}\n")
+        return EXIT_CONFIG
+    if args.check:
+        sys.stdout.write(json.dumps(config.to_dict(), indent=2) + "\n")
+        return 0
+    from melissa_dl.server import serve  # only now: MPI and the training machinery
+
+    return serve(config, fresh=args.fresh, export_model=args.export_model)
