@@ -4,7 +4,7 @@ The server decides what runs, retries and states; this package only runs process
 """
 from __future__ import annotations
 
-from launcher.jobs import START_FAILED, Launcher
+from launcher.jobs import START_FAILED, Launcher, make_scheduler
 from launcher.samplers import SAMPLERS, draw_parameters, study_parameters
 from launcher.schedulers import (
     KILL_GRACE,
@@ -26,5 +26,6 @@ __all__ = [
     "Scheduler",
     "child_environment",
     "draw_parameters",
+    "make_scheduler",
     "study_parameters",
 ]

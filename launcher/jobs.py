@@ -8,11 +8,15 @@ since jobs die with the thread that started them (see
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections import deque
 from pathlib import Path
 
-from launcher.schedulers import KILL_GRACE, RunningJob, Scheduler
+from launcher.schedulers import KILL_GRACE, LocalScheduler, MpirunScheduler, RunningJob, Scheduler
+from launcher.slurm import SlurmScheduler
+from melissa_dl.config import Config
 from melissa_dl.errors import ConfigError
 from melissa_dl.files import open_log
 
@@ -22,6 +26,18 @@ START_FAILED = 127
 """Return code reported for an attempt whose process could not be started, as a shell would."""
 TAIL = 300
 """Characters of an attempt's output end that go into its failure reason."""
+
+
+def make_scheduler(config: Config) -> Scheduler:
+    """The scheduler ``launcher.scheduler`` names, running ``launcher.command`` from the config's folder."""
+    options, cwd = config.launcher, config.base_dir
+    if options.scheduler == "mpirun":
+        mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")  # the venv's, with the server's MPI
+        return MpirunScheduler(options.command, cwd, options.client_ranks, mpirun if os.path.exists(mpirun) else "mpirun")
+    if options.scheduler == "slurm":
+        return SlurmScheduler(options.command, cwd, options.client_ranks, options.slurm,
+                              f"melissa-{config.output_path.name}")
+    return LocalScheduler(options.command, cwd)
 
 
 class Launcher:
@@ -107,6 +123,13 @@ class Launcher:
             job.kill()
             logger.info("simulation %d attempt %d killed", simulation_id, job.attempt)
         self._queue = deque(item for item in self._queue if item[0] != simulation_id)
+
+    def drop_unstarted(self, simulation_id: int) -> None:
+        """Kill the simulation's attempt if it has not started (queued here, or pending at Slurm, asked afresh);
+        one that runs ends by itself."""
+        job = self._jobs.get(simulation_id)
+        if job is None or not job.started(fresh=True):
+            self.kill(simulation_id)
 
     def running(self) -> set[int]:
         """Simulations whose job has started (a Slurm job may wait in the queue) and whose end has not been reported."""

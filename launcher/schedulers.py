@@ -84,7 +84,7 @@ class RunningJob(Protocol):
 
     def poll(self) -> int | None: ...
 
-    def started(self) -> bool: ...
+    def started(self, fresh: bool = False) -> bool: ...
 
     def terminate(self) -> None: ...
 
@@ -108,7 +108,7 @@ class Job:
     def label(self) -> str:
         return f"pid {self.pid}"
 
-    def started(self) -> bool:
+    def started(self, fresh: bool = False) -> bool:
         return True
 
     def poll(self) -> int | None:

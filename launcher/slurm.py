@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from signal import SIGTERM
 
-from launcher.schedulers import KILL_GRACE, RUN_MARKER, Scheduler, child_environment
+from launcher.schedulers import RUN_MARKER, Scheduler, child_environment
 from melissa_dl.config import SlurmConfig
 from melissa_dl.files import open_log
 
@@ -48,6 +48,8 @@ def _slurm(*argv: str, env: dict[str, str] | None = None) -> str:
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     except subprocess.TimeoutExpired:
         raise SlurmError(f"{argv[0]} did not answer within {COMMAND_TIMEOUT} s") from None
+    except OSError as error:  # not started: no such program, no process left (EAGAIN)
+        raise SlurmError(f"{argv[0]}: {error}") from None
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
         last = lines[-1] if lines else f"exit code {done.returncode}"
@@ -79,23 +81,17 @@ class SlurmJob:
         """The exit code (negative: ended by that signal, e.g. cancelled), or None while pending or running."""
         return self._scheduler.exit_code(self.job_id)
 
-    def started(self) -> bool:
-        return self._scheduler.started(self.job_id)
+    def started(self, fresh: bool = False) -> bool:
+        return self._scheduler.started(self.job_id, fresh)
 
     def terminate(self) -> None:
         if not self._cancelled and self.poll() is None:
             self._cancelled = True
-            try:
-                _slurm("scancel", self.job_id)
-            except SlurmError as error:  # the job then ends at its time limit, or when its client gives up
-                logger.warning("%s not cancelled: %s", self.label, error)
+            self._scheduler.cancel(self.job_id)
 
     def kill(self, deadline: float | None = None) -> None:
-        """Cancel the job and wait (until ``deadline``) for Slurm to end it; Slurm SIGKILLs what outlives SIGTERM."""
+        """Cancel the job. Nothing to wait for: Slurm sends SIGTERM, then SIGKILL after its ``KillWait``."""
         self.terminate()
-        deadline = time.monotonic() + KILL_GRACE if deadline is None else deadline
-        while self._scheduler.exit_code(self.job_id, fresh=True) is None and time.monotonic() < deadline:
-            time.sleep(0.2)
 
 
 class SlurmScheduler(Scheduler):
@@ -109,6 +105,7 @@ class SlurmScheduler(Scheduler):
         self._name = study_name
         self._states: dict[str, str] = {}  # job id -> squeue state, of the jobs not known to have ended
         self._ended: dict[str, int] = {}  # job id -> exit code
+        self._uncancelled: set[str] = set()  # jobs whose scancel failed: tried again at each refresh
         self._polled = -POLL
 
     def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> SlurmJob:
@@ -116,24 +113,50 @@ class SlurmScheduler(Scheduler):
         run = shlex.join(self._command)
         if self._ranks > 1:  # a rank that dies ends the others, as under mpirun
             run = f"srun --mpi=pmi2 --kill-on-bad-exit=1 -n {self._ranks} {run}"
-        options = self._options
         marker = os.environ.get(RUN_MARKER)  # set when a supervisor runs this server
         argv = ["sbatch", "--parsable", f"--job-name={self._name}-s{simulation_id}a{attempt}",
-                f"--output={log_path}", "--open-mode=append", f"--chdir={self._cwd}", f"--ntasks={self._ranks}",
-                *([f"--partition={options.partition}"] if options.partition else []),
-                *([f"--time={options.time_limit}"] if options.time_limit else []),
-                *([f"--account={options.account}"] if options.account else []),
-                *([f"--comment={RUN_COMMENT}{marker}"] if marker else []),
-                *options.sbatch_args, "--wrap", f"exec {run}"]
+                f"--output={log_path}", "--open-mode=append", *self._options_argv(),
+                *([f"--comment={RUN_COMMENT}{marker}"] if marker else []), "--wrap", f"exec {run}"]
         job_id = _slurm(*argv, env=job_environment(env)).strip().split(";")[0]
         if not job_id.isdigit():
             raise SlurmError(f"sbatch answered {job_id!r}, not a job id")
         self._states[job_id] = "PENDING"
         return SlurmJob(self, simulation_id, attempt, job_id)
 
-    def started(self, job_id: str) -> bool:
-        self._refresh()
+    def _options_argv(self) -> list[str]:
+        options = self._options
+        return [f"--chdir={self._cwd}", f"--ntasks={self._ranks}",
+                *([f"--partition={options.partition}"] if options.partition else []),
+                *([f"--time={options.time_limit}"] if options.time_limit else []),
+                *([f"--account={options.account}"] if options.account else []),
+                *options.sbatch_args]
+
+    def refusal(self) -> str | None:
+        """What sbatch says against the simulations' job options, if anything (``--test-only``: nothing is
+        submitted): a partition that does not exist or a malformed time limit is a config error, found at start."""
+        try:
+            _slurm("sbatch", "--test-only", f"--output={os.devnull}", *self._options_argv(), "--wrap", "true",
+                   env=job_environment({}))
+        except SlurmError as error:
+            return str(error)
+        return None
+
+    def started(self, job_id: str, fresh: bool = False) -> bool:
+        self._refresh(force=fresh)
         return job_id in self._ended or self._states.get(job_id) in _RUNNING
+
+    def cancel(self, job_id: str) -> None:
+        self._uncancelled.add(job_id)
+        self._cancel_pending()
+
+    def _cancel_pending(self) -> None:
+        """scancel the jobs not yet cancelled; a failure (a busy controller) is tried again at the next refresh."""
+        try:
+            _slurm("scancel", *sorted(self._uncancelled))
+        except SlurmError as error:
+            logger.warning("Slurm jobs %s not cancelled yet: %s", " ".join(sorted(self._uncancelled)), error)
+            return
+        self._uncancelled.clear()
 
     def exit_code(self, job_id: str, fresh: bool = False) -> int | None:
         if job_id not in self._ended:
@@ -142,9 +165,13 @@ class SlurmScheduler(Scheduler):
 
     def _refresh(self, force: bool = False) -> None:
         """One squeue call for every job not known to have ended; each one it no longer lists is looked up."""
-        if not self._states or (not force and time.monotonic() - self._polled < POLL):
+        if not (self._states or self._uncancelled) or (not force and time.monotonic() - self._polled < POLL):
             return
         self._polled = time.monotonic()
+        if self._uncancelled:
+            self._cancel_pending()
+        if not self._states:
+            return
         try:
             listed = _slurm("squeue", "--noheader", "--states=all", "--format=%i %T",
                             f"--jobs={','.join(self._states)}")

@@ -13,7 +13,9 @@ import sys
 
 import torch
 
+from launcher import make_scheduler
 from launcher.schedulers import missing_program
+from launcher.slurm import SlurmScheduler
 from melissa_dl.config import Config, load_config
 from melissa_dl.errors import ConfigError
 from melissa_dl.files import check_writable
@@ -41,6 +43,9 @@ def check_study(config: Config, build: bool) -> None:
     check_writable(config.output_path)
     if (problem := missing_program(config.launcher.command, config.base_dir)) is not None:
         raise ConfigError(f"launcher.command[0]: {problem}")
+    scheduler = make_scheduler(config)
+    if isinstance(scheduler, SlurmScheduler) and (refusal := scheduler.refusal()) is not None:
+        raise ConfigError(f"launcher.slurm: sbatch refuses the simulations' job options: {refusal}")
     training = config.training
     if training is None:
         return

@@ -23,8 +23,7 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from launcher import Launcher, LocalScheduler, MpirunScheduler, study_parameters
-from launcher.slurm import SlurmScheduler
+from launcher import Launcher, make_scheduler, study_parameters
 from melissa_dl import client
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
@@ -83,17 +82,7 @@ def addresses(interface: str) -> tuple[str, str]:
 
 
 def make_launcher(config: Config) -> Launcher:
-    options = config.launcher
-    cwd = config.base_dir
-    if options.scheduler == "mpirun":
-        mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-        scheduler = MpirunScheduler(options.command, cwd, options.client_ranks, mpirun if os.path.exists(mpirun) else "mpirun")
-    elif options.scheduler == "slurm":
-        scheduler = SlurmScheduler(options.command, cwd, options.client_ranks, options.slurm,
-                                   f"melissa-{config.output_path.name}")
-    else:
-        scheduler = LocalScheduler(options.command, cwd)
-    return Launcher(scheduler, options.job_limit, config.output_path / "simulations")
+    return Launcher(make_scheduler(config), config.launcher.job_limit, config.output_path / "simulations")
 
 
 class Server:

@@ -159,7 +159,7 @@ class Study:
                 continue
             if sim.complete:
                 if sim.state is State.QUEUED:
-                    self._launcher.kill(sim.id)  # a relaunch made useless by late frames of the last attempt
+                    self._launcher.drop_unstarted(sim.id)  # a relaunch made useless by late frames of the last one
                 self._end(sim, State.DONE)
                 sim.last_activity = now
                 logger.info("simulation %d done (%d steps, attempt %d)", sim.id, sim.received, sim.attempts - 1)

@@ -34,8 +34,10 @@ class FakeSlurm:
             return "".join(f"{job} {state}\n" for job, state in self.states.items())
         if argv[0] == "scancel":
             for job in argv[1:]:
-                del self.states[job]
-                self.ends[job] = "JobState=CANCELLED Reason=None ExitCode=0:15"
+                if self.states.pop(job, None) is not None:
+                    self.ends[job] = "JobState=CANCELLED Reason=None ExitCode=0:15"
+            return ""
+        if "--test-only" in argv:
             return ""
         if argv[0] == "scontrol":
             if argv[-1] not in self.ends:
@@ -70,7 +72,7 @@ def test_sbatch_gets_the_options_the_log_and_srun_pmi2_for_mpi_simulations(
     [argv] = fake.commands("sbatch")
     assert argv == ("sbatch", "--parsable", "--job-name=melissa-out-s3a1", f"--output={log}", "--open-mode=append",
                     f"--chdir={tmp_path}", "--ntasks=4", "--partition=short", "--time=00:10:00", "--account=proj",
-                    "--comment=melissa_dl run run7", "--mem=1G", "--wrap",
+                    "--mem=1G", "--comment=melissa_dl run run7", "--wrap",
                     "exec srun --mpi=pmi2 --kill-on-bad-exit=1 -n 4 python sim.py --x 'a b'")
     assert log.exists()
 
@@ -100,7 +102,7 @@ def test_an_answer_that_is_not_a_job_id_is_a_start_failure(tmp_path: Path, fake:
     ("JobState=FAILED Reason=NonZeroExitCode ExitCode=3:0", 3),
     ("JobState=CANCELLED Reason=None ExitCode=0:15", -15),
     ("JobState=CANCELLED Reason=None ExitCode=0:0", -15),  # cancelled while pending
-    ("JobState=TIMEOUT Reason=TimeLimit ExitCode=0:9", -9),
+    ("JobState=TIMEOUT Reason=TimeLimit ExitCode=0:15", -15),  # as Slurm 22.05 records a time limit
     ("JobState=NODE_FAIL Reason=None ExitCode=0:0", LOST),
     ("no such fields", LOST),
 ])
@@ -141,10 +143,39 @@ def test_a_controller_that_does_not_answer_changes_nothing(tmp_path: Path, fake:
     assert job.poll() is None and job.started()
     del fake.states[job.job_id]
     fake.ends[job.job_id] = "JobState=FAILED ExitCode=2:0"
-    job.terminate()  # not cancelled, and no exception: the job ends anyway at its time limit
+    job.terminate()  # not cancelled yet, and no exception
     assert job.poll() is None
     fake.failing = {}
     assert job.poll() == 2
+    cancels = fake.commands("scancel")  # the failed ones, then the retry that worked
+    assert len(cancels) >= 2 and set(cancels) == {("scancel", job.job_id)}
+
+
+def test_a_cancel_that_failed_is_retried_at_the_next_refresh_of_any_job(tmp_path: Path, fake: FakeSlurm) -> None:
+    runs = scheduler(tmp_path)
+    doomed, other = (runs.start(sim, 0, {}, tmp_path / f"{sim}.log") for sim in range(2))
+    fake.failing = {"scancel": "scancel: error: Socket timed out on send/recv operation"}
+    doomed.kill()  # the launcher forgets it now
+    fake.failing = {}
+    assert other.poll() is None
+    assert fake.commands("scancel")[-1] == ("scancel", doomed.job_id)
+    assert doomed.job_id in fake.ends and other.job_id not in fake.ends
+
+
+def test_a_slurm_command_that_cannot_even_start_is_a_slurm_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SlurmError, match=r"^squeue: \[Errno 2\] No such file or directory"):
+        slurm._slurm("squeue")
+
+
+def test_job_options_that_sbatch_refuses_are_named(tmp_path: Path, fake: FakeSlurm,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = scheduler(tmp_path, partition="short", time_limit="ten minutes")
+    assert runs.refusal() is None
+    [argv] = fake.commands("sbatch")
+    assert "--test-only" in argv and "--partition=short" in argv and "--time=ten minutes" in argv
+    fake.failing = {"sbatch": "sbatch: error: Invalid --time specification"}
+    assert runs.refusal() == "sbatch: error: Invalid --time specification"
 
 
 def test_a_single_job_slurm_forgot_is_lost_not_a_squeue_failure(tmp_path: Path, fake: FakeSlurm) -> None:

@@ -42,6 +42,10 @@ class FakeLauncher:
         self.active.discard(simulation_id)
         self.waiting = [s for s in self.waiting if s != simulation_id]
 
+    def drop_unstarted(self, simulation_id: int) -> None:
+        if simulation_id not in self.active:
+            self.kill(simulation_id)
+
     def running(self) -> set[int]:
         return set(self.active)
 
