@@ -258,6 +258,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     elif origin is Literal:
         if value in typing.get_args(tp):
             return value
+        close = difflib.get_close_matches(value, typing.get_args(tp), n=1) if isinstance(value, str) else []
+        if close:
+            raise ConfigError(f"{path}: expected {type_name(tp)}, got {json.dumps(value)} (did you mean "
+                              f"{json.dumps(close[0])}?)")
     elif origin is list:
         if isinstance(value, list):
             (item,) = typing.get_args(tp)

@@ -120,6 +120,24 @@ def test_wrong_types_name_the_json_path(path: tuple, value: Any, expected: str) 
     refused(edited({path: value}), expected)
 
 
+@pytest.mark.parametrize("path, value, expected", [
+    (("launcher", "scheduler"), "mpirn",
+     'launcher.scheduler: expected one of "local", "mpirun", "slurm", got "mpirn" (did you mean "mpirun"?)'),
+    (("buffer", "kind"), "reservior",
+     'buffer.kind: expected one of "fifo", "firo", "reservoir", got "reservior" (did you mean "reservoir"?)'),
+    (("buffer", "kind"), "lifo", 'buffer.kind: expected one of "fifo", "firo", "reservoir", got "lifo" '
+     '(did you mean "fifo"?)'),
+    (("training", "device"), "quantum", 'training.device: expected one of "auto", "cpu", "cuda", got "quantum"'),
+])
+def test_a_misspelt_choice_gets_a_suggestion(path: tuple, value: str, expected: str) -> None:
+    changes = {path: value}
+    if path[0] == "training":
+        changes[("training",)] = {"module": "m.py", "class_name": "M", "device": value}
+        del changes[path]
+    message = refused(edited(changes), expected)
+    assert message == expected
+
+
 def test_top_level_must_be_an_object() -> None:
     refused([MINIMAL], "(top level): expected an object")
 
