@@ -3,7 +3,7 @@
 Two figures, each against a baseline measured in the same run (median of ``--repeat``):
 
 * write: a ``--mib`` MiB state (a few float32 tensors plus a buffer-like list
-  of numpy arrays, serialised once with ``checkpoint.dumps``) written as one
+  of numpy arrays, serialised once with ``serialization.dumps``) written as one
   checkpoint version of one rank (``write_rank_files`` + ``commit``: temp
   files, CRC-32, fsyncs, renames, manifest, ``LATEST``) against a plain
   sequential write + fsync of the same bytes into the same number of files.
@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from melissa_dl.checkpoint import (BackgroundCopy, BackgroundWriter, commit, copy_to_cpu, dumps, version_dir,
-                                   write_rank_files)
+from melissa_dl.checkpoint import commit, version_dir, write_rank_files
+from melissa_dl.serialization import dumps
+from melissa_dl.snapshots import BackgroundCopy, BackgroundWriter, copy_to_cpu
 
 
 def make_state(mib: int) -> tuple[dict[str, torch.Tensor], list[np.ndarray]]:

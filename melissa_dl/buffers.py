@@ -32,15 +32,11 @@ from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from melissa_dl.errors import ConfigError, MelissaError
+from melissa_dl.errors import BufferClosed, ConfigError
 from melissa_dl.sample import Sample
 
 BUFFER_KINDS = ("fifo", "firo", "reservoir")
 T = TypeVar("T")
-
-
-class BufferClosed(MelissaError, RuntimeError):
-    """``put`` was called on a buffer whose reception is over."""
 
 
 @dataclass(slots=True)

@@ -23,28 +23,16 @@ Why it is shaped like this:
   are deleted only after a newer one is committed.
 * This module does no MPI: every rank calls ``write_rank_files``, the caller
   gathers the records on rank 0, which calls ``commit``.
-
-Serialisation rule (``dumps``/``loads``): cloudpickle with pickle protocol
-5, so that anything (buffers of numpy samples, lambdas, local classes) can be
-saved, and with the bytes of every tensor and numpy array kept out of band:
-``dumps`` returns the pickle plus views of those bytes, which the writer
-hands to ``write`` as they are. No copy is made and the GIL is not held while
-gigabytes move (``torch.save`` copies every storage into its archive under
-the GIL, which stalls the training thread). ``loads`` unpickles, so only load
-checkpoints you wrote.
+* The files' bytes come from ``serialization.dumps``; the snapshot and its
+  background writing from ``snapshots``.
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
-import pickle
-import queue
 import re
 import shutil
-import struct
-import threading
 import time
 import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -52,12 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
-import numpy as np
-import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
-
-from melissa_dl.errors import MelissaError
+from melissa_dl.errors import CheckpointCorrupt
 from melissa_dl.files import Chunks, fsync_dir, write_atomic
 
 logger = logging.getLogger(__name__)
@@ -69,12 +52,6 @@ _VERSION_RE = re.compile(r"^v([1-9][0-9]*)$")
 _FILE_RE = re.compile(r"^rank(0|[1-9][0-9]*)/[^./][^/]*$")
 _CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 _CHUNK = 8 << 20
-_MAGIC = b"MLDLCKP1"
-_ALIGN = 64  # arrays start on cache lines, so that a loaded tensor is as aligned as a fresh one
-
-
-class CheckpointCorrupt(MelissaError, RuntimeError):
-    """A version on disk is torn or damaged; the message says which and why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,62 +61,6 @@ class FileRecord:
     path: str
     size: int
     crc32: str  # 8 hex digits
-
-
-class _Pickler(cloudpickle.CloudPickler):
-    """cloudpickle, with each plain CPU tensor reduced to a flat byte array that goes out of band."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and not obj.is_quantized:
-            tensor = obj.detach().cpu().contiguous()
-            return _tensor, (tensor.reshape(-1).view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape))
-        return super().reducer_override(obj)
-
-
-def _tensor(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.from_numpy(data).view(dtype).reshape(shape)
-
-
-def _align(offset: int) -> int:
-    return -(-offset // _ALIGN) * _ALIGN
-
-
-def dumps(obj: Any) -> list[memoryview]:
-    """Serialise any state (see the module doc); the chunks view the state's arrays, so keep it unchanged until written.
-
-    Layout: magic, buffer count, pickle length, each buffer's length, the
-    pickle, then the buffers, each starting at a multiple of 64 bytes.
-    """
-    buffers: list[pickle.PickleBuffer] = []
-    stream = io.BytesIO()
-    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
-    raws = [buffer.raw() for buffer in buffers]
-    pickled = stream.getbuffer()
-    header = _MAGIC + struct.pack(f"<QQ{len(raws)}Q", len(raws), pickled.nbytes, *(r.nbytes for r in raws))
-    chunks = [memoryview(header), pickled]
-    offset = len(header) + pickled.nbytes
-    for raw in raws:
-        padding = _align(offset) - offset
-        chunks += [memoryview(bytes(padding)), raw]
-        offset += padding + raw.nbytes
-    return chunks
-
-
-def loads(data: bytes | bytearray | memoryview) -> Any:
-    """Inverse of ``dumps``; arrays and tensors view ``data`` (writable if ``data`` is, as ``Version.read``'s)."""
-    view = memoryview(data).cast("B")
-    if view[: len(_MAGIC)] != _MAGIC:
-        raise ValueError("not a checkpoint serialisation (bad magic)")
-    count, size = struct.unpack_from("<QQ", view, len(_MAGIC))
-    lengths = struct.unpack_from(f"<{count}Q", view, len(_MAGIC) + 16)
-    offset = len(_MAGIC) + 16 + 8 * count
-    pickled, offset = view[offset : offset + size], offset + size
-    buffers = []
-    for length in lengths:
-        offset = _align(offset)
-        buffers.append(view[offset : offset + length])
-        offset += length
-    return pickle.loads(pickled, buffers=buffers)
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -378,119 +299,3 @@ def latest_valid(root: Path, required: Callable[[int], Collection[str]] = _nothi
         except CheckpointCorrupt as error:
             logger.warning("%s; trying an older version", error)
     return None
-
-
-def copy_to_cpu(state: Any, into: Any = None) -> Any:
-    """``state`` with every tensor replaced by a CPU copy (the containers are rebuilt, the rest shared).
-
-    ``into``, an earlier copy of a state of the same structure that nothing
-    uses any more, gives its tensors to be overwritten: copying into memory
-    already touched is several times faster than into new pages.
-    """
-    leaves, spec = tree_flatten(state)
-    old = tree_flatten(into)[0] if into is not None and tree_flatten(into)[1] == spec else [None] * len(leaves)
-    return tree_unflatten([_copy(leaf, previous) for leaf, previous in zip(leaves, old)], spec)
-
-
-def _copy(value: Any, into: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    value = value.detach()
-    if isinstance(into, torch.Tensor) and into.device.type == "cpu" and into.shape == value.shape \
-            and into.dtype == value.dtype and into.data_ptr() != value.data_ptr():
-        return into.copy_(value)
-    return value.to("cpu", copy=True)
-
-
-class BackgroundCopy:
-    """``copy_to_cpu(state, into)`` made by a thread (torch copies release the GIL).
-
-    The caller may go on reading the tensors, and must call ``wait`` before
-    it changes any of them: training runs its next forward and backward
-    while the copy is made, and waits only before its optimizer step.
-    """
-
-    def __init__(self, state: Any, into: Any = None) -> None:
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(state, into), name="checkpoint-copy", daemon=True)
-        self._thread.start()
-
-    def _run(self, state: Any, into: Any) -> None:
-        try:
-            self._result = copy_to_cpu(state, into)
-        except BaseException as error:  # raised by wait(), in the caller's thread
-            self._error = error
-
-    def wait(self) -> Any:
-        """The copy, once made (any thread may wait)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-_STOP = object()
-
-
-class BackgroundWriter:
-    """Runs checkpoint-writing jobs in one thread, so that training only pays for the in-memory snapshot.
-
-    Jobs run one at a time, in order. A job's exception is kept and raised
-    in the caller by the next ``submit``, ``wait`` or ``close``.
-    ``submit`` blocks while ``max_pending`` jobs already wait, which bounds
-    the snapshots held in memory.
-    """
-
-    def __init__(self, max_pending: int = 1) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is _STOP:
-                    return
-                job()
-            except BaseException as error:  # handed to the caller by _raise
-                with self._lock:
-                    if self._error is None:
-                        self._error = error
-            finally:
-                self._queue.task_done()
-
-    def _raise(self) -> None:
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def submit(self, job: Callable[[], Any]) -> None:
-        self._raise()
-        if self._closed:
-            raise RuntimeError("BackgroundWriter.submit after close")
-        self._queue.put(job)
-
-    def wait(self) -> None:
-        """Block until every submitted job has finished."""
-        self._queue.join()
-        self._raise()
-
-    def close(self) -> None:
-        """Finish the submitted jobs and join the thread."""
-        if not self._closed:
-            self._closed = True
-            self._queue.put(_STOP)
-            self._thread.join()
-        self._raise()
-
-    def __enter__(self) -> BackgroundWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -47,6 +47,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
+from melissa_dl.mpi import Comm
 from melissa_dl.protocol import (
     PROTOCOL_VERSION,
     Header,
@@ -130,7 +131,7 @@ class Client:
     def __init__(
         self,
         fields: Mapping[str, tuple[Any, Sequence[int]]],
-        comm: Any = None,
+        comm: Comm = None,
         *,
         environ: Mapping[str, str] | None = None,
     ) -> None:

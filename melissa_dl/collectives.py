@@ -35,6 +35,8 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch import nn
 
+from melissa_dl.mpi import Comm
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,7 +73,7 @@ class Collectives(ABC):
 class MpiCollectives(Collectives):
     """Collectives of mpi4py directly on CPU tensors' memory."""
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Comm) -> None:
         self.comm = comm
         self.rank = comm.rank
         self.size = comm.size
@@ -107,7 +109,7 @@ class TorchCollectives(Collectives):
     It owns the default process group, so only one instance lives at a time.
     """
 
-    def __init__(self, comm: Any, backend: str, device: torch.device) -> None:
+    def __init__(self, comm: Comm, backend: str, device: torch.device) -> None:
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised; close() the other TorchCollectives first")
         self.rank = comm.rank
@@ -136,7 +138,7 @@ class TorchCollectives(Collectives):
             dist.destroy_process_group()
 
 
-def make_collectives(comm: Any, device: torch.device) -> Collectives:
+def make_collectives(comm: Comm, device: torch.device) -> Collectives:
     """NCCL for CUDA devices, MPI itself otherwise."""
     if device.type == "cuda":
         return TorchCollectives(comm, "nccl", device)
@@ -222,7 +224,7 @@ class GradientAverager:
             p.grad = view
 
 
-def _rendezvous_address(comm: Any) -> tuple[str, int]:
+def _rendezvous_address(comm: Comm) -> tuple[str, int]:
     """Rank 0's address (``MASTER_ADDR`` if set, loopback on one host) and a free port it picked."""
     hosts = comm.allgather(socket.gethostname())
     address: tuple[str, int] | None = None

@@ -50,3 +50,11 @@ class TrainingStalled(MelissaError, RuntimeError):
 
 class ClientError(MelissaError, ValueError):
     """A simulation used the client API wrongly (environment, field, dtype, shape)."""
+
+
+class CheckpointCorrupt(MelissaError, RuntimeError):
+    """A version on disk is torn or damaged; the message says which and why."""
+
+
+class BufferClosed(MelissaError, RuntimeError):
+    """``put`` was called on a buffer whose reception is over."""

@@ -17,17 +17,23 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from melissa_dl.files import unwritable
 from melissa_dl.status import EXIT_CONFIG
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+Comm: TypeAlias = "MPI.Comm"
+"""An MPI communicator, in signatures; the modules that only pass one along need not import mpi4py."""
 
 logger = logging.getLogger(__name__)
 
 ABORT_GRACE = 0.5  # seconds
 
 
-def install_abort_on_error(comm: Any) -> None:
+def install_abort_on_error(comm: Comm) -> None:
     """Abort ``comm`` on any uncaught exception (after ``finally`` blocks ran)."""
 
     def abort(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:

@@ -42,25 +42,24 @@ import numpy as np
 
 from melissa_dl.buffers import Buffer
 from melissa_dl.checkpoint import (
-    BackgroundWriter,
-    CheckpointCorrupt,
     FileRecord,
     Version,
     commit,
-    dumps,
     ever_committed,
     latest_valid,
-    loads,
     version_dir,
     write_rank_files,
 )
 from melissa_dl.config import Config
 from melissa_dl.embedding import shard_range
-from melissa_dl.errors import ConfigError
+from melissa_dl.errors import CheckpointCorrupt, ConfigError
 from melissa_dl.ledger import Ledger
+from melissa_dl.mpi import Comm
 from melissa_dl.protocol import owner_rank
 from melissa_dl.receiver import Receiver
 from melissa_dl.report import merge_rejections
+from melissa_dl.serialization import dumps, loads
+from melissa_dl.snapshots import BackgroundWriter
 
 if TYPE_CHECKING:
     from melissa_dl.training import Trainer
@@ -75,7 +74,7 @@ FIXED_KEYS = ("study", "buffer.kind", "server.bind_simulation_to_server_rank",
 class Checkpointer:
     """One rank's side of the periodic checkpoints; ``snapshot``, ``sync`` and ``final`` are called on every rank."""
 
-    def __init__(self, config: Config, comm: Any, trainer: Trainer, receiver: Receiver,
+    def __init__(self, config: Config, comm: Comm, trainer: Trainer, receiver: Receiver,
                  study_state: Callable[[], dict[str, Any]] | None, first_version: int) -> None:
         assert config.training is not None
         self.root = checkpoint_root(config)

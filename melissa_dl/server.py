@@ -29,12 +29,12 @@ from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
 from melissa_dl.config import Config
 from melissa_dl.connections import raise_open_file_limit
-from melissa_dl.errors import ConfigError
+from melissa_dl.errors import CheckpointCorrupt, ConfigError
 from melissa_dl.files import remove_temporaries, write_atomic
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
-from melissa_dl.checkpoint import CheckpointCorrupt, next_version
-from melissa_dl.mpi import GracefulStop, install_abort_on_error, launch_problem
+from melissa_dl.checkpoint import next_version
+from melissa_dl.mpi import Comm, GracefulStop, install_abort_on_error, launch_problem
 from melissa_dl.recovery import (
     Checkpointer,
     checkpoint_root,
@@ -88,7 +88,7 @@ def make_launcher(config: Config) -> Launcher:
 class Server:
     """One rank's receiver, buffer and consumer; on rank 0 also the study."""
 
-    def __init__(self, config: Config, comm: Any, fresh: bool = False, export_model: bool = False) -> None:
+    def __init__(self, config: Config, comm: Comm, fresh: bool = False, export_model: bool = False) -> None:
         self.config = config
         self.comm = comm
         self.fresh = fresh

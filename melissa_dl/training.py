@@ -34,14 +34,15 @@ from torch.utils._pytree import tree_leaves
 
 from melissa_dl.collectives import GradientAverager, make_collectives
 from melissa_dl.buffers import Buffer
-from melissa_dl.checkpoint import BackgroundCopy, copy_to_cpu
 from melissa_dl.config import TrainingConfig
 from melissa_dl.dataset import END, StreamDataset, collate
 from melissa_dl.embedding import ShardedEmbedding, set_default_collectives
 from melissa_dl.errors import ConfigError, TrainingStalled
 from melissa_dl.files import write_atomic
 from melissa_dl.module import TrainingModule, load_module_class
+from melissa_dl.mpi import Comm
 from melissa_dl.receiver import Receiver
+from melissa_dl.snapshots import BackgroundCopy, copy_to_cpu
 
 if TYPE_CHECKING:
     from melissa_dl.recovery import Checkpointer
@@ -70,7 +71,7 @@ class Control(Protocol):
 
 
 def lockstep(
-    comm: Any,
+    comm: Comm,
     next_batch: Callable[[float], Any],
     step: Callable[[Any], None],
     control: Control,
@@ -170,7 +171,7 @@ class TrainingSummary:
 class Trainer:
     """One rank's replica of the user's module, its optimizer and its TensorBoard writer."""
 
-    def __init__(self, options: TrainingConfig, base_dir: Path, output: Path, comm: Any, receiver: Receiver) -> None:
+    def __init__(self, options: TrainingConfig, base_dir: Path, output: Path, comm: Comm, receiver: Receiver) -> None:
         self.options = options
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()

@@ -33,8 +33,9 @@ from conftest import (
     start,
     wait_for,
 )
-from melissa_dl.checkpoint import latest_valid, loads
+from melissa_dl.checkpoint import latest_valid
 from melissa_dl.ledger import Ledger
+from melissa_dl.serialization import loads
 from melissa_dl.status import EXIT_CONFIG, EXIT_STOPPED
 from tiny_module import Tiny
 

@@ -12,13 +12,12 @@ import pytest
 from melissa_dl.buffers import (
     BUFFER_KINDS,
     Buffer,
-    BufferClosed,
     FifoBuffer,
     FiroBuffer,
     ReservoirBuffer,
     make_buffer,
 )
-from melissa_dl.errors import ConfigError
+from melissa_dl.errors import BufferClosed, ConfigError
 from melissa_dl.sample import Sample
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,21 +20,19 @@ from melissa_dl.checkpoint import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
-    BackgroundCopy,
-    BackgroundWriter,
-    CheckpointCorrupt,
     FileRecord,
     _manifest_crc32,
     commit,
-    dumps,
     ever_committed,
     latest_valid,
-    loads,
     next_version,
     verify,
     version_dir,
     write_rank_files,
 )
+from melissa_dl.errors import CheckpointCorrupt
+from melissa_dl.serialization import dumps, loads
+from melissa_dl.snapshots import BackgroundCopy, BackgroundWriter
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,8 @@ import pytest
 
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
-from melissa_dl.checkpoint import commit, dumps, latest_valid, version_dir, write_rank_files
+from melissa_dl.checkpoint import commit, latest_valid, version_dir, write_rank_files
+from melissa_dl.serialization import dumps
 from melissa_dl.receiver import Receiver
 from melissa_dl.recovery import restore_stream
 from melissa_dl.sample import Sample
