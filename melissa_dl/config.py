@@ -24,14 +24,26 @@ from melissa_dl.protocol import DTYPES, MAX_NDIM
 MiB = 1 << 20
 
 
-def option(default: Any = dataclasses.MISSING, doc: str = "") -> Any:
-    """A dataclass field with its documentation; a class or a container as
-    default becomes a factory so that no two configs share it."""
+def option(default: Any = dataclasses.MISSING, doc: str = "", *, minimum: int | None = None,
+           positive: bool = False) -> Any:
+    """A dataclass field with its documentation and bounds (checked on load, stated in the schema); a class or
+    a container as default becomes a factory so that no two configs share it."""
+    metadata = {"doc": doc, "minimum": minimum, "positive": positive}
     if isinstance(default, type):
-        return field(default_factory=default, metadata={"doc": doc})
+        return field(default_factory=default, metadata=metadata)
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _check_bounds(f: dataclasses.Field, value: Any, path: str) -> None:
+    if value is None:
+        return
+    if f.metadata.get("positive") and not value > 0:
+        raise ConfigError(f"{path}: must be positive")
+    minimum = f.metadata.get("minimum")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{path}: " + ("must not be negative" if minimum == 0 else f"must be at least {minimum}"))
 
 
 @dataclass
@@ -65,7 +77,7 @@ class StudyConfig:
     time_steps: int | None = option(
         None, doc="Time steps each simulation sends, if known: larger steps are refused and the report checks the total."
     )
-    seed: int = option(0, doc="Seed of the parameter sampler.")
+    seed: int = option(0, minimum=0, doc="Seed of the parameter sampler.")
 
     @property
     def field_names(self) -> list[str]:
@@ -78,6 +90,29 @@ class StudyConfig:
             return {}
         return {name: (f.dtype, tuple(f.shape)) for name, f in self.fields.items()}
 
+    def check(self) -> None:
+        _require(len(self.fields) > 0, "study.fields", "at least one field is needed")
+        _require(len(set(self.fields)) == len(self.fields), "study.fields", "field names must be unique")
+        _require(len(self.fields) < 1 << 16, "study.fields", "at most 65535 fields")
+        for name, (_, shape) in self.field_layouts.items():
+            _require(len(shape) <= MAX_NDIM and all(0 <= n < 1 << 32 for n in shape), f"study.fields.{name}.shape",
+                     f"at most {MAX_NDIM} dimensions of 0 to 2**32 - 1")
+        _require(len(self.parameters) > 0, "study.parameters", "at least one parameter is needed")
+        for i, p in enumerate(self.parameters):
+            _require(p.low <= p.high, f"study.parameters[{i}].high", f"{p.high} is below low={p.low}")
+        _require(0 < self.simulations < 1 << 32, "study.simulations", "must be between 1 and 2**32 - 1")
+        if self.sampler == "list":
+            _require(self.parameter_values is not None, "study.parameter_values", "required by sampler 'list'")
+        if self.parameter_values is not None:
+            _require(self.sampler == "list", "study.parameter_values", "only used with sampler 'list'")
+            _require(len(self.parameter_values) == self.simulations, "study.parameter_values",
+                     f"{len(self.parameter_values)} rows for {self.simulations} simulations")
+            for i, row in enumerate(self.parameter_values):
+                _require(len(row) == len(self.parameters), f"study.parameter_values[{i}]",
+                         f"{len(row)} values for {len(self.parameters)} parameters")
+        if self.time_steps is not None:
+            _require(0 < self.time_steps < 1 << 32, "study.time_steps", "must be between 1 and 2**32 - 1")
+
 
 @dataclass
 class ServerConfig:
@@ -88,31 +123,41 @@ class ServerConfig:
     bind_simulation_to_server_rank: bool = option(
         False, doc="Send every step of simulation s to rank s mod K instead of (s + t) mod K."
     )
-    max_message_bytes: int = option(64 * MiB, doc="Largest accepted field slice; larger frames are refused.")
+    max_message_bytes: int = option(64 * MiB, positive=True, doc="Largest accepted field slice; larger frames are refused.")
     security: Literal["token", "curve"] = option(
         "token", doc="`token`: only peers holding the study's token connect (ZeroMQ PLAIN, not encrypted); "
         "`curve`: CURVE encryption and authentication with keys drawn per study (README, Security)."
     )
     receive_queue_bytes: int = option(
-        256 * MiB, doc="Memory ZeroMQ may queue per client connection on each rank (sets the high-water mark)."
+        256 * MiB, positive=True, doc="Memory ZeroMQ may queue per client connection on each rank (sets the high-water mark)."
     )
     reject_non_finite: bool = option(True, doc="Refuse floating-point fields holding NaN or infinity.")
     max_partial_bytes: int = option(
-        256 * MiB, doc="Memory each rank gives to steps still missing a field or a client rank's slice; beyond it "
+        256 * MiB, positive=True, doc="Memory each rank gives to steps still missing a field or a client rank's slice; beyond it "
         "the oldest incomplete step is dropped and counted as refused (`incomplete`)."
     )
-    status_interval: float = option(5.0, doc="Seconds between two status lines of rank 0.")
-    control_interval: float = option(0.2, doc="Seconds between two synchronisations of the ranks' bookkeeping.")
+    status_interval: float = option(5.0, positive=True, doc="Seconds between two status lines of rank 0.")
+    control_interval: float = option(0.2, positive=True, doc="Seconds between two synchronisations of the ranks' bookkeeping.")
+
+    def check(self) -> None:
+        _require(0 <= self.handshake_port < 1 << 16, "server.handshake_port", "not a port number")
 
 
 @dataclass
 class BufferConfig:
     kind: Literal["fifo", "firo", "reservoir"] = option("fifo", doc="Buffer policy (see README).")
-    capacity_samples: int | None = option(1000, doc="Samples a rank's buffer holds at most.")
-    capacity_bytes: int | None = option(None, doc="Bytes a rank's buffer holds at most.")
-    per_server_watermark: int = option(1, doc="Samples a rank must receive before it serves any.")
-    pseudo_epochs: int = option(1, doc="FIRO: times a sample is served before it is removed.")
+    capacity_samples: int | None = option(1000, positive=True, doc="Samples a rank's buffer holds at most.")
+    capacity_bytes: int | None = option(None, positive=True, doc="Bytes a rank's buffer holds at most.")
+    per_server_watermark: int = option(1, minimum=1, doc="Samples a rank must receive before it serves any.")
+    pseudo_epochs: int = option(1, minimum=1, doc="FIRO: times a sample is served before it is removed.")
     seed: int = option(0, doc="Seed of the buffer's random choices (rank r uses seed + r).")
+
+    def check(self) -> None:
+        _require(self.capacity_samples is not None or self.capacity_bytes is not None, "buffer.capacity_samples",
+                 "give capacity_samples, capacity_bytes or both")
+        if self.capacity_samples is not None:
+            _require(self.per_server_watermark <= self.capacity_samples, "buffer.per_server_watermark",
+                     f"{self.per_server_watermark} is above capacity_samples={self.capacity_samples}")
 
 
 @dataclass
@@ -132,25 +177,30 @@ class LauncherConfig:
         "`slurm`: one `sbatch` job per simulation attempt, running `srun --mpi=pmi2 -n client_ranks command`."
     )
     client_ranks: int = option(
-        1, doc="MPI ranks of each simulation (scheduler `mpirun` or `slurm`); a hello of another client size is "
+        1, minimum=1, doc="MPI ranks of each simulation (scheduler `mpirun` or `slurm`); a hello of another client size is "
         "refused."
     )
     slurm: SlurmConfig = option(SlurmConfig, doc="Options of each simulation's job (scheduler `slurm`).")
-    job_limit: int = option(4, doc="Simulations running at once.")
+    job_limit: int = option(4, minimum=1, doc="Simulations running at once.")
     simulation_timeout: float = option(
-        300.0, doc="Seconds without data from a running simulation before it is killed and relaunched."
+        300.0, positive=True, doc="Seconds without data from a running simulation before it is killed and relaunched."
     )
-    max_retries: int = option(2, doc="Relaunches of a failed simulation before it is reported failed.")
+    max_retries: int = option(2, minimum=0, doc="Relaunches of a failed simulation before it is reported failed.")
     client_timeout: float = option(
-        300.0, doc="Seconds a client waits for an unreachable server (no connection, no heartbeat) before failing; "
+        300.0, positive=True, doc="Seconds a client waits for an unreachable server (no connection, no heartbeat) before failing; "
         "back-pressure is waited out however long."
     )
-    send_queue_bytes: int = option(64 * MiB, doc="Memory ZeroMQ may queue in each client rank per server rank.")
+    send_queue_bytes: int = option(64 * MiB, positive=True, doc="Memory ZeroMQ may queue in each client rank per server rank.")
     env: dict[str, str] = option({}, doc="Extra environment variables of the simulations.")
     server_timeout: float = option(
-        600.0, doc="`melissa-launcher`: seconds without a heartbeat of the server before it is killed and restarted."
+        600.0, positive=True, doc="`melissa-launcher`: seconds without a heartbeat of the server before it is killed and restarted."
     )
-    max_server_restarts: int = option(3, doc="`melissa-launcher`: restarts of a dead server before giving up.")
+    max_server_restarts: int = option(3, minimum=0, doc="`melissa-launcher`: restarts of a dead server before giving up.")
+
+    def check(self) -> None:
+        _require(len(self.command) > 0, "launcher.command", "must not be empty")
+        _require(self.scheduler != "local" or self.client_ranks == 1, "launcher.client_ranks",
+                 "more than one client rank needs scheduler 'mpirun' or 'slurm'")
 
 
 @dataclass
@@ -158,20 +208,26 @@ class TrainingConfig:
     module: str = option(doc="Python file defining the TrainingModule, relative to the config file.")
     class_name: str = option(doc="Name of the TrainingModule subclass in that file.")
     options: dict[str, Any] = option({}, doc="Keyword arguments of the class's constructor.")
-    batch_size: int = option(32, doc="Samples per batch on each rank.")
-    nb_batches_update: int = option(100, doc="Batches between two validations.")
-    log_interval: int = option(10, doc="Batches between two TensorBoard points of the training scalars.")
-    validation_batch_size: int = option(256, doc="Samples per validation batch.")
+    batch_size: int = option(32, minimum=1, doc="Samples per batch on each rank.")
+    nb_batches_update: int = option(100, minimum=1, doc="Batches between two validations.")
+    log_interval: int = option(10, minimum=1, doc="Batches between two TensorBoard points of the training scalars.")
+    validation_batch_size: int = option(256, minimum=1, doc="Samples per validation batch.")
     device: Literal["auto", "cpu", "cuda"] = option("auto", doc="`auto`: CUDA when available (one GPU per rank).")
     seed: int = option(0, doc="Seed of torch on every rank, so that all replicas start identical.")
     stall_timeout: float = option(
         120.0,
-        doc="Seconds a rank may lack data while another rank's buffer is full before the job stops with an error.",
+        positive=True, doc="Seconds a rank may lack data while another rank's buffer is full before the job stops with an error.",
     )
     checkpoint_interval: int = option(
-        500, doc="Batches between two checkpoints (one is also written at the end); 0 writes only the last."
+        500, minimum=0, doc="Batches between two checkpoints (one is also written at the end); 0 writes only the last."
     )
-    keep_checkpoints: int = option(3, doc="Committed checkpoint versions kept on disk; older ones are deleted.")
+    keep_checkpoints: int = option(3, minimum=1, doc="Committed checkpoint versions kept on disk; older ones are deleted.")
+
+    def check(self, base_dir: Path, buffer: BufferConfig) -> None:
+        if buffer.capacity_samples is not None:
+            _require(self.batch_size <= buffer.capacity_samples, "training.batch_size",
+                     f"{self.batch_size} is above buffer.capacity_samples={buffer.capacity_samples}")
+        _require((base_dir / self.module).is_file(), "training.module", f"no file {self.module}")
 
 
 @dataclass
@@ -297,6 +353,7 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     for name, f in known.items():
         if name in data:
             kwargs[name] = _convert(hints[name], data[name], prefix + name)
+            _check_bounds(f, kwargs[name], prefix + name)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{prefix}{name}: missing required key")
     return cls(**kwargs)
@@ -308,86 +365,13 @@ def _require(condition: bool, path: str, message: str) -> None:
 
 
 def _check(config: Config) -> None:
-    """Refuse values that are well typed but inconsistent."""
-    study, server, buffer, launcher = config.study, config.server, config.buffer, config.launcher
-    _require(len(study.fields) > 0, "study.fields", "at least one field is needed")
-    _require(len(set(study.fields)) == len(study.fields), "study.fields", "field names must be unique")
-    _require(len(study.fields) < 1 << 16, "study.fields", "at most 65535 fields")
-    for name, (_, shape) in study.field_layouts.items():
-        _require(len(shape) <= MAX_NDIM and all(0 <= n < 1 << 32 for n in shape), f"study.fields.{name}.shape",
-                 f"at most {MAX_NDIM} dimensions of 0 to 2**32 - 1")
-    _require(server.max_partial_bytes > 0, "server.max_partial_bytes", "must be positive")
-    _require(len(study.parameters) > 0, "study.parameters", "at least one parameter is needed")
-    for i, p in enumerate(study.parameters):
-        _require(p.low <= p.high, f"study.parameters[{i}].high", f"{p.high} is below low={p.low}")
-    _require(0 < study.simulations < 1 << 32, "study.simulations", "must be between 1 and 2**32 - 1")
-    if study.sampler == "list":
-        _require(study.parameter_values is not None, "study.parameter_values", "required by sampler 'list'")
-    if study.parameter_values is not None:
-        _require(study.sampler == "list", "study.parameter_values", "only used with sampler 'list'")
-        _require(
-            len(study.parameter_values) == study.simulations,
-            "study.parameter_values",
-            f"{len(study.parameter_values)} rows for {study.simulations} simulations",
-        )
-        for i, row in enumerate(study.parameter_values):
-            _require(
-                len(row) == len(study.parameters),
-                f"study.parameter_values[{i}]",
-                f"{len(row)} values for {len(study.parameters)} parameters",
-            )
-    _require(study.seed >= 0, "study.seed", "must not be negative")
-    if study.time_steps is not None:
-        _require(0 < study.time_steps < 1 << 32, "study.time_steps", "must be between 1 and 2**32 - 1")
-    _require(0 <= server.handshake_port < 1 << 16, "server.handshake_port", "not a port number")
-    _require(server.max_message_bytes > 0, "server.max_message_bytes", "must be positive")
-    _require(server.receive_queue_bytes > 0, "server.receive_queue_bytes", "must be positive")
-    _require(server.status_interval > 0, "server.status_interval", "must be positive")
-    _require(server.control_interval > 0, "server.control_interval", "must be positive")
-    _require(
-        buffer.capacity_samples is not None or buffer.capacity_bytes is not None,
-        "buffer.capacity_samples",
-        "give capacity_samples, capacity_bytes or both",
-    )
-    for key in ("capacity_samples", "capacity_bytes"):
-        value = getattr(buffer, key)
-        _require(value is None or value > 0, f"buffer.{key}", "must be positive")
-    _require(buffer.per_server_watermark >= 1, "buffer.per_server_watermark", "must be at least 1")
-    if buffer.capacity_samples is not None:
-        _require(
-            buffer.per_server_watermark <= buffer.capacity_samples,
-            "buffer.per_server_watermark",
-            f"{buffer.per_server_watermark} is above capacity_samples={buffer.capacity_samples}",
-        )
-    _require(buffer.pseudo_epochs >= 1, "buffer.pseudo_epochs", "must be at least 1")
-    training = config.training
-    if training is not None:
-        _require(training.batch_size >= 1, "training.batch_size", "must be at least 1")
-        if buffer.capacity_samples is not None:
-            _require(
-                training.batch_size <= buffer.capacity_samples,
-                "training.batch_size",
-                f"{training.batch_size} is above buffer.capacity_samples={buffer.capacity_samples}",
-            )
-        _require(training.stall_timeout > 0, "training.stall_timeout", "must be positive")
-        _require((config.base_dir / training.module).is_file(), "training.module", f"no file {training.module}")
-        for key in ("nb_batches_update", "log_interval", "validation_batch_size", "keep_checkpoints"):
-            _require(getattr(training, key) >= 1, f"training.{key}", "must be at least 1")
-        _require(training.checkpoint_interval >= 0, "training.checkpoint_interval", "must not be negative")
-    _require(len(launcher.command) > 0, "launcher.command", "must not be empty")
-    _require(launcher.client_ranks >= 1, "launcher.client_ranks", "must be at least 1")
-    _require(
-        launcher.scheduler != "local" or launcher.client_ranks == 1,
-        "launcher.client_ranks",
-        "more than one client rank needs scheduler 'mpirun' or 'slurm'",
-    )
-    _require(launcher.job_limit >= 1, "launcher.job_limit", "must be at least 1")
-    _require(launcher.simulation_timeout > 0, "launcher.simulation_timeout", "must be positive")
-    _require(launcher.max_retries >= 0, "launcher.max_retries", "must not be negative")
-    _require(launcher.client_timeout > 0, "launcher.client_timeout", "must be positive")
-    _require(launcher.send_queue_bytes > 0, "launcher.send_queue_bytes", "must be positive")
-    _require(launcher.server_timeout > 0, "launcher.server_timeout", "must be positive")
-    _require(launcher.max_server_restarts >= 0, "launcher.max_server_restarts", "must not be negative")
+    """Refuse values that are well typed and within their bounds but inconsistent: each section checks itself."""
+    config.study.check()
+    config.server.check()
+    config.buffer.check()
+    config.launcher.check()
+    if config.training is not None:
+        config.training.check(config.base_dir, config.buffer)
 
 
 def parse_config(data: Any, base_dir: Path) -> Config:

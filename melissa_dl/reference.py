@@ -86,6 +86,10 @@ def _schema_of(tp: Any) -> dict[str, Any]:
         properties, required = {}, []
         for f, field_type in _fields(tp):
             properties[f.name] = {"description": f.metadata["doc"], **_schema_of(field_type)}
+            if f.metadata.get("positive"):
+                properties[f.name]["exclusiveMinimum"] = 0
+            if f.metadata.get("minimum") is not None:
+                properties[f.name]["minimum"] = f.metadata["minimum"]
             default = _default(f)
             if default is dataclasses.MISSING:
                 required.append(f.name)
