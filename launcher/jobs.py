@@ -33,7 +33,8 @@ def make_scheduler(config: Config) -> Scheduler:
     options, cwd = config.launcher, config.base_dir
     if options.scheduler == "mpirun":
         mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")  # the venv's, with the server's MPI
-        return MpirunScheduler(options.command, cwd, options.client_ranks, mpirun if os.path.exists(mpirun) else "mpirun")
+        return MpirunScheduler(options.command, cwd, options.client_ranks,
+                               mpirun if os.path.exists(mpirun) else "mpirun")
     if options.scheduler == "slurm":
         return SlurmScheduler(options.command, cwd, options.client_ranks, options.slurm,
                               f"melissa-{config.output_path.name}")

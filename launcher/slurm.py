@@ -1,4 +1,4 @@
-"""Simulations as Slurm jobs: submitted with ``sbatch``, followed with ``squeue``/``scontrol``, cancelled with ``scancel``.
+"""Simulations as Slurm jobs: submitted with ``sbatch``, followed with ``squeue``/``scontrol``, ended by ``scancel``.
 
 Why it works this way:
 

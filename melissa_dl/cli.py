@@ -24,7 +24,8 @@ from melissa_dl.status import EXIT_CONFIG
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="melissa-server", description="Online-learning server for simulation ensembles.")
+    parser = argparse.ArgumentParser(prog="melissa-server",
+                                     description="Online-learning server for simulation ensembles.")
     parser.add_argument("config", help="the study's JSON configuration")
     parser.add_argument("--check", action="store_true",
                         help="check the configuration, that output_dir can be written, that the simulation's program "

@@ -123,21 +123,25 @@ class ServerConfig:
     bind_simulation_to_server_rank: bool = option(
         False, doc="Send every step of simulation s to rank s mod K instead of (s + t) mod K."
     )
-    max_message_bytes: int = option(64 * MiB, positive=True, doc="Largest accepted field slice; larger frames are refused.")
+    max_message_bytes: int = option(64 * MiB, positive=True,
+        doc="Largest accepted field slice; larger frames are refused.")
     security: Literal["token", "curve"] = option(
         "token", doc="`token`: only peers holding the study's token connect (ZeroMQ PLAIN, not encrypted); "
         "`curve`: CURVE encryption and authentication with keys drawn per study (README, Security)."
     )
     receive_queue_bytes: int = option(
-        256 * MiB, positive=True, doc="Memory ZeroMQ may queue per client connection on each rank (sets the high-water mark)."
+        256 * MiB, positive=True,
+        doc="Memory ZeroMQ may queue per client connection on each rank (sets the high-water mark)."
     )
     reject_non_finite: bool = option(True, doc="Refuse floating-point fields holding NaN or infinity.")
     max_partial_bytes: int = option(
-        256 * MiB, positive=True, doc="Memory each rank gives to steps still missing a field or a client rank's slice; beyond it "
+        256 * MiB, positive=True,
+        doc="Memory each rank gives to steps still missing a field or a client rank's slice; beyond it "
         "the oldest incomplete step is dropped and counted as refused (`incomplete`)."
     )
     status_interval: float = option(5.0, positive=True, doc="Seconds between two status lines of rank 0.")
-    control_interval: float = option(0.2, positive=True, doc="Seconds between two synchronisations of the ranks' bookkeeping.")
+    control_interval: float = option(0.2, positive=True,
+        doc="Seconds between two synchronisations of the ranks' bookkeeping.")
 
     def check(self) -> None:
         _require(0 <= self.handshake_port < 1 << 16, "server.handshake_port", "not a port number")
@@ -177,7 +181,8 @@ class LauncherConfig:
         "`slurm`: one `sbatch` job per simulation attempt, running `srun --mpi=pmi2 -n client_ranks command`."
     )
     client_ranks: int = option(
-        1, minimum=1, doc="MPI ranks of each simulation (scheduler `mpirun` or `slurm`); a hello of another client size is "
+        1, minimum=1,
+        doc="MPI ranks of each simulation (scheduler `mpirun` or `slurm`); a hello of another client size is "
         "refused."
     )
     slurm: SlurmConfig = option(SlurmConfig, doc="Options of each simulation's job (scheduler `slurm`).")
@@ -187,15 +192,19 @@ class LauncherConfig:
     )
     max_retries: int = option(2, minimum=0, doc="Relaunches of a failed simulation before it is reported failed.")
     client_timeout: float = option(
-        300.0, positive=True, doc="Seconds a client waits for an unreachable server (no connection, no heartbeat) before failing; "
+        300.0, positive=True,
+        doc="Seconds a client waits for an unreachable server (no connection, no heartbeat) before failing; "
         "back-pressure is waited out however long."
     )
-    send_queue_bytes: int = option(64 * MiB, positive=True, doc="Memory ZeroMQ may queue in each client rank per server rank.")
+    send_queue_bytes: int = option(64 * MiB, positive=True,
+        doc="Memory ZeroMQ may queue in each client rank per server rank.")
     env: dict[str, str] = option({}, doc="Extra environment variables of the simulations.")
     server_timeout: float = option(
-        600.0, positive=True, doc="`melissa-launcher`: seconds without a heartbeat of the server before it is killed and restarted."
+        600.0, positive=True,
+        doc="`melissa-launcher`: seconds without a heartbeat of the server before it is killed and restarted."
     )
-    max_server_restarts: int = option(3, minimum=0, doc="`melissa-launcher`: restarts of a dead server before giving up.")
+    max_server_restarts: int = option(3, minimum=0,
+        doc="`melissa-launcher`: restarts of a dead server before giving up.")
 
     def check(self) -> None:
         _require(len(self.command) > 0, "launcher.command", "must not be empty")
@@ -216,12 +225,14 @@ class TrainingConfig:
     seed: int = option(0, doc="Seed of torch on every rank, so that all replicas start identical.")
     stall_timeout: float = option(
         120.0,
-        positive=True, doc="Seconds a rank may lack data while another rank's buffer is full before the job stops with an error.",
+        positive=True,
+        doc="Seconds a rank may lack data while another rank's buffer is full before the job stops with an error.",
     )
     checkpoint_interval: int = option(
         500, minimum=0, doc="Batches between two checkpoints (one is also written at the end); 0 writes only the last."
     )
-    keep_checkpoints: int = option(3, minimum=1, doc="Committed checkpoint versions kept on disk; older ones are deleted.")
+    keep_checkpoints: int = option(3, minimum=1,
+        doc="Committed checkpoint versions kept on disk; older ones are deleted.")
 
     def check(self, base_dir: Path, buffer: BufferConfig) -> None:
         if buffer.capacity_samples is not None:

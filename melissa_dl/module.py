@@ -106,7 +106,8 @@ def check_options(cls: type[TrainingModule], options: dict[str, Any]) -> None:
     for key in options:
         if key not in named:
             close = difflib.get_close_matches(key, named, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f" ({cls.__name__} takes {', '.join(named) or 'none'})"
+            takes = f" ({cls.__name__} takes {', '.join(named) or 'none'})"
+            hint = f" (did you mean '{close[0]}'?)" if close else takes
             raise ConfigError(f"training.options.{key}: not an option of {cls.__name__}{hint}")
     for name in named:
         if parameters[name].default is inspect.Parameter.empty and name not in options:

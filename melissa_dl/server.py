@@ -33,7 +33,7 @@ from melissa_dl.errors import CheckpointCorrupt, ConfigError
 from melissa_dl.files import remove_temporaries, write_atomic
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
-from melissa_dl.checkpoint import next_version
+from melissa_dl.checkpoint import Version, next_version
 from melissa_dl.mpi import Comm, GracefulStop, install_abort_on_error, launch_problem
 from melissa_dl.recovery import (
     Checkpointer,
@@ -131,42 +131,19 @@ class Server:
         self.consumed: Callable[[], int] = lambda: self.drained
 
     def run(self) -> int:
-        """Run the study to its end; every rank returns the same exit code."""
+        """Run the study to its end; every rank returns the same exit code. The phases, in order:
+        claim the output folder and find the checkpoint, restore, open the study, consume, report."""
         start = time.monotonic()
         logger.info("server rank %d of %d, pid %d", self.rank, self.size, os.getpid())
-        if self.rank == 0:  # alive: the supervisor's clock restarts after the imports and MPI's start
-            self.config.output_path.mkdir(parents=True, exist_ok=True)
-            (self.config.output_path / HEARTBEAT).touch()
-        version, failure = None, None
-        if self.rank == 0:  # before anything is written: resume or not, and is this output folder ours?
-            try:
-                self.lock = lock_output(self.config.output_path)
-                for folder in (self.config.output_path, checkpoint_root(self.config)):
-                    remove_temporaries(folder)  # of a server killed while writing
-                if self.fresh:
-                    start_fresh(self.config)
-                if self.config.training is not None:
-                    version = find_checkpoint(self.config)
-                if self.export_model and version is None:
-                    raise ConfigError(f"--export-model: no checkpoint in {checkpoint_root(self.config)}")
-            except (ConfigError, CheckpointCorrupt) as error:
-                failure = str(error)
-        version, failure = self.comm.bcast((version, failure))
-        options = self.config.training
-        trainer = None
+        version, failure = self.comm.bcast(self._claim_output() if self.rank == 0 else None)
         try:  # before any simulation starts: a wrong module or class is a configuration error
             if failure is not None:
                 raise ConfigError(failure)
-            if options is not None:
-                trainer = Trainer(options, self.config.base_dir, self.config.output_path, self.comm, self.receiver)
+            trainer = self._make_trainer(version)
             if version is not None:
                 assert trainer is not None
-                restore_trainer(version, self.rank, self.size, trainer)
                 if self.export_model:
-                    model = trainer.save(self.config.output_path)
-                    if self.rank == 0:
-                        logger.info("model of checkpoint %s written to %s", version.path, model)
-                    return 0
+                    return self._export_model(version, trainer)
                 if version.meta.get("complete") and (self.config.output_path / "report.json").is_file():
                     if self.rank == 0:
                         logger.info("the study in %s is complete (checkpoint %s): nothing to do; --fresh starts "
@@ -183,78 +160,126 @@ class Server:
         handshake = launcher = study = None
         try:
             if self.rank == 0:
-                handshake = HandshakeServer(
-                    token=self.token,
-                    fields=self.config.study.field_names,
-                    simulations=self.config.study.simulations,
-                    endpoints=endpoints,
-                    bind_simulation=self.config.server.bind_simulation_to_server_rank,
-                    max_message_bytes=self.config.server.max_message_bytes,
-                    bind_address=self.bind_address,
-                    client_size=self.config.launcher.client_ranks,
-                    layouts=self.config.study.field_layouts,
-                    port=self.config.server.handshake_port,
-                    security=self.security,
-                )
-                server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
-                logger.info("study of %d simulations, handshake at %s, %d server ranks",
-                            self.config.study.simulations, server_endpoint, self.size)
-                launcher = make_launcher(self.config)
-                study = Study(
-                    self.config.study.simulations,
-                    self.size,
-                    launcher,
-                    lambda sim, attempt: self._client_environment(server_endpoint, sim, attempt),
-                    handshake.expect,
-                    self.config.launcher.max_retries,
-                    self.config.launcher.simulation_timeout,
-                )
-                restored = restore_study(version) if version is not None else None
-                if restored is not None:
-                    handshake.rejections.load_state_dict(restored["handshake_rejected"])
-                study.start(restored["simulations"] if restored is not None else None)
+                handshake, launcher, study = self._open_study(endpoints, version)
             control = StudyControl(self, study, handshake, start)
             control.beat()  # the restore and the start of the study may have taken a while
-            summary = None
             if trainer is not None:
-                first_version = self.comm.bcast(next_version(checkpoint_root(self.config)) if self.rank == 0 else None)
-                checkpointer = Checkpointer(self.config, self.comm, trainer, self.receiver,
-                                            self._study_state(study, handshake), first_version)
-                control.checkpointer = checkpointer
-                self.consumed = lambda: trainer.summary.samples
-                self.stop.install()
-                if trainer.run(control, checkpointer) is not Outcome.ENDED:
-                    self.receiver.stop()
-                    if self.rank == 0:
-                        logger.warning("stopped on request; run the same command again to resume from %s",
-                                       checkpoint_root(self.config))
+                if not self._train(trainer, control, study, handshake):
                     return EXIT_STOPPED
-                summary = trainer.summary
             else:
                 lockstep(self.comm, self._next_samples, self._count, control, self.buffer, stall_timeout=None)
-            reports = self.comm.gather(self.receiver.report())
-            consumed = self.comm.reduce(self.consumed())
-            extra = {}
-            if summary is not None:
-                model = trainer.save(self.config.output_path)
-                extra["training"] = {**summary.to_dict(), "samples_trained": consumed, "model": str(model)}
-                if self.rank == 0:
-                    write_atomic(self.config.output_path / "config.json", json.dumps(self.config.to_dict(), indent=2).encode())
-            code = 0
-            if self.rank == 0:
-                assert study is not None and handshake is not None
-                report = final_report(
-                    study, reports, handshake.rejections.counts(), consumed, time.monotonic() - start,
-                    self.config.study.time_steps, extra,
-                )
-                write_report(report, self.config.output_path / "report.json")
-                code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
-            return self.comm.bcast(code)
+            return self._report(trainer, study, handshake, time.monotonic() - start)
         finally:
             if launcher is not None:
                 launcher.shutdown()
             if handshake is not None:
                 handshake.stop()
+
+    def _claim_output(self) -> tuple[Version | None, str | None]:
+        """Rank 0, before anything is written: is this output folder ours, start over or resume, from what?"""
+        self.config.output_path.mkdir(parents=True, exist_ok=True)
+        (self.config.output_path / HEARTBEAT).touch()  # alive: the supervisor's clock restarts after MPI's start
+        try:
+            self.lock = lock_output(self.config.output_path)
+            for folder in (self.config.output_path, checkpoint_root(self.config)):
+                remove_temporaries(folder)  # of a server killed while writing
+            if self.fresh:
+                start_fresh(self.config)
+            version = find_checkpoint(self.config) if self.config.training is not None else None
+            if self.export_model and version is None:
+                raise ConfigError(f"--export-model: no checkpoint in {checkpoint_root(self.config)}")
+        except (ConfigError, CheckpointCorrupt) as error:
+            return None, str(error)
+        return version, None
+
+    def _make_trainer(self, version: Version | None) -> Trainer | None:
+        """The trainer of the ``training`` section (none without one), restored from ``version``."""
+        if self.config.training is None:
+            return None
+        trainer = Trainer(self.config.training, self.config.base_dir, self.config.output_path, self.comm,
+                          self.receiver)
+        if version is not None:
+            restore_trainer(version, self.rank, self.size, trainer)
+        return trainer
+
+    def _export_model(self, version: Version, trainer: Trainer) -> int:
+        """``--export-model``: model.pt of the checkpoint just restored, and nothing else."""
+        model = trainer.save(self.config.output_path)
+        if self.rank == 0:
+            logger.info("model of checkpoint %s written to %s", version.path, model)
+        return 0
+
+    def _open_study(self, endpoints: list[str], version: Version | None) -> tuple[HandshakeServer, Launcher, Study]:
+        """Rank 0: the handshake socket, the launcher and the study, restored from ``version``."""
+        handshake = HandshakeServer(
+            token=self.token,
+            fields=self.config.study.field_names,
+            simulations=self.config.study.simulations,
+            endpoints=endpoints,
+            bind_simulation=self.config.server.bind_simulation_to_server_rank,
+            max_message_bytes=self.config.server.max_message_bytes,
+            bind_address=self.bind_address,
+            client_size=self.config.launcher.client_ranks,
+            layouts=self.config.study.field_layouts,
+            port=self.config.server.handshake_port,
+            security=self.security,
+        )
+        server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
+        logger.info("study of %d simulations, handshake at %s, %d server ranks",
+                    self.config.study.simulations, server_endpoint, self.size)
+        launcher = make_launcher(self.config)
+        study = Study(
+            self.config.study.simulations,
+            self.size,
+            launcher,
+            lambda sim, attempt: self._client_environment(server_endpoint, sim, attempt),
+            handshake.expect,
+            self.config.launcher.max_retries,
+            self.config.launcher.simulation_timeout,
+        )
+        restored = restore_study(version) if version is not None else None
+        if restored is not None:
+            handshake.rejections.load_state_dict(restored["handshake_rejected"])
+        study.start(restored["simulations"] if restored is not None else None)
+        return handshake, launcher, study
+
+    def _train(self, trainer: Trainer, control: StudyControl, study: Study | None,
+               handshake: HandshakeServer | None) -> bool:
+        """Train until the study and the buffers are done (True), or until a stop request (False)."""
+        first_version = self.comm.bcast(next_version(checkpoint_root(self.config)) if self.rank == 0 else None)
+        checkpointer = Checkpointer(self.config, self.comm, trainer, self.receiver,
+                                    self._study_state(study, handshake), first_version)
+        control.checkpointer = checkpointer
+        self.consumed = lambda: trainer.summary.samples
+        self.stop.install()
+        if trainer.run(control, checkpointer) is Outcome.ENDED:
+            return True
+        self.receiver.stop()
+        if self.rank == 0:
+            logger.warning("stopped on request; run the same command again to resume from %s",
+                           checkpoint_root(self.config))
+        return False
+
+    def _report(self, trainer: Trainer | None, study: Study | None, handshake: HandshakeServer | None,
+                duration: float) -> int:
+        """The final model, config and report; the exit code, the same on every rank."""
+        reports = self.comm.gather(self.receiver.report())
+        consumed = self.comm.reduce(self.consumed())
+        extra = {}
+        if trainer is not None:
+            model = trainer.save(self.config.output_path)
+            extra["training"] = {**trainer.summary.to_dict(), "samples_trained": consumed, "model": str(model)}
+            if self.rank == 0:
+                resolved = json.dumps(self.config.to_dict(), indent=2).encode()
+                write_atomic(self.config.output_path / "config.json", resolved)
+        code = 0
+        if self.rank == 0:
+            assert study is not None and handshake is not None
+            report = final_report(study, reports, handshake.rejections.counts(), consumed, duration,
+                                  self.config.study.time_steps, extra)
+            write_report(report, self.config.output_path / "report.json")
+            code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
+        return self.comm.bcast(code)
 
     @staticmethod
     def _study_state(study: Study | None, handshake: HandshakeServer | None) -> Callable[[], dict[str, Any]] | None:

@@ -1,4 +1,4 @@
-"""The Slurm scheduler against a scripted stand-in for sbatch/squeue/scontrol (the real one: integration/test_slurm.py)."""
+"""The Slurm scheduler against a scripted stand-in for its commands (the real Slurm: integration/test_slurm.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -123,7 +123,8 @@ def test_a_job_slurm_forgot_counts_as_lost(tmp_path: Path, fake: FakeSlurm) -> N
     assert job.poll() == LOST
 
 
-def test_one_squeue_call_per_poll_for_all_jobs(tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_squeue_call_per_poll_for_all_jobs(tmp_path: Path, fake: FakeSlurm,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(slurm, "POLL", 3600.0)
     runs = scheduler(tmp_path)
     jobs = [runs.start(sim, 0, {}, tmp_path / f"{sim}.log") for sim in range(5)]
