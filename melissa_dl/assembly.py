@@ -25,6 +25,7 @@ import hmac
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -284,12 +285,18 @@ class Assembler:
         self.ledger.add(sample.simulation_id, sample.time_step)
         self._changed.add(sample.simulation_id)
 
-    def restore(self, ledger: Ledger, bytes_received: int, duplicates: int) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """The steps received and the counters the final report adds up."""
+        return {"ledger": self.ledger.state_dict(), "bytes_received": self.bytes_received,
+                "duplicates": self.duplicates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint: its steps count as received and will be dropped on arrival."""
-        self.ledger = ledger
-        self.bytes_received = bytes_received
-        self.duplicates = duplicates
-        self._changed.update(ledger.simulations())
+        self.ledger = Ledger()
+        self.ledger.load_state_dict(state["ledger"])
+        self.bytes_received = state["bytes_received"]
+        self.duplicates = state["duplicates"]
+        self._changed.update(self.ledger.simulations())
 
     # -- bookkeeping ----------------------------------------------------------
 

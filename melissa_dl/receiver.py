@@ -19,7 +19,6 @@ from melissa_dl.assembly import Assembler, Progress, StreamSpec
 from melissa_dl.buffers import Buffer
 from melissa_dl.connections import POLL_MS, ConnectionGuard, ServerSocketThread
 from melissa_dl.errors import ProtocolError, ReceiverDied
-from melissa_dl.ledger import Ledger
 from melissa_dl.sample import Sample
 from melissa_dl.security import Security, hello_bytes
 
@@ -79,25 +78,25 @@ class Receiver(ServerSocketThread):
         with self._lock:
             self._assembler.commit(sample)
 
-    def snapshot(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The buffer and the ledger, consistent: a step is in the ledger exactly when the buffer took it.
 
         With them, the counters the final report adds up, so that a restart forgets none.
         """
 
-        def counters() -> tuple[dict[int, bytes], int, int]:
+        def assembler() -> dict[str, Any]:
             with self._lock:
-                assembler = self._assembler
-                return assembler.ledger.state_dict(), assembler.bytes_received, assembler.duplicates
+                return self._assembler.state_dict()
 
-        buffer, (ledger, bytes_received, duplicates) = self.buffer.state_dict_with(counters)
-        return {"buffer": buffer, "ledger": ledger, "bytes_received": bytes_received, "duplicates": duplicates,
-                "rejected": self.rejections.state_dict()}
+        buffer, received = self.buffer.state_dict_with(assembler)
+        return {"buffer": buffer, **received, "rejected": self.rejections.state_dict()}
 
-    def restore(self, ledger: Ledger, bytes_received: int, duplicates: int, rejected: dict[str, int]) -> None:
-        """Before ``start``: the steps a checkpoint holds, so that their second arrival is dropped, and the counters."""
-        self._assembler.restore(ledger, bytes_received, duplicates)
-        self.rejections.load_state_dict(rejected)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Before ``start``: the buffered samples, the steps received (their second arrival is dropped), the
+        counters."""
+        self.buffer.load_state_dict(state["buffer"])
+        self._assembler.load_state_dict(state)
+        self.rejections.load_state_dict(state["rejected"])
 
     def follow(self, attempts: dict[int, int], finished: list[int]) -> None:
         """Rank 0's news: newer attempts (their predecessors' frames are refused) and finished simulations."""

@@ -2,7 +2,7 @@
 
 Files of one version (stored by ``checkpoint.py``)::
 
-    rank<r>/stream.pt    the rank's buffer and ledger, taken together (``Receiver.snapshot``), and its
+    rank<r>/stream.pt    the rank's buffer and ledger, taken together (``Receiver.state_dict``), and its
                          refusal and duplicate counts
     rank<r>/trainer.pt   its embedding shards with row ranges and optimizer state, RNG states, counters
     rank0/dense.pt       the dense module and its optimizer (identical on every rank)
@@ -17,7 +17,7 @@ Why it works this way:
   as new. Steps received after the snapshot are in no ledger and arrive
   again from the relaunched simulations.
 * Training barely pauses: the tensors are copied by a thread while the next
-  batch's forward and backward run (``Trainer.state``), into the memory of
+  batch's forward and backward run (``Trainer.state_dict``), into the memory of
   the last written snapshot, and serialising and writing run in a
   background thread.
 * MPI stays in the main thread: what a rank has written reaches rank 0 in the
@@ -101,8 +101,8 @@ class Checkpointer:
         batch = self.trainer.summary.batches
         with self._lock:
             arena, self._arena = self._arena, None
-        state = self.trainer.state(into=arena)
-        stream = self.receiver.snapshot()
+        state = self.trainer.state_dict(into=arena)
+        stream = self.receiver.state_dict()
         study = self.study_state() if self.study_state is not None else None
         self._writer.submit(lambda: self._write(version, batch, state, stream, study))
 
@@ -224,25 +224,24 @@ def _changed_keys(old: Any, new: Any, path: str = "") -> dict[str, tuple[Any, An
 
 def restore_stream(version: Version, rank: int, size: int, receiver: Receiver, bind_simulation: bool) -> None:
     """Before reception starts: this rank's ledger and buffered samples from the checkpoint."""
-    buffer = receiver.buffer
     if version.ranks == size:
         stream = loads(version.read(rank, "stream.pt"))
-        ledger = Ledger()
-        ledger.load_state_dict(stream["ledger"])
-        buffer.load_state_dict({**stream["buffer"], "entries": _owned(stream["buffer"]["entries"]), "closed": False})
-        receiver.restore(ledger, stream["bytes_received"], stream["duplicates"], stream["rejected"])
+        buffer = {**stream["buffer"], "entries": _owned(stream["buffer"]["entries"]), "closed": False}
+        receiver.load_state_dict({**stream, "buffer": buffer})
         return
     streams = [loads(version.read(old, "stream.pt")) for old in range(version.ranks)]
     ledger = Ledger()
     for stream in streams:
         ledger.merge(stream["ledger"], lambda sim, steps: owner_rank(sim, steps, size, bind_simulation) == rank)
     entries = [entry for stream in streams for entry in stream["buffer"]["entries"]][rank::size]
-    _load_entries(buffer, _owned(entries))
-    if rank == 0:  # the old ranks' counters, added up once
-        receiver.restore(ledger, sum(s["bytes_received"] for s in streams), sum(s["duplicates"] for s in streams),
-                         merge_rejections([s["rejected"] for s in streams]))
-    else:
-        receiver.restore(ledger, 0, 0, {})
+    first = rank == 0  # the old ranks' counters, added up once
+    receiver.load_state_dict({
+        "buffer": _fresh_buffer_with(receiver.buffer, _owned(entries)),
+        "ledger": ledger.state_dict(),
+        "bytes_received": sum(s["bytes_received"] for s in streams) if first else 0,
+        "duplicates": sum(s["duplicates"] for s in streams) if first else 0,
+        "rejected": merge_rejections([s["rejected"] for s in streams]) if first else {},
+    })
 
 
 def _owned(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -251,10 +250,10 @@ def _owned(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "fields": {name: np.array(array) for name, array in entry["fields"].items()}} for entry in entries]
 
 
-def _load_entries(buffer: Buffer, entries: list[dict[str, Any]]) -> None:
-    """Fill a fresh buffer with another partition's samples (never-served first, as a reservoir needs)."""
+def _fresh_buffer_with(buffer: Buffer, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state of a fresh buffer holding another partition's samples (never-served first, as a reservoir needs)."""
     entries = sorted(entries, key=lambda entry: entry["served"] > 0)
-    buffer.load_state_dict({**buffer.state_dict(), "entries": entries, "total_put": len(entries)})
+    return {**buffer.state_dict(), "entries": entries, "total_put": len(entries)}
 
 
 def restore_trainer(version: Version, rank: int, size: int, trainer: Trainer) -> None:
@@ -269,7 +268,8 @@ def restore_trainer(version: Version, rank: int, size: int, trainer: Trainer) ->
     if version.ranks != size:  # the samples trained per rank, regrouped so that their sum stays right
         summary.samples = sum(n for old, n in enumerate(version.meta["samples"]) if old % size == rank)
     pieces = {name: [state["tables"][name] for state in states.values()] for name in trainer.tables}
-    trainer.load(loads(version.read(0, "dense.pt")), pieces, states[own]["rng"], summary)
+    trainer.load_state_dict({"dense": loads(version.read(0, "dense.pt")), "tables": pieces, "rng": states[own]["rng"],
+                             "summary": summary})
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:

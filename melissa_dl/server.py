@@ -240,7 +240,9 @@ class Server:
         restored = restore_study(version) if version is not None else None
         if restored is not None:
             handshake.rejections.load_state_dict(restored["handshake_rejected"])
-        study.start(restored["simulations"] if restored is not None else None)
+        if restored is not None:
+            study.load_state_dict(restored["simulations"])
+        study.start()
         return handshake, launcher, study
 
     def _train(self, trainer: Trainer, control: StudyControl, study: Study | None,

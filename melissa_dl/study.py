@@ -89,15 +89,19 @@ class Study:
         self._attempts_started: dict[int, int] = {}
         self._ended: list[int] = []
 
-    def start(self, restored: Sequence[dict[str, Any]] | None = None) -> None:
-        """Launch every simulation; after a restart (``restored``: a ``state_dict``), the unfinished ones."""
-        for sim, saved in zip(self.simulations, restored or [{}] * len(self.simulations)):
+    def start(self) -> None:
+        """Launch every simulation that is not done or failed (after ``load_state_dict``: the unfinished ones)."""
+        for sim in self.simulations:
+            if sim.state not in (State.DONE, State.FAILED):
+                self._launch(sim)
+
+    def load_state_dict(self, state: Sequence[dict[str, Any]]) -> None:
+        """Before ``start``, after a restart: each simulation's attempts and failures, and which ones ended."""
+        for sim, saved in zip(self.simulations, state):
             sim.attempts, sim.failures = saved.get("attempts", 0), saved.get("failures", 0)
             sim.reason = saved.get("reason", "")
             if saved.get("state") in (State.DONE, State.FAILED):
                 sim.state = State(saved["state"])
-            else:
-                self._launch(sim)
 
     def state_dict(self) -> list[dict[str, Any]]:
         """What a restart needs: done and failed simulations stay so, the others run again.

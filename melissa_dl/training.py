@@ -317,7 +317,7 @@ class Trainer:
             write_atomic(path, stream.getbuffer())
         return path
 
-    def state(self, into: Any = None) -> dict[str, Any]:
+    def state_dict(self, into: Any = None) -> dict[str, Any]:
         """What a restart needs from this rank, as CPU copies, so that training goes on while it is written.
 
         ``dense`` (rank 0 only: replicas are identical) holds the module
@@ -343,9 +343,10 @@ class Trainer:
         self._copy = BackgroundCopy(later, into)
         return {**now, "copied": self._copy}
 
-    def load(self, dense: dict[str, Any], pieces: dict[str, list[dict[str, Any]]], rng: dict[str, Any],
-             summary: TrainingSummary) -> None:
-        """Continue from a checkpoint: ``pieces`` are, per table, old shards covering this rank's rows."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint: ``dense``, ``rng``, ``summary``, and under ``tables``, per table, the old
+        shards covering this rank's rows (``state_dict``'s, from one or several old ranks)."""
+        dense, pieces = state["dense"], state["tables"]
         missing, unexpected = self.module.load_state_dict(dense["module"], strict=False)
         missing = [key for key in missing if key.split(".")[-1] not in ("shard", "_extra_state")
                    or key.rsplit(".", 1)[0] not in self.tables]
@@ -355,8 +356,8 @@ class Trainer:
         self.optimizer.load_state_dict(dense["optimizer"])
         for name, table in self.tables.items():
             table.load_rows(pieces[name])
-        set_rng_states(rng)
-        self.summary = summary
+        set_rng_states(state["rng"])
+        self.summary = state["summary"]
 
 
 def rng_states() -> dict[str, Any]:

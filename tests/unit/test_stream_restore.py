@@ -42,7 +42,7 @@ def old_rank(rank: int, refused: dict[str, int], duplicates: int) -> dict:
         for _ in range(count):
             old.rejections.reject(kind, "bad input")
     old._assembler.duplicates = duplicates
-    return old.snapshot()
+    return old.state_dict()
 
 
 @pytest.mark.parametrize("size", [2, 1])

@@ -76,7 +76,9 @@ class Harness:
             expect=lambda sim, attempt: self.expected.append((sim, attempt)),
             max_retries=max_retries, timeout=TIMEOUT,
         )
-        self.study.start(restored)
+        if restored is not None:
+            self.study.load_state_dict(restored)
+        self.study.start()
 
     def tick(self, now: float, *reports: ReceiverReport) -> None:
         self.study.tick(list(reports) or [ReceiverReport() for _ in range(RANKS)], now=now)
