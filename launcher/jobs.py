@@ -12,13 +12,17 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launcher.schedulers import KILL_GRACE, LocalScheduler, MpirunScheduler, RunningJob, Scheduler
 from launcher.slurm import SlurmScheduler
-from melissa_dl.config import Config
 from melissa_dl.errors import ConfigError
 from melissa_dl.files import open_log
+
+if TYPE_CHECKING:  # the config reads SCHEDULERS from here
+    from melissa_dl.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -28,17 +32,28 @@ TAIL = 300
 """Characters of an attempt's output end that go into its failure reason."""
 
 
+def _mpirun(config: Config) -> Scheduler:
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")  # the venv's, with the server's MPI
+    return MpirunScheduler(config.launcher.command, config.base_dir, config.launcher.client_ranks,
+                           mpirun if os.path.exists(mpirun) else "mpirun")
+
+
+def _slurm(config: Config) -> Scheduler:
+    return SlurmScheduler(config.launcher.command, config.base_dir, config.launcher.client_ranks,
+                          config.launcher.slurm, f"melissa-{config.output_path.name}")
+
+
+SCHEDULERS: dict[str, Callable[[Config], Scheduler]] = {
+    "local": lambda config: LocalScheduler(config.launcher.command, config.base_dir),
+    "mpirun": _mpirun,
+    "slurm": _slurm,
+}
+"""The schedulers by the name ``launcher.scheduler`` gives (the config's choices come from here)."""
+
+
 def make_scheduler(config: Config) -> Scheduler:
     """The scheduler ``launcher.scheduler`` names, running ``launcher.command`` from the config's folder."""
-    options, cwd = config.launcher, config.base_dir
-    if options.scheduler == "mpirun":
-        mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")  # the venv's, with the server's MPI
-        return MpirunScheduler(options.command, cwd, options.client_ranks,
-                               mpirun if os.path.exists(mpirun) else "mpirun")
-    if options.scheduler == "slurm":
-        return SlurmScheduler(options.command, cwd, options.client_ranks, options.slurm,
-                              f"melissa-{config.output_path.name}")
-    return LocalScheduler(options.command, cwd)
+    return SCHEDULERS[config.launcher.scheduler](config)
 
 
 class Launcher:

@@ -6,11 +6,14 @@ must get the same table, so every sampler is a pure function of its seed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from melissa_dl.config import StudyConfig
 from melissa_dl.errors import ConfigError
+
+if TYPE_CHECKING:  # the config reads SAMPLERS from here
+    from melissa_dl.config import StudyConfig
 
 SAMPLERS = ("uniform", "sobol", "list")
 

@@ -23,10 +23,13 @@ import subprocess
 import time
 from pathlib import Path
 from signal import SIGTERM
+from typing import TYPE_CHECKING
 
 from launcher.schedulers import RUN_MARKER, Scheduler, child_environment
-from melissa_dl.config import SlurmConfig
 from melissa_dl.files import open_log
+
+if TYPE_CHECKING:  # the config reads the scheduler names from this package
+    from melissa_dl.config import SlurmConfig
 
 logger = logging.getLogger(__name__)
 

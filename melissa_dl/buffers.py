@@ -35,7 +35,6 @@ from typing import Any, TypeVar
 from melissa_dl.errors import BufferClosed, ConfigError
 from melissa_dl.sample import Sample
 
-BUFFER_KINDS = ("fifo", "firo", "reservoir")
 T = TypeVar("T")
 
 
@@ -352,6 +351,10 @@ class ReservoirBuffer(Buffer):
 
 _KINDS: dict[str, type[Buffer]] = {
     cls.kind: cls for cls in (FifoBuffer, FiroBuffer, ReservoirBuffer)}
+
+
+BUFFER_KINDS = tuple(_KINDS)
+"""The buffer kinds by the name ``buffer.kind`` gives (the config's choices come from here)."""
 
 
 def make_buffer(kind: str, *, capacity_samples: int | None, capacity_bytes: int | None,

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from launcher.jobs import SCHEDULERS
+from launcher.samplers import SAMPLERS
+from melissa_dl.buffers import BUFFER_KINDS
 from melissa_dl.errors import ConfigError
 from melissa_dl.protocol import DTYPES, MAX_NDIM
 
@@ -68,7 +71,7 @@ class StudyConfig:
     )
     parameters: list[ParameterConfig] = option(doc="The swept parameters and their bounds.")
     simulations: int = option(doc="Number of simulations (parameter sets) in the study.")
-    sampler: Literal["uniform", "sobol", "list"] = option(
+    sampler: Literal[SAMPLERS] = option(
         "uniform", doc="How parameter sets are drawn: uniform random, scrambled Sobol, or `parameter_values`."
     )
     parameter_values: list[list[float]] | None = option(
@@ -149,7 +152,7 @@ class ServerConfig:
 
 @dataclass
 class BufferConfig:
-    kind: Literal["fifo", "firo", "reservoir"] = option("fifo", doc="Buffer policy (see README).")
+    kind: Literal[BUFFER_KINDS] = option("fifo", doc="Buffer policy (see README).")
     capacity_samples: int | None = option(1000, positive=True, doc="Samples a rank's buffer holds at most.")
     capacity_bytes: int | None = option(None, positive=True, doc="Bytes a rank's buffer holds at most.")
     per_server_watermark: int = option(1, minimum=1, doc="Samples a rank must receive before it serves any.")
@@ -176,7 +179,7 @@ class SlurmConfig:
 @dataclass
 class LauncherConfig:
     command: list[str] = option(doc="Command line of one simulation, run from the config file's folder.")
-    scheduler: Literal["local", "mpirun", "slurm"] = option(
+    scheduler: Literal[tuple(SCHEDULERS)] = option(
         "local", doc="`local`: one subprocess per simulation; `mpirun`: `mpirun -n client_ranks command`; "
         "`slurm`: one `sbatch` job per simulation attempt, running `srun --mpi=pmi2 -n client_ranks command`."
     )
