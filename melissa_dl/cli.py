@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
@@ -20,6 +19,7 @@ from melissa_dl.config import Config, load_config
 from melissa_dl.errors import ConfigError
 from melissa_dl.files import check_writable
 from melissa_dl.module import check_options, load_module_class
+from melissa_dl.mpi import first_of_launch
 from melissa_dl.status import EXIT_CONFIG
 
 
@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         check_study(config, build=args.check)
     except ConfigError as error:
-        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("SLURM_PROCID", "0")))
-        if rank == "0":  # one line, not K
+        if first_of_launch():  # one line, not K
             sys.stderr.write(f"melissa-server: {args.config}: {error}\n")
         return EXIT_CONFIG
     if args.check:

@@ -51,6 +51,15 @@ def install_abort_on_error(comm: Comm) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def first_of_launch() -> bool:
+    """Whether this process is rank 0 of its launch (hydra, Open MPI, srun), before or without MPI: the one
+    that speaks for all K when they all meet the same error."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return os.environ[name] == "0"
+    return True
+
+
 def launch_problem(size: int) -> str | None:
     """Why this MPI job is not what its launcher started, if it is not.
 

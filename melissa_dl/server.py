@@ -34,7 +34,7 @@ from melissa_dl.files import remove_temporaries, write_atomic
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
 from melissa_dl.checkpoint import Version, next_version
-from melissa_dl.mpi import Comm, GracefulStop, install_abort_on_error, launch_problem
+from melissa_dl.mpi import Comm, GracefulStop, first_of_launch, install_abort_on_error, launch_problem
 from melissa_dl.recovery import (
     Checkpointer,
     checkpoint_root,
@@ -370,7 +370,7 @@ def serve(config: Config, fresh: bool, export_model: bool) -> int:
     """Run this rank of the server on a checked configuration (``melissa_dl.cli`` checks it before MPI starts)."""
     comm = MPI.COMM_WORLD
     if (problem := launch_problem(comm.Get_size())) is not None:
-        if os.environ.get("SLURM_PROCID", "0") == "0":  # one line, not K
+        if first_of_launch():  # one line, not K
             sys.stderr.write(f"melissa-server: {problem}\n")
         return EXIT_CONFIG
     install_abort_on_error(comm)

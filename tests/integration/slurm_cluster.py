@@ -13,13 +13,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from conftest import free_port
+
 READY_TIMEOUT = 60.0  # seconds for the node to come up idle
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class SlurmCluster:
@@ -55,8 +51,8 @@ class SlurmCluster:
         return "\n".join([
             "ClusterName=melissatest",
             f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",

@@ -9,7 +9,7 @@ from launcher import slurm
 from launcher.schedulers import RUN_MARKER
 from launcher.slurm import LOST, SlurmError, SlurmScheduler, job_environment
 from melissa_dl.config import SlurmConfig
-from melissa_dl.mpi import launch_problem
+from melissa_dl.mpi import first_of_launch, launch_problem
 
 
 class FakeSlurm:
@@ -203,3 +203,15 @@ def test_srun_without_pmi2_is_named_as_the_problem(monkeypatch: pytest.MonkeyPat
     assert launch_problem(4) is None
     monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
     assert launch_problem(1) is None
+
+
+@pytest.mark.parametrize("environment, first", [({}, True), ({"PMI_RANK": "1"}, False), ({"PMI_RANK": "0"}, True),
+                                                ({"OMPI_COMM_WORLD_RANK": "2"}, False), ({"SLURM_PROCID": "1"}, False),
+                                                ({"SLURM_PROCID": "0"}, True)])
+def test_the_first_rank_of_a_launch_is_known_before_mpi(monkeypatch: pytest.MonkeyPatch, environment: dict,
+                                                         first: bool) -> None:
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert first_of_launch() is first
