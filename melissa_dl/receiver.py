@@ -10,17 +10,25 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import zmq
 
 from melissa_dl.assembly import Assembler, Progress, StreamSpec
 from melissa_dl.buffers import Buffer
 from melissa_dl.connections import POLL_MS, ConnectionGuard, ServerSocketThread
 from melissa_dl.errors import ProtocolError, ReceiverDied
+from melissa_dl.ledger import Ledger
+from melissa_dl.protocol import owner_rank
+from melissa_dl.rejections import merge_rejections
 from melissa_dl.sample import Sample
 from melissa_dl.security import Security, hello_bytes
+
+if TYPE_CHECKING:
+    from melissa_dl.recovery import OldRanks
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +56,14 @@ class Receiver(ServerSocketThread):
         super().__init__(f"receiver-{spec.server_rank}", bind_address,
                          security=security if security is not None else Security("token", spec.token),
                          message_cap=max(spec.max_message_bytes, hello_bytes(spec.fields)))  # DECLARE: fields' JSON
+        self.spec = spec
         self.buffer = buffer
         self._assembler = Assembler(spec, self.rejections)
         # ZeroMQ counts messages, not bytes: size the queue for the largest slice allowed
         self._hwm = max(2, receive_queue_bytes // spec.max_message_bytes)
         self._lock = threading.Lock()
         self._blocked = False
+        self._last_scalars = (time.monotonic(), 0)  # time, bytes received
 
     def configure(self, socket: zmq.Socket) -> None:
         socket.setsockopt(zmq.RCVHWM, self._hwm)
@@ -94,9 +104,30 @@ class Receiver(ServerSocketThread):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Before ``start``: the buffered samples, the steps received (their second arrival is dropped), the
         counters."""
-        self.buffer.load_state_dict(state["buffer"])
+        self.buffer.load_state_dict({**state["buffer"], "entries": _owned(state["buffer"]["entries"]), "closed": False})
         self._assembler.load_state_dict(state)
         self.rejections.load_state_dict(state["rejected"])
+
+    def load_resharded(self, old: OldRanks) -> None:
+        """Before ``start``, from a checkpoint of another number of ranks: the steps of every old ledger that
+        the new routing sends this rank, an equal share of the old buffered samples, and on rank 0 the old
+        ranks' counters added up."""
+        spec = self.spec
+        streams = [old.read(rank) for rank in range(old.size)]
+        ledger = Ledger()
+        for stream in streams:
+            ledger.merge(stream["ledger"], lambda sim, steps: owner_rank(
+                sim, steps, spec.server_size, spec.bind_simulation) == spec.server_rank)
+        entries = [entry for stream in streams for entry in stream["buffer"]["entries"]]
+        entries = sorted(entries[spec.server_rank :: spec.server_size], key=lambda entry: entry["served"] > 0)
+        first = spec.server_rank == 0  # the old ranks' counters, added up once
+        self.load_state_dict({  # never-served samples first, as a reservoir needs
+            "buffer": {**self.buffer.state_dict(), "entries": entries, "total_put": len(entries)},
+            "ledger": ledger.state_dict(),
+            "bytes_received": sum(s["bytes_received"] for s in streams) if first else 0,
+            "duplicates": sum(s["duplicates"] for s in streams) if first else 0,
+            "rejected": merge_rejections([s["rejected"] for s in streams]) if first else {},
+        })
 
     def follow(self, attempts: dict[int, int], finished: list[int]) -> None:
         """Rank 0's news: newer attempts (their predecessors' frames are refused) and finished simulations."""
@@ -111,9 +142,15 @@ class Receiver(ServerSocketThread):
         if self.error is not None:
             raise ReceiverDied(f"receiver thread failed: {self.error!r}") from self.error
 
-    @property
-    def bytes_received(self) -> int:
-        return self._assembler.bytes_received  # one int read: atomic under the GIL
+    def scalars(self) -> dict[str, float]:
+        """TensorBoard points of the stream: the buffer's fill and waits, the bytes received per second since
+        the last call."""
+        now, received = time.monotonic(), self._assembler.bytes_received  # one int read: atomic under the GIL
+        then, before = self._last_scalars
+        self._last_scalars = (now, received)
+        return {"buffer/size": len(self.buffer), "buffer/put_time": self.buffer.put_wait_seconds,
+                "buffer/get_time": self.buffer.get_wait_seconds,
+                "receive/bytes_per_s": (received - before) / max(now - then, 1e-9)}
 
     def report(self) -> ReceiverReport:
         with self._lock:
@@ -130,3 +167,9 @@ class Receiver(ServerSocketThread):
             )
             self._blocked = False
         return report
+
+
+def _owned(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples with arrays of their own: views would pin the whole checkpoint file while one sample stays."""
+    return [{**entry, "parameters": np.array(entry["parameters"]),
+             "fields": {name: np.array(array) for name, array in entry["fields"].items()}} for entry in entries]

@@ -1,46 +1,48 @@
 """What a checkpoint of a running server holds, and how a server resumes from one (DESIGN §7).
 
-Files of one version (stored by ``checkpoint.py``)::
+A checkpoint is a list of named parts (``Part``), each an object that speaks
+``state_dict()``/``load_state_dict()`` (``Stateful``); the checkpointer knows
+nothing else of them. Files of one version (stored by ``checkpoint.py``)::
 
-    rank<r>/stream.pt    the rank's buffer and ledger, taken together (``Receiver.state_dict``), and its
+    rank<r>/stream.pt    the rank's buffer and ledger, taken together (``Receiver``), and its
                          refusal and duplicate counts
-    rank<r>/trainer.pt   its embedding shards with row ranges and optimizer state, RNG states, counters
-    rank0/dense.pt       the dense module and its optimizer (identical on every rank)
+    rank<r>/trainer.pt   its embedding shards with row ranges and optimizer state, RNG states, counters (``Trainer``)
+    rank0/dense.pt       the dense module and its optimizer (``Trainer.dense``: identical on every rank)
     rank0/study.pt       every simulation's state, attempts and failures; the hellos refused
     rank0/config.json    the resolved configuration
 
 Why it works this way:
 
 * Every rank snapshots at the same batch, right after a lockstep step, when
-  no rank holds a formed batch: each step a ledger holds is then either in
-  the model or in a buffer, so a resumed run loses none and trains none twice
-  as new. Steps received after the snapshot are in no ledger and arrive
-  again from the relaunched simulations.
-* Training barely pauses: the tensors are copied by a thread while the next
-  batch's forward and backward run (``Trainer.state_dict``), into the memory of
-  the last written snapshot, and serialising and writing run in a
-  background thread.
+  no rank holds a formed batch (``loop.py`` decides when): each step a
+  ledger holds is then either in the model or in a buffer, so a resumed run
+  loses none and trains none twice as new. Steps received after the
+  snapshot are in no ledger and arrive again from the relaunched simulations.
+* Training barely pauses: a part's state may hold a ``BackgroundCopy`` still
+  under way (the trainer's tensors are copied while the next batch's forward
+  and backward run), and serialising and writing run in a background thread.
 * MPI stays in the main thread: what a rank has written reaches rank 0 in the
   next bookkeeping round (``sync``), and rank 0 commits the newest version
   every rank has written, in another thread.
-* A restart on another number of ranks K re-shards: each rank takes its new
-  rows of every table from the old shards that overlap them, rebuilds its
-  ledger from all old ledgers keeping the steps the new routing sends it, and
-  takes an equal share of the old buffered samples.
+* A restart on another number of ranks K re-shards: each per-rank part loads
+  itself from the old ranks' files (``Reshardable``): the trainer takes its
+  new rows of every table from the old shards that overlap them, the receiver
+  rebuilds its ledger from all old ledgers keeping the steps the new routing
+  sends it, and takes an equal share of the old buffered samples.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import shutil
 import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
-
-from melissa_dl.buffers import Buffer
 from melissa_dl.checkpoint import (
     FileRecord,
     Version,
@@ -51,18 +53,10 @@ from melissa_dl.checkpoint import (
     write_rank_files,
 )
 from melissa_dl.config import Config
-from melissa_dl.embedding import shard_range
 from melissa_dl.errors import CheckpointCorrupt, ConfigError
-from melissa_dl.ledger import Ledger
 from melissa_dl.mpi import Comm
-from melissa_dl.protocol import owner_rank
-from melissa_dl.receiver import Receiver
-from melissa_dl.report import merge_rejections
 from melissa_dl.serialization import dumps, loads
-from melissa_dl.snapshots import BackgroundWriter
-
-if TYPE_CHECKING:
-    from melissa_dl.training import Trainer
+from melissa_dl.snapshots import BackgroundWriter, release, settled
 
 logger = logging.getLogger(__name__)
 
@@ -70,19 +64,72 @@ logger = logging.getLogger(__name__)
 FIXED_KEYS = ("study", "buffer.kind", "server.bind_simulation_to_server_rank",
               "training.module", "training.class_name", "training.options")
 
+# The parts a server checkpoints (file ``<name>.pt``): on every rank, and written by rank 0 only.
+STREAM, TRAINER = "stream", "trainer"
+DENSE, STUDY = "dense", "study"
+
+
+class Stateful(Protocol):
+    """What a part of a checkpoint speaks, as torch modules and optimizers do."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class OldRanks:
+    """One part of a checkpoint written by another number of ranks, for the part to re-shard itself from."""
+
+    size: int  # the ranks that wrote it
+    meta: dict[str, Any]  # the checkpoint's: "samples", a list of the samples each old rank had trained
+    read: Callable[[int], Any]  # old rank -> its state of this part
+
+
+@runtime_checkable
+class Reshardable(Stateful, Protocol):
+    """A part held by every rank, which can load itself from a checkpoint of another number of ranks."""
+
+    def load_resharded(self, old: OldRanks) -> None: ...
+
+
+@dataclass(frozen=True)
+class Part:
+    """One named part of a checkpoint: the file ``rank<r>/<name>.pt``.
+
+    ``shared``: the same on every rank that holds it (or held by rank 0
+    alone), so rank 0 writes it and every holder reads that copy.
+    """
+
+    name: str
+    state: Stateful
+    shared: bool = False
+
+
+class Group:
+    """Several stateful objects saved as one part, each under its name."""
+
+    def __init__(self, **members: Stateful) -> None:
+        self.members = members
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: member.state_dict() for name, member in self.members.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, member in self.members.items():
+            member.load_state_dict(state[name])
+
 
 class Checkpointer:
-    """One rank's side of the periodic checkpoints; ``snapshot``, ``sync`` and ``final`` are called on every rank."""
+    """One rank's side of the periodic checkpoints of ``parts``; ``snapshot``, ``sync`` and ``final`` are
+    called on every rank."""
 
-    def __init__(self, config: Config, comm: Comm, trainer: Trainer, receiver: Receiver,
-                 study_state: Callable[[], dict[str, Any]] | None, first_version: int) -> None:
+    def __init__(self, config: Config, comm: Comm, parts: Sequence[Part], first_version: int) -> None:
         assert config.training is not None
         self.root = checkpoint_root(config)
         self.comm = comm
         self.rank = comm.Get_rank()
-        self.trainer = trainer
-        self.receiver = receiver
-        self.study_state = study_state
+        self.parts = [part for part in parts if self.rank == 0 or not part.shared]
         self.keep = config.training.keep_checkpoints
         self.digest = config.digest()
         self.module_digest = module_digest(config) if self.rank == 0 else ""
@@ -93,37 +140,23 @@ class Checkpointer:
         self._committer = BackgroundWriter(max_pending=8) if self.rank == 0 else None
         self._written: dict[int, tuple[int, int, list[FileRecord]]] = {}  # version -> batch, samples, records
         self._lock = threading.Lock()
-        self._arena: Any = None  # tensors of the last written snapshot, reused by the next one
 
-    def snapshot(self) -> None:
-        """Take this rank's state now and write it in the background (every rank, at the same batch)."""
+    def snapshot(self, batch: int, samples: int) -> None:
+        """Take this rank's parts now, after ``batch`` batches and ``samples`` samples trained here, and write
+        them in the background (every rank, at the same batch)."""
         version, self.next_version = self.next_version, self.next_version + 1
-        batch = self.trainer.summary.batches
-        with self._lock:
-            arena, self._arena = self._arena, None
-        state = self.trainer.state_dict(into=arena)
-        stream = self.receiver.state_dict()
-        study = self.study_state() if self.study_state is not None else None
-        self._writer.submit(lambda: self._write(version, batch, state, stream, study))
+        states = {part.name: part.state.state_dict() for part in self.parts}
+        self._writer.submit(lambda: self._write(version, batch, samples, states))
 
-    def _write(self, version: int, batch: int, state: dict[str, Any], stream: dict[str, Any],
-               study: dict[str, Any] | None) -> None:
-        copied = state["copied"].wait()
-        files = {
-            "stream.pt": stream,
-            "trainer.pt": {"tables": copied["tables"], "rng": state["rng"], "summary": state["summary"]},
-        }
-        if self.rank == 0:
-            module = {**copied["parameters"], **state["buffers"]}
-            files["dense.pt"] = {"module": module, "optimizer": copied["optimizer"]}
-            files["study.pt"] = study
-        data: dict[str, Any] = {name: dumps(obj) for name, obj in files.items()}
+    def _write(self, version: int, batch: int, samples: int, states: dict[str, Any]) -> None:
+        data: dict[str, Any] = {f"{name}.pt": dumps(settled(state)) for name, state in states.items()}
         if self.rank == 0:
             data["config.json"] = self.config_json
         records = write_rank_files(version_dir(self.root, version), self.rank, data)
+        for state in states.values():
+            release(state)  # written: a later snapshot may copy into this memory
         with self._lock:
-            self._written[version] = (batch, state["summary"].samples, records)
-            self._arena = copied  # written: the next snapshot may copy into this memory
+            self._written[version] = (batch, samples, records)
 
     def sync(self) -> None:
         """Collective: rank 0 commits the newest version that every rank has finished writing."""
@@ -147,13 +180,11 @@ class Checkpointer:
             with self._lock:
                 self._written = {v: w for v, w in self._written.items() if v > chosen}
 
-    def final(self, snapshot: bool = True, complete: bool = False) -> None:
-        """Collective, when training ends or stops: a last checkpoint, committed before this returns.
+    def final(self, complete: bool) -> None:
+        """Collective, when training ends or stops: commit what was snapshot last, before this returns.
 
-        ``complete``: the study is over, and this checkpoint holds its end.
+        ``complete``: the study is over, and the last snapshot holds its end.
         """
-        if snapshot:
-            self.snapshot()
         self.complete = complete
         self._writer.close()
         self.sync()
@@ -203,8 +234,9 @@ def find_checkpoint(config: Config) -> Version | None:
 
 
 def _files_of(rank: int) -> tuple[str, ...]:
-    """The files ``Checkpointer`` writes for ``rank``: a version without one of them cannot be resumed."""
-    return ("stream.pt", "trainer.pt", *(("dense.pt", "study.pt", "config.json") if rank == 0 else ()))
+    """The files a server's ``Checkpointer`` writes for ``rank``: a version without one of them cannot be resumed."""
+    names = (STREAM, TRAINER, *((DENSE, STUDY) if rank == 0 else ()))
+    return (*(f"{name}.pt" for name in names), *(("config.json",) if rank == 0 else ()))
 
 
 def module_digest(config: Config) -> str:
@@ -222,60 +254,17 @@ def _changed_keys(old: Any, new: Any, path: str = "") -> dict[str, tuple[Any, An
     return {} if old == new else {path: (old, new)}
 
 
-def restore_stream(version: Version, rank: int, size: int, receiver: Receiver, bind_simulation: bool) -> None:
-    """Before reception starts: this rank's ledger and buffered samples from the checkpoint."""
-    if version.ranks == size:
-        stream = loads(version.read(rank, "stream.pt"))
-        buffer = {**stream["buffer"], "entries": _owned(stream["buffer"]["entries"]), "closed": False}
-        receiver.load_state_dict({**stream, "buffer": buffer})
-        return
-    streams = [loads(version.read(old, "stream.pt")) for old in range(version.ranks)]
-    ledger = Ledger()
-    for stream in streams:
-        ledger.merge(stream["ledger"], lambda sim, steps: owner_rank(sim, steps, size, bind_simulation) == rank)
-    entries = [entry for stream in streams for entry in stream["buffer"]["entries"]][rank::size]
-    first = rank == 0  # the old ranks' counters, added up once
-    receiver.load_state_dict({
-        "buffer": _fresh_buffer_with(receiver.buffer, _owned(entries)),
-        "ledger": ledger.state_dict(),
-        "bytes_received": sum(s["bytes_received"] for s in streams) if first else 0,
-        "duplicates": sum(s["duplicates"] for s in streams) if first else 0,
-        "rejected": merge_rejections([s["rejected"] for s in streams]) if first else {},
-    })
+def restore(version: Version, parts: Sequence[Part], rank: int, size: int) -> None:
+    """Load each part from ``version``: a shared one from rank 0's copy, one per rank from this rank's file,
+    or re-sharded from every old rank's file when ``version`` was written by another number of ranks."""
+    for part in parts:
+        read = functools.partial(_read_part, version, f"{part.name}.pt")
+        if part.shared or version.ranks == size:
+            part.state.load_state_dict(read(0 if part.shared else rank))
+        else:
+            assert isinstance(part.state, Reshardable), part.name
+            part.state.load_resharded(OldRanks(version.ranks, version.meta, read))
 
 
-def _owned(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The samples with arrays of their own: views would pin the whole checkpoint file while one sample stays."""
-    return [{**entry, "parameters": np.array(entry["parameters"]),
-             "fields": {name: np.array(array) for name, array in entry["fields"].items()}} for entry in entries]
-
-
-def _fresh_buffer_with(buffer: Buffer, entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The state of a fresh buffer holding another partition's samples (never-served first, as a reservoir needs)."""
-    entries = sorted(entries, key=lambda entry: entry["served"] > 0)
-    return {**buffer.state_dict(), "entries": entries, "total_put": len(entries)}
-
-
-def restore_trainer(version: Version, rank: int, size: int, trainer: Trainer) -> None:
-    """The model, optimizers, table rows of this rank's range, RNG states and counters."""
-    own = rank if rank < version.ranks else 0
-    sources = {own} | {
-        old for table in trainer.tables.values() for old in range(version.ranks)
-        if _overlap(shard_range(table.num_rows, version.ranks, old), (table.start, table.stop))
-    }
-    states = {old: loads(version.read(old, "trainer.pt")) for old in sorted(sources)}
-    summary = states[own]["summary"]
-    if version.ranks != size:  # the samples trained per rank, regrouped so that their sum stays right
-        summary.samples = sum(n for old, n in enumerate(version.meta["samples"]) if old % size == rank)
-    pieces = {name: [state["tables"][name] for state in states.values()] for name in trainer.tables}
-    trainer.load_state_dict({"dense": loads(version.read(0, "dense.pt")), "tables": pieces, "rng": states[own]["rng"],
-                             "summary": summary})
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return max(a[0], b[0]) < min(a[1], b[1])
-
-
-def restore_study(version: Version) -> dict[str, Any]:
-    """``simulations`` (the study's ``state_dict``) and ``handshake_rejected`` (refusal counts)."""
-    return loads(version.read(0, "study.pt"))
+def _read_part(version: Version, name: str, rank: int) -> Any:
+    return loads(version.read(rank, name))

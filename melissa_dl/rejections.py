@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -49,3 +50,11 @@ class RejectionLog:
         """Continue the counts of an earlier run, so that the final report forgets no refusal."""
         with self._lock:
             self._counts = Counter(counts)
+
+
+def merge_rejections(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Several ranks' (or runs') refusal counts added up by kind."""
+    total: Counter[str] = Counter()
+    for c in counts:
+        total.update(c)
+    return dict(sorted(total.items()))

@@ -3,24 +3,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
 from melissa_dl.files import write_atomic
 from melissa_dl.receiver import ReceiverReport
+from melissa_dl.rejections import merge_rejections
 from melissa_dl.study import State, Study
 
 logger = logging.getLogger(__name__)
 
 MB = 1e6
-
-
-def merge_rejections(counts: Sequence[dict[str, int]]) -> dict[str, int]:
-    total: Counter[str] = Counter()
-    for c in counts:
-        total.update(c)
-    return dict(sorted(total.items()))
 
 
 class StatusLine:

@@ -1,12 +1,13 @@
-"""``melissa-server config.json``: one rank of the online-learning server.
+"""``melissa-server config.json``: one rank of the online-learning server, in phases.
 
 Run as ``mpirun -n K melissa-server config.json``. Every rank binds a data
 socket and receives into its buffer in a thread; the main thread trains on the
-buffer (or only drains it) in lockstep with the other ranks and, every
-``control_interval`` seconds, joins the bookkeeping round: each rank reports
-what it received, rank 0 advances the study (handshakes, launches,
-relaunches) and broadcasts whether it is over, which ends reception. MPI is
-called from the main thread only.
+buffer (or only drains it) in lockstep with the other ranks (``loop.py``)
+and, every ``control_interval`` seconds, joins the bookkeeping round: each
+rank reports what it received, rank 0 advances the study (handshakes,
+launches, relaunches) and broadcasts whether it is over, which ends
+reception. MPI is called from the main thread only. This module builds the
+parts, restores them, and reports.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mpi4py import MPI
 
@@ -27,31 +28,35 @@ from launcher import Launcher, make_scheduler, study_parameters
 from melissa_dl import client
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
+from melissa_dl.checkpoint import Version, next_version
 from melissa_dl.config import Config
 from melissa_dl.connections import raise_open_file_limit
+from melissa_dl.dataset import StreamDataset
 from melissa_dl.errors import CheckpointCorrupt, ConfigError
 from melissa_dl.files import remove_temporaries, write_atomic
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
-from melissa_dl.checkpoint import Version, next_version
+from melissa_dl.loop import Bookkeeping, Loop, Outcome
 from melissa_dl.mpi import Comm, GracefulStop, first_of_launch, install_abort_on_error, launch_problem
+from melissa_dl.receiver import Receiver
 from melissa_dl.recovery import (
+    DENSE,
+    STREAM,
+    STUDY,
+    TRAINER,
     Checkpointer,
+    Group,
+    Part,
     checkpoint_root,
     find_checkpoint,
-    restore_stream,
-    restore_study,
-    restore_trainer,
+    restore,
     start_fresh,
 )
-from melissa_dl.dataset import END
-from melissa_dl.receiver import Receiver
-from melissa_dl.sample import Sample
-from melissa_dl.security import Security
 from melissa_dl.report import StatusLine, final_report, write_report
+from melissa_dl.security import Security
 from melissa_dl.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
 from melissa_dl.study import Study
-from melissa_dl.training import Outcome, Trainer, lockstep
+from melissa_dl.training import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +132,7 @@ class Server:
         self.bind_address, self.host = addresses(config.server.interface)
         self.receiver = Receiver(spec, self.buffer, self.bind_address, config.server.receive_queue_bytes,
                                  self.security)
-        self.drained = 0
-        self.consumed: Callable[[], int] = lambda: self.drained
+        self.parts: list[Part] = []  # of the checkpoints: the stream's, the trainer's, and on rank 0 the study's
 
     def run(self) -> int:
         """Run the study to its end; every rank returns the same exit code. The phases, in order:
@@ -149,8 +153,7 @@ class Server:
                         logger.info("the study in %s is complete (checkpoint %s): nothing to do; --fresh starts "
                                     "it over", self.config.output_path, version.path)
                     return 0
-                restore_stream(version, self.rank, self.size, self.receiver,
-                               self.config.server.bind_simulation_to_server_rank)
+            self._add_parts(version, Part(STREAM, self.receiver))
         except ConfigError as error:
             if self.rank == 0:
                 logger.error("%s", error)
@@ -161,14 +164,18 @@ class Server:
         try:
             if self.rank == 0:
                 handshake, launcher, study = self._open_study(endpoints, version)
-            control = StudyControl(self, study, handshake, start)
-            control.beat()  # the restore and the start of the study may have taken a while
+            status = StatusLine(self.config.server.status_interval, start) if self.rank == 0 else None
+            bookkeeping = Bookkeeping(self.comm, self.receiver, self.config.server.control_interval,
+                                      self.config.output_path / HEARTBEAT, study, handshake, status)
+            bookkeeping.beat()  # the restore and the start of the study may have taken a while
             if trainer is not None:
-                if not self._train(trainer, control, study, handshake):
+                loop = self._train(trainer, bookkeeping)
+                if loop is None:
                     return EXIT_STOPPED
             else:
-                lockstep(self.comm, self._next_samples, self._count, control, self.buffer, stall_timeout=None)
-            return self._report(trainer, study, handshake, time.monotonic() - start)
+                loop = Loop(self.comm, bookkeeping, self.stop)
+                loop.drain()
+            return self._report(trainer, study, handshake, loop.consumed(), time.monotonic() - start)
         finally:
             if launcher is not None:
                 launcher.shutdown()
@@ -197,10 +204,15 @@ class Server:
         if self.config.training is None:
             return None
         trainer = Trainer(self.config.training, self.config.base_dir, self.config.output_path, self.comm,
-                          self.receiver)
-        if version is not None:
-            restore_trainer(version, self.rank, self.size, trainer)
+                          self.receiver.scalars)
+        self._add_parts(version, Part(DENSE, trainer.dense, shared=True), Part(TRAINER, trainer))
         return trainer
+
+    def _add_parts(self, version: Version | None, *parts: Part) -> None:
+        """More parts of the checkpoints, restored from ``version`` when resuming."""
+        if version is not None:
+            restore(version, parts, self.rank, self.size)
+        self.parts += parts
 
     def _export_model(self, version: Version, trainer: Trainer) -> int:
         """``--export-model``: model.pt of the checkpoint just restored, and nothing else."""
@@ -237,36 +249,32 @@ class Server:
             self.config.launcher.max_retries,
             self.config.launcher.simulation_timeout,
         )
-        restored = restore_study(version) if version is not None else None
-        if restored is not None:
-            handshake.rejections.load_state_dict(restored["handshake_rejected"])
-        if restored is not None:
-            study.load_state_dict(restored["simulations"])
-        study.start()
+        self._add_parts(version, Part(STUDY, Group(simulations=study, handshake_rejected=handshake.rejections),
+                                      shared=True))
+        study.start()  # what a restored study left unfinished, or everything
         return handshake, launcher, study
 
-    def _train(self, trainer: Trainer, control: StudyControl, study: Study | None,
-               handshake: HandshakeServer | None) -> bool:
-        """Train until the study and the buffers are done (True), or until a stop request (False)."""
+    def _train(self, trainer: Trainer, bookkeeping: Bookkeeping) -> Loop | None:
+        """Train until the study and the buffers are done (the loop), or until a stop request (None)."""
+        assert self.config.training is not None
         first_version = self.comm.bcast(next_version(checkpoint_root(self.config)) if self.rank == 0 else None)
-        checkpointer = Checkpointer(self.config, self.comm, trainer, self.receiver,
-                                    self._study_state(study, handshake), first_version)
-        control.checkpointer = checkpointer
-        self.consumed = lambda: trainer.summary.samples
+        checkpointer = Checkpointer(self.config, self.comm, self.parts, first_version)
         self.stop.install()
-        if trainer.run(control, checkpointer) is Outcome.ENDED:
-            return True
+        loop = Loop(self.comm, bookkeeping, self.stop, checkpointer)
+        dataset = StreamDataset(self.buffer, trainer.module.process, self.config.training.batch_size)
+        if loop.train(trainer, dataset.next_batch, self.config.training.checkpoint_interval) is Outcome.ENDED:
+            return loop
         self.receiver.stop()
         if self.rank == 0:
             logger.warning("stopped on request; run the same command again to resume from %s",
                            checkpoint_root(self.config))
-        return False
+        return None
 
     def _report(self, trainer: Trainer | None, study: Study | None, handshake: HandshakeServer | None,
-                duration: float) -> int:
+                consumed: int, duration: float) -> int:
         """The final model, config and report; the exit code, the same on every rank."""
         reports = self.comm.gather(self.receiver.report())
-        consumed = self.comm.reduce(self.consumed())
+        consumed = self.comm.reduce(consumed)
         extra = {}
         if trainer is not None:
             model = trainer.save(self.config.output_path)
@@ -283,13 +291,6 @@ class Server:
             code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
         return self.comm.bcast(code)
 
-    @staticmethod
-    def _study_state(study: Study | None, handshake: HandshakeServer | None) -> Callable[[], dict[str, Any]] | None:
-        """Rank 0's part of a checkpoint: the simulations, and the hellos refused so far."""
-        if study is None or handshake is None:
-            return None
-        return lambda: {"simulations": study.state_dict(), "handshake_rejected": handshake.rejections.state_dict()}
-
     def _client_environment(self, endpoint: str, sim: int, attempt: int) -> dict[str, str]:
         options = self.config.launcher
         return {
@@ -303,67 +304,6 @@ class Server:
             client.ENV_SEND_QUEUE_BYTES: str(options.send_queue_bytes),
             **self.security.client_environment(),
         }
-
-    def _next_samples(self, wait: float) -> list[Sample] | object | None:
-        """Without training: whatever the buffer serves, for counting."""
-        samples = self.buffer.get_batch(64, timeout=wait)
-        return END if samples == [] else samples
-
-    def _count(self, samples: list[Sample]) -> None:
-        self.drained += len(samples)
-
-
-class StudyControl:
-    """The ranks' bookkeeping round: reports to rank 0, study decisions, end of reception."""
-
-    def __init__(self, server: Server, study: Study | None, handshake: HandshakeServer | None, start: float) -> None:
-        self.server = server
-        self.study = study
-        self.handshake = handshake
-        self.interval = server.config.server.control_interval
-        self.status = StatusLine(server.config.server.status_interval, start)
-        self.next_sync = time.monotonic() + self.interval
-        self.over = False
-        self.checkpointer: Checkpointer | None = None
-        self.heartbeat = server.config.output_path / HEARTBEAT
-
-    def due(self) -> bool:
-        """Also after the study is over: draining the buffers still commits checkpoints and beats the heart."""
-        return time.monotonic() >= self.next_sync
-
-    def stop_requested(self) -> bool:
-        return self.server.stop.requested
-
-    def sync(self) -> None:
-        server, comm = self.server, self.server.comm
-        server.receiver.check()
-        reports = comm.gather(server.receiver.report())
-        consumed = comm.reduce(server.consumed())
-        over, news = False, None
-        if self.study is not None:
-            assert self.handshake is not None
-            if self.handshake.error is not None:
-                raise self.handshake.error
-            for sim, reason in self.handshake.take_failures():
-                self.study.fail(sim, reason)
-            self.study.tick(reports)
-            self.status.maybe_log(time.monotonic(), self.study, reports, consumed)
-            over, news = self.study.over, self.study.take_news()
-        was_over = self.over
-        self.over, news = comm.bcast((over, news))
-        server.receiver.follow(*news)
-        if self.checkpointer is not None:
-            self.checkpointer.sync()
-        self.beat()
-        if self.over and not was_over:  # every simulation is done or failed: what is buffered is all there will be
-            server.receiver.stop()
-            server.buffer.close()
-        self.next_sync = time.monotonic() + self.interval
-
-    def beat(self) -> None:
-        """Rank 0 tells ``melissa-launcher`` that the ranks got through a collective round."""
-        if self.study is not None:
-            os.utime(self.heartbeat)  # needs no file descriptor, unlike touch()
 
 
 def serve(config: Config, fresh: bool, export_model: bool) -> int:

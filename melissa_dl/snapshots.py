@@ -45,9 +45,10 @@ class BackgroundCopy:
     while the copy is made, and waits only before its optimizer step.
     """
 
-    def __init__(self, state: Any, into: Any = None) -> None:
+    def __init__(self, state: Any, into: Any = None, on_release: Callable[[Any], None] | None = None) -> None:
         self._result: Any = None
         self._error: BaseException | None = None
+        self._on_release = on_release
         self._thread = threading.Thread(target=self._run, args=(state, into), name="checkpoint-copy", daemon=True)
         self._thread.start()
 
@@ -63,6 +64,26 @@ class BackgroundCopy:
         if self._error is not None:
             raise self._error
         return self._result
+
+    def release(self) -> None:
+        """The copy is written and used no more: ``on_release`` gets its memory, for a later copy's ``into``."""
+        self._thread.join()
+        if self._on_release is not None and self._error is None:
+            self._on_release(self._result)
+
+
+def settled(state: Any) -> Any:
+    """A part's state with each top-level ``BackgroundCopy`` replaced by its copy (waited for)."""
+    if not isinstance(state, dict):
+        return state
+    return {key: value.wait() if isinstance(value, BackgroundCopy) else value for key, value in state.items()}
+
+
+def release(state: Any) -> None:
+    """``release`` the top-level copies of a written state."""
+    for value in state.values() if isinstance(state, dict) else ():
+        if isinstance(value, BackgroundCopy):
+            value.release()
 
 
 _STOP = object()

@@ -11,7 +11,7 @@ from melissa_dl.buffers import make_buffer
 from melissa_dl.checkpoint import commit, latest_valid, version_dir, write_rank_files
 from melissa_dl.serialization import dumps
 from melissa_dl.receiver import Receiver
-from melissa_dl.recovery import restore_stream
+from melissa_dl.recovery import STREAM, Part, restore
 from melissa_dl.sample import Sample
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,13 +28,13 @@ def receiver(rank: int, size: int) -> Receiver:
 
 def checkpoint(tmp_path: Path, streams: list[dict]) -> Path:
     root = tmp_path / "checkpoints"
-    records = [write_rank_files(version_dir(root, 1), r, {"stream.pt": dumps(s)}) for r, s in enumerate(streams)]
+    records = [write_rank_files(version_dir(root, 1), r, {f"{STREAM}.pt": dumps(s)}) for r, s in enumerate(streams)]
     commit(root, 1, records, {}, batch=1, config_digest="x", keep=2)
     return root
 
 
 def old_rank(rank: int, refused: dict[str, int], duplicates: int) -> dict:
-    """What ``Receiver.snapshot`` of a rank of a 2-rank run holds after one step and some bad input."""
+    """What ``Receiver.state_dict`` of a rank of a 2-rank run holds after one step and some bad input."""
     old = receiver(rank, 2)
     sample = Sample(rank, 1 - rank, np.zeros(1), {"u": np.full(3, rank, dtype=np.float32)})
     assert old.buffer.put(sample, on_insert=lambda: old._assembler.commit(sample))
@@ -53,7 +53,7 @@ def test_refusals_and_duplicates_counted_before_a_restart_are_restored(tmp_path:
     assert version is not None
     restored = [receiver(rank, size) for rank in range(size)]
     for rank, new in enumerate(restored):
-        restore_stream(version, rank, size, new, bind_simulation=False)
+        restore(version, [Part(STREAM, new)], rank, size)
     reports = [new.report() for new in restored]
     if size == 2:  # each rank continues its own counts
         assert [r.rejected for r in reports] == [{"malformed": 3, "credentials": 1}, {"malformed": 4, "data_auth": 5}]
