@@ -96,7 +96,7 @@ def bench_write(scratch: Path, files: dict[str, list[memoryview]], repeat: int) 
 class Loop:
     """Matrix multiplies standing in for training steps, with an optional checkpoint on the way.
 
-    As in the server (``Trainer.state``/``step``): the tensors are copied by a
+    As in the server (``Trainer.state_dict``/``step``): the tensors are copied by a
     ``BackgroundCopy`` while the next step computes, and that step waits for
     the copy before its "optimizer update"; the buffer-like list is copied at
     once (samples are immutable). ``snapshot_time`` is what the loop spent on

@@ -4,8 +4,8 @@ The server decides what runs, retries and states; this package only runs process
 """
 from __future__ import annotations
 
-from launcher.jobs import START_FAILED, Launcher, make_scheduler
-from launcher.samplers import SAMPLERS, draw_parameters, study_parameters
+from launcher.jobs import SCHEDULERS, START_FAILED, JobTemplate, Launcher, make_scheduler
+from launcher.samplers import SAMPLERS, draw_parameters
 from launcher.schedulers import (
     KILL_GRACE,
     Job,
@@ -18,8 +18,10 @@ from launcher.schedulers import (
 __all__ = [
     "KILL_GRACE",
     "SAMPLERS",
+    "SCHEDULERS",
     "START_FAILED",
     "Job",
+    "JobTemplate",
     "Launcher",
     "LocalScheduler",
     "MpirunScheduler",
@@ -27,5 +29,4 @@ __all__ = [
     "child_environment",
     "draw_parameters",
     "make_scheduler",
-    "study_parameters",
 ]

@@ -13,16 +13,12 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from launcher.schedulers import KILL_GRACE, LocalScheduler, MpirunScheduler, RunningJob, Scheduler
 from launcher.slurm import SlurmScheduler
-from melissa_dl.errors import ConfigError
 from melissa_dl.files import open_log
-
-if TYPE_CHECKING:  # the config reads SCHEDULERS from here
-    from melissa_dl.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -32,36 +28,39 @@ TAIL = 300
 """Characters of an attempt's output end that go into its failure reason."""
 
 
-def _mpirun(config: Config) -> Scheduler:
+@dataclass(frozen=True)
+class JobTemplate:
+    """What every simulation job of a study shares, whichever scheduler runs it (from a checked config)."""
+
+    command: list[str]  # run from ``cwd``
+    cwd: Path
+    ranks: int = 1  # MPI ranks of each simulation
+    sbatch_options: list[str] = field(default_factory=list)  # scheduler "slurm"
+    name: str = "melissa"  # of the study, in the jobs' names
+
+
+def _venv_mpirun() -> str:
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")  # the venv's, with the server's MPI
-    return MpirunScheduler(config.launcher.command, config.base_dir, config.launcher.client_ranks,
-                           mpirun if os.path.exists(mpirun) else "mpirun")
+    return mpirun if os.path.exists(mpirun) else "mpirun"
 
 
-def _slurm(config: Config) -> Scheduler:
-    return SlurmScheduler(config.launcher.command, config.base_dir, config.launcher.client_ranks,
-                          config.launcher.slurm, f"melissa-{config.output_path.name}")
-
-
-SCHEDULERS: dict[str, Callable[[Config], Scheduler]] = {
-    "local": lambda config: LocalScheduler(config.launcher.command, config.base_dir),
-    "mpirun": _mpirun,
-    "slurm": _slurm,
+SCHEDULERS: dict[str, Callable[[JobTemplate], Scheduler]] = {
+    "local": lambda job: LocalScheduler(job.command, job.cwd),
+    "mpirun": lambda job: MpirunScheduler(job.command, job.cwd, job.ranks, _venv_mpirun()),
+    "slurm": lambda job: SlurmScheduler(job.command, job.cwd, job.ranks, job.sbatch_options, job.name),
 }
 """The schedulers by the name ``launcher.scheduler`` gives (the config's choices come from here)."""
 
 
-def make_scheduler(config: Config) -> Scheduler:
-    """The scheduler ``launcher.scheduler`` names, running ``launcher.command`` from the config's folder."""
-    return SCHEDULERS[config.launcher.scheduler](config)
+def make_scheduler(kind: str, job: JobTemplate) -> Scheduler:
+    """The scheduler ``kind`` (a name of ``SCHEDULERS``) running ``job``'s command."""
+    return SCHEDULERS[kind](job)
 
 
 class Launcher:
     """Runs submitted attempts through ``scheduler``, at most ``job_limit`` at a time."""
 
     def __init__(self, scheduler: Scheduler, job_limit: int, log_dir: Path) -> None:
-        if job_limit < 1:
-            raise ConfigError(f"the job limit must be positive, got {job_limit}")
         self._scheduler = scheduler
         self._job_limit = job_limit
         self._log_dir = log_dir

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from melissa_dl.errors import ConfigError
 from melissa_dl.files import open_log
 
 KILL_GRACE = 2.0
@@ -191,8 +190,6 @@ class MpirunScheduler(LocalScheduler):
     _death_signal = signal.SIGTERM
 
     def __init__(self, command: list[str], cwd: Path, ranks: int, mpirun: str = "mpirun") -> None:
-        if ranks < 1:
-            raise ConfigError(f"the number of ranks per simulation must be positive, got {ranks}")
         super().__init__([mpirun, "-n", str(ranks), *command], cwd)
 
 

@@ -23,13 +23,9 @@ import subprocess
 import time
 from pathlib import Path
 from signal import SIGTERM
-from typing import TYPE_CHECKING
 
 from launcher.schedulers import RUN_MARKER, Scheduler, child_environment
 from melissa_dl.files import open_log
-
-if TYPE_CHECKING:  # the config reads the scheduler names from this package
-    from melissa_dl.config import SlurmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +96,11 @@ class SlurmJob:
 class SlurmScheduler(Scheduler):
     """Runs ``command`` on ``ranks`` ranks as one Slurm job per attempt."""
 
-    def __init__(self, command: list[str], cwd: Path, ranks: int, options: SlurmConfig, study_name: str) -> None:
+    def __init__(self, command: list[str], cwd: Path, ranks: int, sbatch_options: list[str], study_name: str) -> None:
         self._command = list(command)
         self._cwd = cwd
         self._ranks = ranks
-        self._options = options
+        self._sbatch_options = list(sbatch_options)
         self._name = study_name
         self._states: dict[str, str] = {}  # job id -> squeue state, of the jobs not known to have ended
         self._ended: dict[str, int] = {}  # job id -> exit code
@@ -127,12 +123,7 @@ class SlurmScheduler(Scheduler):
         return SlurmJob(self, simulation_id, attempt, job_id)
 
     def _options_argv(self) -> list[str]:
-        options = self._options
-        return [f"--chdir={self._cwd}", f"--ntasks={self._ranks}",
-                *([f"--partition={options.partition}"] if options.partition else []),
-                *([f"--time={options.time_limit}"] if options.time_limit else []),
-                *([f"--account={options.account}"] if options.account else []),
-                *options.sbatch_args]
+        return [f"--chdir={self._cwd}", f"--ntasks={self._ranks}", *self._sbatch_options]
 
     def refusal(self) -> str | None:
         """What sbatch says against the simulations' job options, if anything (``--test-only``: nothing is

@@ -51,14 +51,6 @@ class Buffer(ABC):
 
     def __init__(self, *, capacity_samples: int | None, capacity_bytes: int | None,
                  watermark: int, seed: int, pseudo_epochs: int = 1) -> None:
-        if capacity_samples is None and capacity_bytes is None:
-            raise ConfigError("buffer: give capacity_samples and/or capacity_bytes")
-        for name, value, low in (("capacity_samples", capacity_samples, 1),
-                                 ("capacity_bytes", capacity_bytes, 1),
-                                 ("watermark", watermark, 0),
-                                 ("pseudo_epochs", pseudo_epochs, 1)):
-            if value is not None and value < low:
-                raise ConfigError(f"buffer: {name} must be >= {low}, got {value}")
         self._cap_samples = capacity_samples
         self._cap_bytes = capacity_bytes
         self._watermark = watermark
@@ -359,11 +351,6 @@ BUFFER_KINDS = tuple(_KINDS)
 
 def make_buffer(kind: str, *, capacity_samples: int | None, capacity_bytes: int | None,
                 watermark: int, seed: int, pseudo_epochs: int = 1) -> Buffer:
-    """Build the buffer named by the configuration's ``kind``."""
-    try:
-        cls = _KINDS[kind]
-    except KeyError:
-        raise ConfigError(f"unknown buffer kind {kind!r}; expected one of "
-                          f"{', '.join(BUFFER_KINDS)}") from None
-    return cls(capacity_samples=capacity_samples, capacity_bytes=capacity_bytes,
+    """Build the buffer named by the configuration's ``kind`` (its section, checked, holds the other values)."""
+    return _KINDS[kind](capacity_samples=capacity_samples, capacity_bytes=capacity_bytes,
                watermark=watermark, seed=seed, pseudo_epochs=pseudo_epochs)

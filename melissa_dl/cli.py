@@ -44,7 +44,7 @@ def check_study(config: Config, build: bool) -> None:
     check_writable(config.output_path)
     if (problem := missing_program(config.launcher.command, config.base_dir)) is not None:
         raise ConfigError(f"launcher.command[0]: {problem}")
-    scheduler = make_scheduler(config)
+    scheduler = make_scheduler(config.launcher.scheduler, config.simulation_job())
     if isinstance(scheduler, SlurmScheduler) and (refusal := scheduler.refusal()) is not None:
         raise ConfigError(f"launcher.slurm: sbatch refuses the simulations' job options: {refusal}")
     training = config.training

@@ -12,14 +12,17 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from launcher.jobs import SCHEDULERS
-from launcher.samplers import SAMPLERS
+import numpy as np
+
+from launcher.jobs import SCHEDULERS, JobTemplate
+from launcher.samplers import SAMPLERS, draw_parameters
 from melissa_dl.buffers import BUFFER_KINDS
 from melissa_dl.errors import ConfigError
 from melissa_dl.protocol import DTYPES, MAX_NDIM
@@ -86,6 +89,11 @@ class StudyConfig:
     def field_names(self) -> list[str]:
         return list(self.fields)
 
+    def parameter_table(self) -> np.ndarray:
+        """The ``[simulations, parameters]`` table; every server rank (and the offline mode) draws the same."""
+        return draw_parameters(self.sampler, self.simulations, [p.low for p in self.parameters],
+                               [p.high for p in self.parameters], self.seed, self.parameter_values)
+
     @property
     def field_layouts(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """The layouts pinned by the configuration (none when ``fields`` is a list of names)."""
@@ -102,6 +110,8 @@ class StudyConfig:
                      f"at most {MAX_NDIM} dimensions of 0 to 2**32 - 1")
         _require(len(self.parameters) > 0, "study.parameters", "at least one parameter is needed")
         for i, p in enumerate(self.parameters):
+            for bound in ("low", "high"):
+                _require(math.isfinite(getattr(p, bound)), f"study.parameters[{i}].{bound}", "must be finite")
             _require(p.low <= p.high, f"study.parameters[{i}].high", f"{p.high} is below low={p.low}")
         _require(0 < self.simulations < 1 << 32, "study.simulations", "must be between 1 and 2**32 - 1")
         if self.sampler == "list":
@@ -113,6 +123,7 @@ class StudyConfig:
             for i, row in enumerate(self.parameter_values):
                 _require(len(row) == len(self.parameters), f"study.parameter_values[{i}]",
                          f"{len(row)} values for {len(self.parameters)} parameters")
+                _require(all(map(math.isfinite, row)), f"study.parameter_values[{i}]", "values must be finite")
         if self.time_steps is not None:
             _require(0 < self.time_steps < 1 << 32, "study.time_steps", "must be between 1 and 2**32 - 1")
 
@@ -174,6 +185,13 @@ class SlurmConfig:
     account: str | None = option(None, doc="`sbatch --account` of each simulation's job.")
     sbatch_args: list[str] = option([], doc="More `sbatch` arguments of each simulation's job, e.g. "
                                     "`[\"--mem=4G\", \"--qos=short\"]`.")
+
+    def sbatch_options(self) -> list[str]:
+        """These options as ``sbatch`` arguments."""
+        return [*([f"--partition={self.partition}"] if self.partition else []),
+                *([f"--time={self.time_limit}"] if self.time_limit else []),
+                *([f"--account={self.account}"] if self.account else []),
+                *self.sbatch_args]
 
 
 @dataclass
@@ -257,6 +275,12 @@ class Config:
     @property
     def output_path(self) -> Path:
         return self.base_dir / self.output_dir
+
+    def simulation_job(self) -> JobTemplate:
+        """What the scheduler ``launcher.scheduler`` needs to run this study's simulations."""
+        launcher = self.launcher
+        return JobTemplate(launcher.command, self.base_dir, launcher.client_ranks, launcher.slurm.sbatch_options(),
+                           f"melissa-{self.output_path.name}")
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved configuration as JSON-ready data (internal fields left out)."""

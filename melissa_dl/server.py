@@ -24,7 +24,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from launcher import Launcher, make_scheduler, study_parameters
+from launcher import Launcher, make_scheduler
 from melissa_dl import client
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
@@ -87,7 +87,8 @@ def addresses(interface: str) -> tuple[str, str]:
 
 
 def make_launcher(config: Config) -> Launcher:
-    return Launcher(make_scheduler(config), config.launcher.job_limit, config.output_path / "simulations")
+    return Launcher(make_scheduler(config.launcher.scheduler, config.simulation_job()), config.launcher.job_limit,
+                    config.output_path / "simulations")
 
 
 class Server:
@@ -102,7 +103,7 @@ class Server:
         self.lock: Any = None  # rank 0's lock of the output folder, held until the process ends
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         study = config.study
-        self.parameters = study_parameters(study)
+        self.parameters = study.parameter_table()
         self.token: bytes = comm.bcast(secrets.token_bytes(32) if self.rank == 0 else None)
         self.security: Security = comm.bcast(  # CURVE keys drawn once, by rank 0
             Security.generate(config.server.security, self.token, config.launcher.client_timeout)

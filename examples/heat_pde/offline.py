@@ -6,7 +6,7 @@ server and trains the same ``TrainingModule`` with the same options, seed,
 batch size and validation schedule, in two phases:
 
 1. **Generate**: draw the study's parameter sets exactly as the server does
-   (``launcher.samplers.study_parameters``), run the solver for each with the
+   (``StudyConfig.parameter_table``), run the solver for each with the
    grid and step count of ``launcher.command`` (``--nx``, ``--ny``,
    ``--steps``, ``--dt``), and write every simulation's steps to
    ``<output>/simulations/simulation<s>.npy`` (``[steps, nx, ny]`` float32),
@@ -58,7 +58,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 
-from launcher.samplers import study_parameters  # noqa: E402
 from melissa_dl import Sample  # noqa: E402
 from melissa_dl.config import Config, TrainingConfig, load_config  # noqa: E402
 from melissa_dl.module import TrainingModule, load_module_class  # noqa: E402
@@ -234,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if max_batches is None and args.seconds is None and args.total_seconds is None:
         max_batches = DEFAULT_BATCHES
 
-    parameters = study_parameters(config.study)
+    parameters = config.study.parameter_table()
     t0 = time.monotonic()
     generate(parameters, grid, output)
     generation_s = time.monotonic() - t0

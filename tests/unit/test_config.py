@@ -175,6 +175,8 @@ def test_literal_violation_lists_the_allowed_values(path: tuple, value: str, exp
         ({("study", "fields"): [f"f{i}" for i in range(1 << 16)]}, "study.fields: at most 65535 fields"),
         ({("study", "parameters"): []}, "study.parameters: at least one parameter is needed"),
         ({("study", "parameters", 1, "high"): -1}, "study.parameters[1].high: -1.0 is below low=0.0"),
+        ({("study", "parameters", 0, "low"): float("-inf")}, "study.parameters[0].low: must be finite"),
+        ({("study", "parameters", 1, "high"): float("nan")}, "study.parameters[1].high: must be finite"),
         ({("study", "simulations"): 0}, "study.simulations: must be between 1 and 2**32 - 1"),
         ({("study", "simulations"): 1 << 32}, "study.simulations: must be between 1 and 2**32 - 1"),
         ({("study", "sampler"): "list"}, "study.parameter_values: required by sampler 'list'"),
@@ -186,6 +188,10 @@ def test_literal_violation_lists_the_allowed_values(path: tuple, value: str, exp
         (
             {("study", "sampler"): "list", ("study", "parameter_values"): [[0, 0], [1]]},
             "study.parameter_values[1]: 1 values for 2 parameters",
+        ),
+        (
+            {("study", "sampler"): "list", ("study", "parameter_values"): [[0, 0], [1, float("nan")]]},
+            "study.parameter_values[1]: values must be finite",
         ),
         ({("study", "time_steps"): 0}, "study.time_steps: must be between 1 and 2**32 - 1"),
         ({("server", "handshake_port"): 1 << 16}, "server.handshake_port: not a port number"),

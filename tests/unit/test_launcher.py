@@ -14,7 +14,6 @@ import pytest
 
 from launcher.jobs import START_FAILED, Launcher
 from launcher.schedulers import KILL_GRACE, LocalScheduler, MpirunScheduler, child_environment
-from melissa_dl.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -294,10 +293,3 @@ def test_jobs_die_with_the_server(tmp_path: Path, ranks: int | None) -> None:
         server.kill()
         server.wait()
     wait_for(lambda: not any(alive(pid) for pid in job_pids))
-
-
-def test_bad_ranks_or_job_limit_are_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="ranks"):
-        MpirunScheduler(["python"], tmp_path, ranks=0)
-    with pytest.raises(ConfigError, match="job limit"):
-        Launcher(LocalScheduler(["python"], tmp_path), 0, tmp_path)

@@ -58,7 +58,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
 
 
 def scheduler(tmp_path: Path, ranks: int = 1, **options: object) -> SlurmScheduler:
-    return SlurmScheduler(["python", "sim.py", "--x", "a b"], tmp_path, ranks, SlurmConfig(**options), "melissa-out")
+    return SlurmScheduler(["python", "sim.py", "--x", "a b"], tmp_path, ranks, SlurmConfig(**options).sbatch_options(),
+                          "melissa-out")
 
 
 def test_sbatch_gets_the_options_the_log_and_srun_pmi2_for_mpi_simulations(
