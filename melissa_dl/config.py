@@ -25,6 +25,7 @@ from launcher.jobs import SCHEDULERS, JobTemplate
 from launcher.samplers import SAMPLERS, draw_parameters
 from melissa_dl.buffers import BUFFER_KINDS
 from melissa_dl.errors import ConfigError
+from melissa_dl.logs import LEVELS
 from melissa_dl.protocol import DTYPES, MAX_NDIM
 
 MiB = 1 << 20
@@ -156,6 +157,11 @@ class ServerConfig:
     status_interval: float = option(5.0, positive=True, doc="Seconds between two status lines of rank 0.")
     control_interval: float = option(0.2, positive=True,
         doc="Seconds between two synchronisations of the ranks' bookkeeping.")
+    log_level: Literal[LEVELS] | dict[str, Literal[LEVELS]] = option(
+        "INFO", doc="Level of the server's own log lines; or an object `logger: level`, e.g. "
+        "`{\"melissa_dl\": \"DEBUG\", \"my_library\": \"INFO\"}`. Other libraries' loggers show WARNING and "
+        "above unless named here."
+    )
 
     def check(self) -> None:
         _require(0 <= self.handshake_port < 1 << 16, "server.handshake_port", "not a port number")

@@ -315,6 +315,6 @@ def serve(config: Config, fresh: bool, export_model: bool) -> int:
             sys.stderr.write(f"melissa-server: {problem}\n")
         return EXIT_CONFIG
     install_abort_on_error(comm)
-    setup_logging(comm.Get_rank(), config.output_path / "logs")
+    setup_logging(comm.Get_rank(), config.output_path / "logs", config.server.log_level)
     raise_open_file_limit()
     return Server(config, comm, fresh=fresh, export_model=export_model).run()

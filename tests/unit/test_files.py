@@ -5,6 +5,7 @@ import errno
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,3 +121,26 @@ def test_a_log_file_that_cannot_be_written_says_so_once(tmp_path: Path, capsys: 
     err = capsys.readouterr().err
     assert err.count("logging to stderr only") == 1 and "Traceback" not in err and "Logging error" not in err
     assert all(f"line {n}" in err for n in range(3))
+
+
+@pytest.mark.parametrize("levels", ["INFO", {"pde": "INFO"}])
+def test_other_libraries_info_lines_stay_out_of_the_log_unless_named(tmp_path: Path, levels: Any) -> None:
+    """A training module's library logging at INFO filled 252 of 321 lines of a study's log (issue 13, item 5)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        setup_logging(0, tmp_path, levels)
+        logging.getLogger("melissa_dl.study").info("ours")
+        logging.getLogger("pde").info("theirs")
+        logging.getLogger("pde.solver").warning("their warning")
+        logging.getLogger("other").info("unnamed")
+        for handler in root.handlers:
+            handler.flush()
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name in ("pde", "melissa_dl", "launcher"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+    lines = (tmp_path / "rank0.log").read_text()
+    assert "ours" in lines and "their warning" in lines and "unnamed" not in lines
+    assert ("theirs" in lines) == (levels != "INFO")
