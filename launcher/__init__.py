@@ -4,7 +4,7 @@ The server decides what runs, retries and states; this package only runs process
 """
 from __future__ import annotations
 
-from launcher.jobs import SCHEDULERS, START_FAILED, JobTemplate, Launcher, make_scheduler
+from launcher.jobs import NOT_RUNNABLE, SCHEDULERS, START_FAILED, JobTemplate, Launcher, make_scheduler
 from launcher.samplers import SAMPLERS, draw_parameters
 from launcher.schedulers import (
     KILL_GRACE,
@@ -25,6 +25,7 @@ __all__ = [
     "Launcher",
     "LocalScheduler",
     "MpirunScheduler",
+    "NOT_RUNNABLE",
     "Scheduler",
     "child_environment",
     "draw_parameters",

@@ -7,6 +7,7 @@ since jobs die with the thread that started them (see
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -22,8 +23,13 @@ from melissa_dl.files import open_log
 
 logger = logging.getLogger(__name__)
 
-START_FAILED = 127
-"""Return code reported for an attempt whose process could not be started, as a shell would."""
+NOT_FOUND, NOT_EXECUTABLE = 127, 126
+"""Return codes of an attempt whose program does not exist or cannot run, as a shell gives: a relaunch fails
+the same way."""
+NOT_RUNNABLE = (NOT_EXECUTABLE, NOT_FOUND)
+START_FAILED = 125
+"""Return code of an attempt that could not start for another reason (no memory, a process limit, a scheduler
+that refused it): a relaunch may succeed."""
 TAIL = 300
 """Characters of an attempt's output end that go into its failure reason."""
 
@@ -82,7 +88,7 @@ class Launcher:
 
         An attempt that cannot even be started (e.g. its command does not
         exist, sbatch refuses it) is reported here too, with
-        :data:`START_FAILED`, so that the server handles it like any other
+        :data:`NOT_FOUND`, :data:`NOT_EXECUTABLE` or :data:`START_FAILED`, so that the server handles it like any other
         failed attempt; the error is written to its log, so that its failure
         reason says why.
         """
@@ -104,7 +110,7 @@ class Launcher:
                 logger.error("simulation %d attempt %d could not start: %s", simulation_id, attempt, error)
                 with open_log(log_path) as log:
                     log.write(f"could not start: {error}\n".encode())
-                ended.append((simulation_id, START_FAILED))
+                ended.append((simulation_id, _start_failure_code(error)))
                 continue
             self._jobs[simulation_id] = job
             logger.info(
@@ -117,16 +123,14 @@ class Launcher:
         return self._log_dir / f"simulation{simulation_id}.attempt{attempt}.log"
 
     def output_tail(self, simulation_id: int, attempt: int) -> str:
-        """``; output (LOG): ...`` with the end of an attempt's output, for its failure reason ('' if none)."""
-        path = self.log_path(simulation_id, attempt)
+        """The last lines of an attempt's output, joined by `` | `` (its own error, usually), '' if none."""
         try:
-            with open(path, "rb") as log:
+            with open(self.log_path(simulation_id, attempt), "rb") as log:
                 log.seek(max(0, log.seek(0, 2) - 4 * TAIL))
                 text = log.read().decode(errors="replace")
         except OSError:
             return ""
-        lines = " | ".join(line.strip() for line in text.splitlines() if line.strip())
-        return f"; output ({path}): {lines[-TAIL:]}" if lines else ""
+        return " | ".join(line.strip() for line in text.splitlines() if line.strip())[-TAIL:]
 
     def kill(self, simulation_id: int) -> None:
         """Kill the simulation's running job or drop it from the queue; poll will not report it.
@@ -170,3 +174,11 @@ class Launcher:
             job.kill(deadline)
         if jobs:
             logger.info("killed %d running simulations", len(jobs))
+
+
+def _start_failure_code(error: OSError) -> int:
+    if isinstance(error, FileNotFoundError):
+        return NOT_FOUND
+    if isinstance(error, PermissionError) or error.errno == errno.ENOEXEC:
+        return NOT_EXECUTABLE
+    return START_FAILED

@@ -105,6 +105,7 @@ class Assembler:
             fid: spec.layouts[name] for fid, name in enumerate(spec.fields) if spec.layouts and name in spec.layouts
         }
         self._changed: set[int] = set()
+        self._refused: dict[int, tuple[str, str]] = {}  # simulation -> kind and message of its first refused frame
 
     # -- frames ---------------------------------------------------------------
 
@@ -131,13 +132,17 @@ class Assembler:
         if attempt > current:
             self.start_attempt(sim, attempt)
         self._changed.add(sim)
-        if header.kind is Kind.DECLARE:
-            self._declare(header, decode_json(payload, f"simulation {sim} declaration"))
-            return None
-        if header.kind is Kind.FINALIZE:
-            self._finalize(header, decode_json(payload, f"simulation {sim} finalize"))
-            return None
-        return self._data(header, payload)
+        try:
+            if header.kind is Kind.DECLARE:
+                self._declare(header, decode_json(payload, f"simulation {sim} declaration"))
+                return None
+            if header.kind is Kind.FINALIZE:
+                self._finalize(header, decode_json(payload, f"simulation {sim} finalize"))
+                return None
+            return self._data(header, payload)
+        except ProtocolError as error:  # a frame of the running attempt, with its credentials: its failure says so
+            self._refused.setdefault(sim, (error.kind, str(error)))
+            raise
 
     def _declare(self, header: Header, body: object) -> None:
         sim, crank, csize = header.simulation_id, header.client_rank, header.client_size
@@ -304,6 +309,11 @@ class Assembler:
         """Progress of the simulations that saw any frame since the last call."""
         changed, self._changed = self._changed, set()
         return {s: self.progress(s) for s in changed}
+
+    def take_refused(self) -> dict[int, tuple[str, str]]:
+        """The first frame refused of each simulation since the last call: kind and message."""
+        refused, self._refused = self._refused, {}
+        return refused
 
     def progress(self, sim: int) -> Progress:
         stream = self._streams.get(sim)

@@ -39,6 +39,7 @@ class ReceiverReport:
 
     progress: dict[int, Progress] = field(default_factory=dict)
     active: set[int] = field(default_factory=set)  # simulations that sent anything since the last report
+    refused: dict[int, tuple[str, str]] = field(default_factory=dict)  # simulation -> its first frame refused
     blocked: bool = False  # the buffer made the receiver wait since the last report
     bytes_received: int = 0
     samples: int = 0
@@ -158,6 +159,7 @@ class Receiver(ServerSocketThread):
             report = ReceiverReport(
                 progress=progress,
                 active=set(progress),
+                refused=self._assembler.take_refused(),
                 blocked=self._blocked,
                 bytes_received=self._assembler.bytes_received,
                 samples=self._assembler.ledger.total(),

@@ -65,8 +65,10 @@ def final_report(
         "bytes_received": bytes_received,
         "throughput_MB_per_s": round(bytes_received / duration / MB, 3) if duration > 0 else 0.0,
         "per_rank_samples": [r.samples for r in reports],
+        "stopped_early": study.gave_up or None,
         "per_simulation": [
-            {"id": s.id, "state": s.state.value, "attempts": s.attempts, "samples": s.received, "reason": s.reason}
+            {"id": s.id, "state": s.state.value, "attempts": s.attempts, "samples": s.received, "reason": s.reason,
+             "log": s.log or None, "output": s.output or None}
             for s in study.simulations
         ],
         **(extra or {}),
@@ -91,10 +93,10 @@ def write_report(report: dict[str, Any], path: Path) -> None:
     if training is not None:
         first, last = training["first_validation_loss"], training["last_validation_loss"]
         logger.info(
-            "training: %d batches (%.1f batch/s), %d samples; validation loss %s; model saved to %s",
+            "training: %d batches (%.1f batch/s), %d samples; validation loss %s; %s",
             training["batches"], training["batches_per_s"], training["samples_trained"],
             f"{first:.4g} -> {last:.4g} ({first / last:.1f}x lower)" if first and last else "not measured",
-            training["model"],
+            f"model saved to {training['model']}" if training["model"] else "no model written: no simulation succeeded",
         )
     for sim in report["per_simulation"]:
         if sim["state"] != State.DONE.value or sim["attempts"] > 1:

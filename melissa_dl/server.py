@@ -249,6 +249,7 @@ class Server:
             handshake.expect,
             self.config.launcher.max_retries,
             self.config.launcher.simulation_timeout,
+            self.config.launcher.job_limit,
         )
         self._add_parts(version, Part(STUDY, Group(simulations=study, handshake_rejected=handshake.rejections),
                                       shared=True))
@@ -277,9 +278,11 @@ class Server:
         reports = self.comm.gather(self.receiver.report())
         consumed = self.comm.reduce(consumed)
         extra = {}
-        if trainer is not None:
-            model = trainer.save(self.config.output_path)
-            extra["training"] = {**trainer.summary.to_dict(), "samples_trained": consumed, "model": str(model)}
+        succeeded = self.comm.bcast(study.counts()["done"] > 0 if study is not None else None)
+        if trainer is not None:  # a model trained on no whole simulation is not worth a file that looks like one
+            model = trainer.save(self.config.output_path) if succeeded else None
+            extra["training"] = {**trainer.summary.to_dict(), "samples_trained": consumed,
+                                 "model": str(model) if model else None}
             if self.rank == 0:
                 resolved = json.dumps(self.config.to_dict(), indent=2).encode()
                 write_atomic(self.config.output_path / "config.json", resolved)

@@ -7,8 +7,14 @@ missing, exits 0 without finalizing (after ``EXIT_GRACE`` seconds in which
 its last frames could still be on their way), or sends nothing for
 ``simulation_timeout`` seconds while the server was ready to read is killed
 and relaunched until ``max_retries`` is spent, then reported failed with the
-reason. A simulation refused for a reason that a relaunch would meet again
-(wrong field layout, wrong client size) fails at once (:meth:`Study.fail`).
+reason. A simulation whose failure a relaunch would meet again fails at once:
+refused at the handshake for its field layout or client size
+(:meth:`Study.fail`), a program that cannot run (exit code 126 or 127), frames
+refused for what they hold (dtype, shape, unknown field, NaN), or a client
+usage error (``ClientError``, the last line of its output). Every failure
+reason carries the end of the attempt's output and its log's path. If no
+simulation succeeds among the first to end (the first wave of ``job_limit``,
+at least ``GIVE_UP_AFTER``), the study stops: the rest would fail the same way.
 
 The ranks follow the study through :meth:`Study.take_news`: each new attempt
 (so that they refuse the frames of the one it replaced) and each simulation
@@ -22,13 +28,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Sequence
 
-from launcher import Launcher
+from launcher import NOT_RUNNABLE, Launcher
 from melissa_dl.assembly import Progress
+from melissa_dl.handshake import DETERMINISTIC
 from melissa_dl.receiver import ReceiverReport
 
 logger = logging.getLogger(__name__)
 
 EXIT_GRACE = 5.0  # seconds a simulation that exited 0 has for its finalize messages to be counted
+REPEATED_REFUSALS = DETERMINISTIC | {"non_finite", "time_step", "undeclared"}  # kinds a relaunch sends again
+GIVE_UP_AFTER = 3  # failed simulations, and no success, before the study stops (at least the first wave's)
+CLIENT_ERROR = "ClientError"  # in the last line of an attempt's output: a mistake in the simulation's use of the API
 
 
 class State(str, Enum):
@@ -48,6 +58,9 @@ class Simulation:
     exit_code: int | None = None  # of the last attempt's process, once it ended
     last_activity: float | None = None  # when the last frame arrived, or the job started
     reason: str = ""  # why the last attempt failed
+    log: str = ""  # that attempt's log file
+    output: str = ""  # the end of that log: the simulation's own error, usually
+    refused: tuple[str, str] | None = None  # kind and message of the running attempt's first refused frame
     progress: list[Progress] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -79,6 +92,7 @@ class Study:
         expect: Callable[[int, int | None], None],
         max_retries: int,
         timeout: float,
+        first_wave: int = 1 << 32,
     ) -> None:
         self.simulations = [Simulation(s, server_size) for s in range(simulations)]
         self._launcher = launcher
@@ -86,6 +100,8 @@ class Study:
         self._expect = expect
         self._max_retries = max_retries
         self._timeout = timeout
+        self._give_up_after = min(max(first_wave, GIVE_UP_AFTER), simulations)
+        self.gave_up = ""  # why the study stopped before every simulation ran, if it did
         self._attempts_started: dict[int, int] = {}
         self._ended: list[int] = []
 
@@ -99,7 +115,7 @@ class Study:
         """Before ``start``, after a restart: each simulation's attempts and failures, and which ones ended."""
         for sim, saved in zip(self.simulations, state):
             sim.attempts, sim.failures = saved.get("attempts", 0), saved.get("failures", 0)
-            sim.reason = saved.get("reason", "")
+            sim.reason, sim.log, sim.output = saved.get("reason", ""), saved.get("log", ""), saved.get("output", "")
             if saved.get("state") in (State.DONE, State.FAILED):
                 sim.state = State(saved["state"])
 
@@ -109,7 +125,7 @@ class Study:
         A queued attempt never ran, so it is not counted: the restart submits it again under its number.
         """
         return [{"state": s.state.value, "attempts": s.attempts - (s.state is State.QUEUED), "failures": s.failures,
-                 "reason": s.reason} for s in self.simulations]
+                 "reason": s.reason, "log": s.log, "output": s.output} for s in self.simulations]
 
     def _launch(self, sim: Simulation) -> None:
         sim.state = State.QUEUED
@@ -117,6 +133,7 @@ class Study:
         # the new attempt announces its steps anew; a stale announcement could fail it before its frames are read
         sim.progress = [Progress(p.received, None) for p in sim.progress]
         sim.last_activity = None
+        sim.refused = None
         self._expect(sim.id, sim.attempts)
         self._attempts_started[sim.id] = sim.attempts
         self._launcher.submit(sim.id, sim.attempts, self._environment(sim.id, sim.attempts))
@@ -139,10 +156,7 @@ class Study:
         if sim.state not in (State.QUEUED, State.RUNNING):
             return
         self._launcher.kill(sim.id)
-        sim.reason = reason
-        sim.failures += 1
-        self._end(sim, State.FAILED)
-        logger.error("simulation %d failed at attempt %d, not retried: %s", sim.id, sim.attempts - 1, reason)
+        self._failed(sim, reason, retry=False)
 
     def tick(self, reports: Sequence[ReceiverReport], now: float | None = None) -> None:
         """Merge the ranks' reports, reap jobs and decide each running simulation's fate."""
@@ -153,6 +167,8 @@ class Study:
                 self.simulations[sid].progress[rank] = progress
             for sid in report.active:
                 self.simulations[sid].last_activity = now
+            for sid, refused in report.refused.items():
+                self.simulations[sid].refused = self.simulations[sid].refused or refused  # the first says most
         for sid, code in self._launcher.poll():
             self.simulations[sid].exit_code = code
         running = self._launcher.running()
@@ -176,24 +192,50 @@ class Study:
             if backpressure:
                 sim.last_activity = now  # a stalled server is not the simulation's fault
             if sim.exit_code not in (None, 0):
-                self._retry(sim, f"exit code {sim.exit_code}{self._launcher.output_tail(sim.id, sim.attempts - 1)}")
+                self._failed(sim, f"exit code {sim.exit_code}", retry=sim.exit_code not in NOT_RUNNABLE)
             elif sim.exit_code == 0 and sim.announced:
-                self._retry(sim, "exited with steps missing")
+                self._failed(sim, "exited with steps missing")
             elif sim.exit_code == 0 and now - sim.last_activity > EXIT_GRACE:  # type: ignore[operator]
-                self._retry(sim, "exited 0 without finalize")
+                self._failed(sim, "exited 0 without finalize")
             elif now - sim.last_activity > self._timeout:  # type: ignore[operator]
                 self._launcher.kill(sim.id)
-                self._retry(sim, f"no data for {self._timeout:g} s")
+                self._failed(sim, f"no data for {self._timeout:g} s")
+        self._give_up_if_hopeless()
 
-    def _retry(self, sim: Simulation, reason: str) -> None:
-        sim.reason = reason
+    def _failed(self, sim: Simulation, cause: str, retry: bool = True) -> None:
+        """An attempt failed for ``cause``: relaunch it, unless retries are spent or a relaunch would fail the same
+        way (``retry`` False, a frame refused for what it holds, or a ``ClientError``)."""
+        attempt = sim.attempts - 1
+        sim.log, sim.output = str(self._launcher.log_path(sim.id, attempt)), self._launcher.output_tail(sim.id, attempt)
+        if sim.refused is not None:
+            cause += f"; its frames were refused: {sim.refused[1]}"
+        retry = retry and (sim.refused is None or sim.refused[0] not in REPEATED_REFUSALS) \
+            and CLIENT_ERROR not in sim.output.rsplit(" | ", 1)[-1]
+        sim.reason = f"{cause}; output ({sim.log}): {sim.output}" if sim.output else cause
         sim.failures += 1
-        if sim.failures > self._max_retries:
-            self._end(sim, State.FAILED)
-            logger.error("simulation %d failed after %d attempts: %s", sim.id, sim.attempts, reason)
+        where = "" if sim.output else f" (log {sim.log})"
+        if retry and sim.failures <= self._max_retries:
+            logger.warning("simulation %d attempt %d: %s%s; relaunching", sim.id, attempt, sim.reason, where)
+            self._launch(sim)
             return
-        logger.warning("simulation %d attempt %d: %s; relaunching", sim.id, sim.attempts - 1, reason)
-        self._launch(sim)
+        self._end(sim, State.FAILED)
+        logger.error("simulation %d failed %s: %s%s", sim.id,
+                     f"after {sim.attempts} attempts" if retry else f"at attempt {attempt}, not retried", sim.reason,
+                     where)
+
+    def _give_up_if_hopeless(self) -> None:
+        """Stop the study when the first simulations to end all failed."""
+        counts = self.counts()
+        if self.gave_up or counts[State.DONE.value] or counts[State.FAILED.value] < self._give_up_after:
+            return
+        self.gave_up = f"the first {counts[State.FAILED.value]} simulations to end all failed"
+        for sim in self.simulations:
+            if sim.state in (State.QUEUED, State.RUNNING):
+                self._launcher.kill(sim.id)
+                sim.reason = f"not run to its end: {self.gave_up}"
+                self._end(sim, State.FAILED)
+        logger.error("stopping the study: %s (their reasons are above); fix the simulation and run again with "
+                     "--fresh", self.gave_up)
 
     @property
     def over(self) -> bool:

@@ -11,6 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import HERE, TOY_SIM, run_server, study_config
+from melissa_dl.status import EXIT_FAILED_SIMULATIONS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -84,3 +85,26 @@ def test_a_rank_starved_by_routing_ends_the_job_with_a_clear_error(tmp_path: Pat
     run = run_server(tmp_path, config, ranks=2, timeout=60)
     assert run.code != 0
     assert "TrainingStalled: training stalled for 3 s: 1 of 2 ranks have no batch while 1 have a full buffer" in run.log
+
+
+def test_a_study_whose_simulations_all_fail_stops_early_and_writes_no_model(tmp_path: Path, output: Path) -> None:
+    """NaN from step 3 on: each simulation fails at once with the refusal as its reason (a relaunch would send
+    the same NaN), the study stops after the first wave instead of running all six, and no untrained model.pt
+    is written (issue 13, item 2)."""
+    command = [sys.executable, TOY_SIM, "--nan-at", "3", "--step-delay", "0.05"]
+    config = study_config(output, command, study={"simulations": 6},
+                          launcher={"max_retries": 2, "job_limit": 1})
+    config["training"] = training()
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == EXIT_FAILED_SIMULATIONS, run.log
+    assert run.report is not None
+    sims = run.report["per_simulation"]
+    assert [s["attempts"] for s in sims[:3]] == [1, 1, 1] and run.report["simulations"]["failed"] == 6
+    assert all("exited with steps missing; its frames were refused: simulation" in s["reason"]
+               and "NaN or infinite values" in s["reason"] for s in sims[:3]), sims
+    assert sims[0]["log"] == str(output / "simulations" / "simulation0.attempt0.log")
+    assert run.report["stopped_early"] == "the first 3 simulations to end all failed"
+    started = [s for s in range(3, 6) if (output / "simulations" / f"simulation{s}.attempt0.log").exists()]
+    assert len(started) <= 1, started  # the rest never ran (the next one may have started)
+    assert "stopping the study" in run.log and "no model written: no simulation succeeded" in run.log
+    assert run.report["training"]["model"] is None and not (output / "model.pt").exists()

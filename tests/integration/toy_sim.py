@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--odd-simulation", type=int, default=-1)
     parser.add_argument("--odd-dtype", default="float32")
     parser.add_argument("--odd-shape", type=int, nargs="+")
+    parser.add_argument("--nan-at", type=int, default=-1, help="send NaN values from this step on")
     args = parser.parse_args()
     comm = None
     if args.mpi:
@@ -55,7 +56,7 @@ def main() -> None:
             client.close()
             return
         time.sleep(args.step_delay)
-        value = client.simulation_id * 1000 + t + rank * 0.5
+        value = client.simulation_id * 1000 + t + rank * 0.5 if not 0 <= args.nan_at <= t else np.nan
         client.send("field", t, np.full(shape, value, dtype=dtype))
     client.finalize()
 

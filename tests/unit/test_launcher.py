@@ -1,6 +1,7 @@
 """Launcher and schedulers on real processes: limits, return codes, kills, MPI isolation."""
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -9,10 +10,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from launcher.jobs import START_FAILED, Launcher
+from launcher.jobs import NOT_EXECUTABLE, NOT_FOUND, START_FAILED, Launcher
 from launcher.schedulers import KILL_GRACE, LocalScheduler, MpirunScheduler, child_environment
 
 pytestmark = pytest.mark.timeout(60)
@@ -123,10 +125,28 @@ def test_unstartable_command_is_reported_as_failed(tmp_path: Path) -> None:
     scheduler = LocalScheduler([str(tmp_path / "no-such-simulation")], tmp_path)
     launcher = Launcher(scheduler, 1, tmp_path / "logs")
     launcher.submit(0, 0, {})
-    assert launcher.poll() == [(0, START_FAILED)]
+    assert launcher.poll() == [(0, NOT_FOUND)]
     assert launcher.running() == set()
     assert launcher.output_tail(0, 0).endswith(f"could not start: [Errno 2] No such file or directory: "
                                                f"'{tmp_path / 'no-such-simulation'}'")
+
+
+def test_a_program_that_cannot_run_and_one_that_could_not_start_get_distinct_codes(tmp_path: Path) -> None:
+    """A shell's 126 for a file that is not executable (a relaunch fails the same way); START_FAILED for a start
+    that may succeed later (here: a fork refused)."""
+    program = tmp_path / "simulation.sh"
+    program.write_text("#!/bin/sh\n")
+    launcher = Launcher(LocalScheduler([str(program)], tmp_path), 1, tmp_path / "logs")
+    launcher.submit(0, 0, {})
+    assert launcher.poll() == [(0, NOT_EXECUTABLE)]
+
+    class Refused(LocalScheduler):
+        def start(self, *args: Any) -> Any:
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    launcher = Launcher(Refused(["true"], tmp_path), 1, tmp_path / "logs")
+    launcher.submit(1, 0, {})
+    assert launcher.poll() == [(1, START_FAILED)]
 
 
 def test_kill_stops_job_without_grace_and_poll_does_not_report_it(tmp_path: Path) -> None:

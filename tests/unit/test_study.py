@@ -1,14 +1,16 @@
 """Rank 0's study bookkeeping, driven through a fake launcher and hand-made rank reports."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 import pytest
 
-from launcher import START_FAILED
+from launcher import NOT_RUNNABLE, START_FAILED
 from melissa_dl.assembly import Progress
 from melissa_dl.receiver import ReceiverReport
-from melissa_dl.study import EXIT_GRACE, State, Study
+from melissa_dl.report import final_report
+from melissa_dl.study import EXIT_GRACE, GIVE_UP_AFTER, State, Study
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,6 +27,7 @@ class FakeLauncher:
         self.waiting: list[int] = []
         self.active: set[int] = set()
         self.ended: list[tuple[int, int]] = []
+        self.outputs: dict[tuple[int, int], str] = {}  # (simulation, attempt) -> the end of its log
 
     def submit(self, simulation_id: int, attempt: int, env: dict[str, str]) -> None:
         self.submitted.append((simulation_id, attempt, env))
@@ -35,7 +38,10 @@ class FakeLauncher:
         return ended
 
     def output_tail(self, simulation_id: int, attempt: int) -> str:
-        return ""
+        return self.outputs.get((simulation_id, attempt), "")
+
+    def log_path(self, simulation_id: int, attempt: int) -> Path:
+        return Path(f"simulations/simulation{simulation_id}.attempt{attempt}.log")
 
     def kill(self, simulation_id: int) -> None:
         self.killed.append(simulation_id)
@@ -67,14 +73,15 @@ class FakeLauncher:
 
 
 class Harness:
-    def __init__(self, simulations: int = 2, max_retries: int = 2, restored: list[dict] | None = None) -> None:
+    def __init__(self, simulations: int = 2, max_retries: int = 2, restored: list[dict] | None = None,
+                 first_wave: int = 1 << 32) -> None:
         self.launcher = FakeLauncher()
         self.expected: list[tuple[int, int | None]] = []
         self.study = Study(
             simulations, RANKS, self.launcher,  # type: ignore[arg-type]
             environment=lambda sim, attempt: {"SIM": str(sim), "ATTEMPT": str(attempt)},
             expect=lambda sim, attempt: self.expected.append((sim, attempt)),
-            max_retries=max_retries, timeout=TIMEOUT,
+            max_retries=max_retries, timeout=TIMEOUT, first_wave=first_wave,
         )
         if restored is not None:
             self.study.load_state_dict(restored)
@@ -319,3 +326,85 @@ def test_a_deterministic_refusal_fails_the_simulation_at_once_without_retry(h: H
     h.study.fail(0, "again")  # a second refusal of the same attempt changes nothing
     h.tick(TIMEOUT * 3, *reports(active=[1]))
     assert h.launcher.attempts(0) == [0] and sim.reason.startswith("handshake:") and h.state(1) is State.RUNNING
+
+
+def test_a_failure_carries_the_end_of_the_simulations_output_and_its_log(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    """The reason a user needs is the simulation's own exception, in its log (issue 13, item 1)."""
+    h.running(0.0, 0)
+    h.launcher.outputs[(0, 0)] = "Traceback (most recent call last): | ValueError: grid too coarse"
+    h.launcher.exit(0, 1)
+    h.tick(1.0)
+    sim = h.study.simulations[0]
+    assert (sim.log, sim.output) == ("simulations/simulation0.attempt0.log", h.launcher.outputs[(0, 0)])
+    assert sim.reason == "exit code 1; output (simulations/simulation0.attempt0.log): Traceback (most recent call " \
+        "last): | ValueError: grid too coarse"
+    assert "simulation 0 attempt 0: exit code 1; output (simulations/simulation0.attempt0.log): Traceback " \
+        "(most recent call last): | ValueError: grid too coarse; relaunching" in caplog.text
+    entry = final_report(h.study, reports(), {}, 0, 1.0, None)["per_simulation"][0]
+    assert (entry["log"], entry["output"]) == (sim.log, sim.output)
+
+
+@pytest.mark.parametrize("code", NOT_RUNNABLE)
+def test_a_program_that_cannot_run_fails_at_once(h: Harness, code: int, caplog: pytest.LogCaptureFixture) -> None:
+    h.launcher.outputs[(0, 0)] = "bash: sim.sh: No such file or directory"
+    h.launcher.exit(0, code)
+    h.tick(1.0)
+    assert (h.state(0), h.launcher.attempts(0)) == (State.FAILED, [0])
+    assert f"simulation 0 failed at attempt 0, not retried: exit code {code}; output" in caplog.text
+    h.launcher.exit(1, code)  # without output, the line still names the log
+    h.tick(2.0)
+    assert f"not retried: exit code {code} (log simulations/simulation1.attempt0.log)" in caplog.text
+
+
+def test_frames_refused_for_what_they_hold_fail_the_simulation_at_once(h: Harness) -> None:
+    """A NaN field is sent again by a relaunch with the same parameters: the reason names the refusal."""
+    h.running(0.0, 0, 1)
+    refused = reports({0: [(3, 4), (0, 4)]})
+    refused[1].refused[0] = ("non_finite", "simulation 0, step 3: field 'u': NaN or infinite values")
+    h.launcher.exit(0, 0)
+    h.tick(1.0, *refused)
+    sim = h.study.simulations[0]
+    assert (sim.state, h.launcher.attempts(0)) == (State.FAILED, [0])
+    assert sim.reason == "exited with steps missing; its frames were refused: simulation 0, step 3: field 'u': " \
+        "NaN or infinite values"
+    h.launcher.exit(1, 0)  # another kind of refusal (a stale attempt's frame) is no reason to give up the simulation
+    stale = reports({1: [(1, 4), (0, 4)]})
+    stale[0].refused[1] = ("routing", "simulation 1, step 0: sent to rank 0, not its owner")
+    h.tick(2.0, *stale)
+    assert h.launcher.attempts(1) == [0, 1]
+
+
+def test_a_client_usage_error_is_not_retried(h: Harness) -> None:
+    h.running(0.0, 0)
+    h.launcher.outputs[(0, 0)] = "Traceback | melissa_dl.errors.ClientError: field 'u': got float64[4], declared " \
+        "float32[4]"
+    h.launcher.exit(0, 1)
+    h.tick(1.0)
+    assert (h.state(0), h.launcher.attempts(0)) == (State.FAILED, [0])
+
+
+def test_a_study_whose_first_simulations_all_fail_stops(caplog: pytest.LogCaptureFixture) -> None:
+    """Instead of running every simulation to failure and writing an untrained model (issue 13, item 2)."""
+    h = Harness(simulations=6, max_retries=0, first_wave=2)
+    h.running(0.0, 0, 1, 2, 3)
+    for sim in (0, 1):
+        h.launcher.exit(sim, 1)
+    h.tick(1.0)
+    assert not h.study.gave_up and h.state(2) is State.RUNNING  # 2 failures: fewer than GIVE_UP_AFTER
+    h.launcher.exit(2, 1)
+    h.tick(2.0)
+    assert h.study.gave_up == f"the first {GIVE_UP_AFTER} simulations to end all failed"
+    assert all(h.state(s) is State.FAILED for s in range(6)) and set(h.launcher.killed) >= {3, 4, 5}
+    assert h.study.simulations[5].reason.startswith("not run to its end: the first 3 simulations")
+    assert "stopping the study" in caplog.text
+
+
+def test_one_success_keeps_the_study_going() -> None:
+    h = Harness(simulations=6, max_retries=0, first_wave=1)
+    h.running(0.0, 0, 1, 2, 3)
+    h.tick(0.5, *reports({0: [(2, 2), (2, 2)]}))
+    for sim in (1, 2, 3):
+        h.launcher.exit(sim, 1)
+    h.tick(1.0)
+    assert not h.study.gave_up and h.state(4) is State.QUEUED
