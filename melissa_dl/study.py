@@ -11,10 +11,13 @@ reason. A simulation whose failure a relaunch would meet again fails at once:
 refused at the handshake for its field layout or client size
 (:meth:`Study.fail`), a program that cannot run (exit code 126 or 127), frames
 refused for what they hold (dtype, shape, unknown field, NaN), or a client
-usage error (``ClientError``, the last line of its output). Every failure
+usage error (``ClientError``, the last line of its output). An attempt that
+exited 0 with frames refused for what they hold (dtype, shape, unknown
+field, NaN) failed for them, and a relaunch would send them again. Every failure
 reason carries the end of the attempt's output and its log's path. If no
 simulation succeeds among the first to end (the first wave of ``job_limit``,
-at least ``GIVE_UP_AFTER``), the study stops: the rest would fail the same way.
+at least ``GIVE_UP_AFTER``), the study launches nothing more: the rest would
+fail the same way.
 
 The ranks follow the study through :meth:`Study.take_news`: each new attempt
 (so that they refuse the frames of the one it replaced) and each simulation
@@ -203,13 +206,15 @@ class Study:
         self._give_up_if_hopeless()
 
     def _failed(self, sim: Simulation, cause: str, retry: bool = True) -> None:
-        """An attempt failed for ``cause``: relaunch it, unless retries are spent or a relaunch would fail the same
-        way (``retry`` False, a frame refused for what it holds, or a ``ClientError``)."""
+        """An attempt failed for ``cause``: relaunch it, unless retries are spent, the study gave up, or a relaunch
+        would fail the same way (``retry`` False; an attempt that exited 0 but had frames refused for what they
+        hold; a ``ClientError``)."""
         attempt = sim.attempts - 1
         sim.log, sim.output = str(self._launcher.log_path(sim.id, attempt)), self._launcher.output_tail(sim.id, attempt)
         if sim.refused is not None:
             cause += f"; its frames were refused: {sim.refused[1]}"
-        retry = retry and (sim.refused is None or sim.refused[0] not in REPEATED_REFUSALS) \
+        refused_content = sim.exit_code == 0 and sim.refused is not None and sim.refused[0] in REPEATED_REFUSALS
+        retry = retry and not refused_content and not self.gave_up \
             and CLIENT_ERROR not in sim.output.rsplit(" | ", 1)[-1]
         sim.reason = f"{cause}; output ({sim.log}): {sim.output}" if sim.output else cause
         sim.failures += 1
@@ -224,15 +229,16 @@ class Study:
                      where)
 
     def _give_up_if_hopeless(self) -> None:
-        """Stop the study when the first simulations to end all failed."""
+        """Launch nothing more when the first simulations to end all failed; the running ones may finish."""
         counts = self.counts()
         if self.gave_up or counts[State.DONE.value] or counts[State.FAILED.value] < self._give_up_after:
             return
         self.gave_up = f"the first {counts[State.FAILED.value]} simulations to end all failed"
+        running = self._launcher.running()
         for sim in self.simulations:
-            if sim.state in (State.QUEUED, State.RUNNING):
-                self._launcher.kill(sim.id)
-                sim.reason = f"not run to its end: {self.gave_up}"
+            if sim.state is State.QUEUED and sim.id not in running:
+                self._launcher.kill(sim.id)  # out of the queue
+                sim.reason = f"not run: {self.gave_up}"
                 self._end(sim, State.FAILED)
         logger.error("stopping the study: %s (their reasons are above); fix the simulation and run again with "
                      "--fresh", self.gave_up)
