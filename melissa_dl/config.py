@@ -169,7 +169,9 @@ class ServerConfig:
 
 @dataclass
 class BufferConfig:
-    kind: Literal[BUFFER_KINDS] = option("fifo", doc="Buffer policy (see README).")
+    kind: Literal[BUFFER_KINDS] = option(
+        "reservoir", doc="Buffer policy (README, Buffers); `reservoir` trains while simulations are slower than training."
+    )
     capacity_samples: int | None = option(1000, positive=True, doc="Samples a rank's buffer holds at most.")
     capacity_bytes: int | None = option(None, positive=True, doc="Bytes a rank's buffer holds at most.")
     per_server_watermark: int = option(1, minimum=1, doc="Samples a rank must receive before it serves any.")
@@ -215,11 +217,12 @@ class LauncherConfig:
     slurm: SlurmConfig = option(SlurmConfig, doc="Options of each simulation's job (scheduler `slurm`).")
     job_limit: int = option(4, minimum=1, doc="Simulations running at once.")
     simulation_timeout: float = option(
-        300.0, positive=True, doc="Seconds without data from a running simulation before it is killed and relaunched."
+        120.0, positive=True, doc="Seconds without data from a running simulation before it is killed and relaunched "
+        "(raise it for simulations slower than that between two steps)."
     )
     max_retries: int = option(2, minimum=0, doc="Relaunches of a failed simulation before it is reported failed.")
     client_timeout: float = option(
-        300.0, positive=True,
+        60.0, positive=True,
         doc="Seconds a client waits for an unreachable server (no connection, no heartbeat) before failing; "
         "back-pressure is waited out however long."
     )

@@ -61,11 +61,12 @@ def test_minimal_config_gets_the_documented_defaults() -> None:
     assert (config.server.interface, config.server.handshake_port) == ("127.0.0.1", 0)
     assert (config.server.max_message_bytes, config.server.receive_queue_bytes) == (64 * MiB, 256 * MiB)
     assert config.server.bind_simulation_to_server_rank is False and config.server.reject_non_finite is True
-    assert (config.buffer.kind, config.buffer.capacity_samples, config.buffer.capacity_bytes) == ("fifo", 1000, None)
+    assert (config.buffer.kind, config.buffer.capacity_samples, config.buffer.capacity_bytes) == ("reservoir", 1000,
+                                                                                                   None)
     assert (config.buffer.per_server_watermark, config.buffer.pseudo_epochs) == (1, 1)
     launcher = config.launcher
     assert (launcher.scheduler, launcher.client_ranks, launcher.job_limit, launcher.max_retries) == ("local", 1, 4, 2)
-    assert (launcher.simulation_timeout, launcher.env) == (300.0, {})
+    assert (launcher.simulation_timeout, launcher.client_timeout, launcher.env) == (120.0, 60.0, {})
     assert config.output_dir == "output"
     assert config.base_dir == BASE
     assert config.output_path == BASE / "output"

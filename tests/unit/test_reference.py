@@ -29,7 +29,7 @@ def test_every_option_has_a_row_with_its_default() -> None:
     rows = {key: (kind, default) for key, kind, default, _ in reference.rows()}
     assert rows["launcher.slurm.partition"] == ("string or null", "`null`")
     assert rows["study.parameters[].low"] == ("number", "required")
-    assert rows["buffer.kind"] == ('one of "fifo", "firo", "reservoir"', '`"fifo"`')
+    assert rows["buffer.kind"] == ('one of "fifo", "firo", "reservoir"', '`"reservoir"`')
     assert "launcher.slurm" not in rows and "training" not in rows  # sections: their options only
 
 
