@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -20,13 +21,16 @@ from melissa_dl.errors import ConfigError
 from melissa_dl.files import check_writable
 from melissa_dl.module import check_options, load_module_class
 from melissa_dl.mpi import first_of_launch
+from melissa_dl.progress import show_status
 from melissa_dl.status import EXIT_CONFIG
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="melissa-server",
                                      description="Online-learning server for simulation ensembles.")
-    parser.add_argument("config", help="the study's JSON configuration")
+    parser.add_argument("config", nargs="?", help="the study's JSON configuration")
+    parser.add_argument("--status", metavar="OUTPUT_DIR", type=Path,
+                        help="print the latest status of the study writing into OUTPUT_DIR (running or not), and exit")
     parser.add_argument("--check", action="store_true",
                         help="check the configuration, that output_dir can be written, that the simulation's program "
                         "exists and that the training module builds; print the configuration resolved, and exit")
@@ -35,7 +39,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "instead of resuming")
     parser.add_argument("--export-model", action="store_true",
                         help="write model.pt from the latest checkpoint (on any number of ranks) and exit")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.config is None) == (args.status is None):
+        parser.error("give a configuration file, or --status OUTPUT_DIR")
+    return args
 
 
 def check_study(config: Config, build: bool) -> None:
@@ -63,6 +70,8 @@ def check_study(config: Config, build: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.status is not None:
+        return print_status(args.status)
     try:
         config = load_config(args.config)
         check_study(config, build=args.check)
@@ -76,3 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     from melissa_dl.server import serve  # only now: MPI and the training machinery
 
     return serve(config, fresh=args.fresh, export_model=args.export_model)
+
+
+def print_status(output: Path) -> int:
+    try:
+        sys.stdout.write(show_status(output) + "\n")
+    except (OSError, ValueError, KeyError) as error:  # no file yet, or not one of ours
+        sys.stderr.write(f"melissa-server: no status in {output} ({error}); has the server started there?\n")
+        return EXIT_CONFIG
+    return 0

@@ -38,7 +38,7 @@ from melissa_dl.handshake import HandshakeServer
 from melissa_dl.mpi import Comm, GracefulStop
 from melissa_dl.receiver import Receiver
 from melissa_dl.recovery import Checkpointer
-from melissa_dl.report import StatusLine
+from melissa_dl.progress import StatusBoard
 from melissa_dl.sample import Sample
 from melissa_dl.study import Study
 from melissa_dl.training import Trainer
@@ -66,7 +66,7 @@ class Bookkeeping:
 
     def __init__(self, comm: Comm, receiver: Receiver, interval: float, heartbeat: Path,
                  study: Study | None = None, handshake: HandshakeServer | None = None,
-                 status: StatusLine | None = None) -> None:
+                 status: StatusBoard | None = None) -> None:
         self.comm = comm
         self.receiver = receiver
         self.interval = interval
@@ -81,9 +81,10 @@ class Bookkeeping:
         """Also after the study is over: draining the buffers still commits checkpoints and beats the heart."""
         return time.monotonic() >= self.next_sync
 
-    def sync(self, consumed: int) -> None:
-        """Collective: rank 0 learns what every rank received and ``consumed``, advances the study and tells
-        the ranks which attempts are current, which simulations finished, and whether the study is over."""
+    def sync(self, consumed: int, training: dict[str, Any] | None = None) -> None:
+        """Collective: rank 0 learns what every rank received and ``consumed``, advances the study, shows where
+        it and ``training`` stand, and tells the ranks which attempts are current, which simulations finished,
+        and whether the study is over."""
         self.receiver.check()
         reports = self.comm.gather(self.receiver.report())
         consumed = self.comm.reduce(consumed)
@@ -95,7 +96,7 @@ class Bookkeeping:
             for sim, reason in self.handshake.take_failures():
                 self.study.fail(sim, reason)
             self.study.tick(reports)
-            self.status.maybe_log(time.monotonic(), self.study, reports, consumed)
+            self.status.update(time.monotonic(), self.study, reports, consumed, training)
             over, news = self.study.over, self.study.take_news()
         was_over = self.over
         self.over, news = self.comm.bcast((over, news))
@@ -124,6 +125,7 @@ class Loop:
         self.stop = stop
         self.checkpointer = checkpointer
         self.consumed: Callable[[], int] = lambda: 0  # samples taken from this rank's buffer so far
+        self.training: Callable[[], dict[str, Any] | None] = lambda: None  # where training stands, for the status
 
     def train(self, trainer: Trainer, next_batch: Callable[[float], Any], checkpoint_interval: int) -> Outcome:
         """Train in lockstep; snapshot every ``checkpoint_interval`` batches and at the end, unless stopped
@@ -137,6 +139,7 @@ class Loop:
                 checkpointer.snapshot(summary.batches, summary.samples)
 
         self.consumed = lambda: summary.samples
+        self.training = trainer.status
         trainer.begin()
         start = time.monotonic()
         outcome = self._rounds(next_batch, step, trainer.options.stall_timeout)
@@ -180,7 +183,7 @@ class Loop:
             ready = pending is not None and pending is not END
             self._exchange(flags, ready, pending is END)
             if flags[DUE]:
-                self.bookkeeping.sync(self.consumed())
+                self.bookkeeping.sync(self.consumed(), self.training())
                 if self.checkpointer is not None:
                     self.checkpointer.sync()
             if flags[ENDED] >= (1 if synchronous else self.size):

@@ -1,4 +1,4 @@
-"""Rank 0's periodic status line and the study's final report."""
+"""The study's final report."""
 from __future__ import annotations
 
 import json
@@ -14,30 +14,6 @@ from melissa_dl.study import State, Study
 logger = logging.getLogger(__name__)
 
 MB = 1e6
-
-
-class StatusLine:
-    """Logs progress every ``interval`` seconds, with rates over that interval."""
-
-    def __init__(self, interval: float, start: float) -> None:
-        self._interval = interval
-        self._last_time = start
-        self._last_bytes = 0
-
-    def maybe_log(self, now: float, study: Study, reports: Sequence[ReceiverReport], consumed: int) -> None:
-        if now - self._last_time < self._interval:
-            return
-        received = sum(r.bytes_received for r in reports)
-        rate = (received - self._last_bytes) / (now - self._last_time) / MB
-        self._last_time, self._last_bytes = now, received
-        counts = study.counts()
-        rejected = sum(sum(r.rejected.values()) for r in reports)
-        logger.info(
-            "simulations %d done, %d running, %d queued, %d failed | samples %d received, %d consumed | "
-            "%.1f MB/s | buffers %d samples | %d frames refused",
-            counts["done"], counts["running"], counts["queued"], counts["failed"],
-            sum(r.samples for r in reports), consumed, rate, sum(r.buffer_size for r in reports), rejected,
-        )
 
 
 def final_report(

@@ -52,7 +52,8 @@ from melissa_dl.recovery import (
     restore,
     start_fresh,
 )
-from melissa_dl.report import StatusLine, final_report, write_report
+from melissa_dl.progress import StatusBoard
+from melissa_dl.report import final_report, write_report
 from melissa_dl.security import Security
 from melissa_dl.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
 from melissa_dl.study import Study
@@ -165,7 +166,7 @@ class Server:
         try:
             if self.rank == 0:
                 handshake, launcher, study = self._open_study(endpoints, version)
-            status = StatusLine(self.config.server.status_interval, start) if self.rank == 0 else None
+            status = self._status_board(start) if self.rank == 0 else None
             bookkeeping = Bookkeeping(self.comm, self.receiver, self.config.server.control_interval,
                                       self.config.output_path / HEARTBEAT, study, handshake, status)
             bookkeeping.beat()  # the restore and the start of the study may have taken a while
@@ -176,7 +177,7 @@ class Server:
             else:
                 loop = Loop(self.comm, bookkeeping, self.stop)
                 loop.drain()
-            return self._report(trainer, study, handshake, loop.consumed(), time.monotonic() - start)
+            return self._report(trainer, study, handshake, status, loop.consumed(), time.monotonic() - start)
         finally:
             if launcher is not None:
                 launcher.shutdown()
@@ -272,8 +273,13 @@ class Server:
                            checkpoint_root(self.config))
         return None
 
+    def _status_board(self, start: float) -> StatusBoard:
+        study = self.config.study
+        expected = study.simulations * study.time_steps if study.time_steps is not None else None
+        return StatusBoard(self.config.output_path, self.config.server.status_interval, start, expected)
+
     def _report(self, trainer: Trainer | None, study: Study | None, handshake: HandshakeServer | None,
-                consumed: int, duration: float) -> int:
+                status: StatusBoard | None, consumed: int, duration: float) -> int:
         """The final model, config and report; the exit code, the same on every rank."""
         reports = self.comm.gather(self.receiver.report())
         consumed = self.comm.reduce(consumed)
@@ -288,7 +294,8 @@ class Server:
                 write_atomic(self.config.output_path / "config.json", resolved)
         code = 0
         if self.rank == 0:
-            assert study is not None and handshake is not None
+            assert study is not None and handshake is not None and status is not None
+            status.finish(study, reports, consumed, trainer.status() if trainer is not None else None)
             report = final_report(study, reports, handshake.rejections.counts(), consumed, duration,
                                   self.config.study.time_steps, extra)
             write_report(report, self.config.output_path / "report.json")

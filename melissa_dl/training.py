@@ -113,6 +113,7 @@ class Trainer:
         self.dense = Dense(self)
         self.summary = TrainingSummary()
         self.rows_updated = 0  # embedding rows this rank updated since the last TensorBoard point
+        self.last_loss: float | None = None  # this rank's training loss at the last TensorBoard point
         self._last_log = (time.monotonic(), 0)  # time, batches
 
     def begin(self) -> None:
@@ -161,7 +162,14 @@ class Trainer:
         ):
             self.writer.add_scalar(tag, value, step)
         self.rows_updated = 0
+        self.last_loss = loss
         self._last_log = (now, step)
+
+    def status(self) -> dict[str, Any]:
+        """Where training stands, for the study's status: batches, the last losses logged."""
+        validation = self.summary.validation
+        return {"batches": self.summary.batches, "loss": self.last_loss,
+                "validation_loss": validation[-1][1] if validation else None}
 
     def validate_unless_done(self) -> None:
         """Validate, unless the model of this batch already was (by a step, or before a restart)."""

@@ -196,3 +196,34 @@ def test_check_builds_the_examples_training_modules_without_mpi(tmp_path: Path, 
     done = check(tmp_path, config)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["training"]["class_name"] == config["training"]["class_name"]
+
+
+def test_status_shows_a_running_study_from_another_shell_and_then_its_end(tmp_path: Path) -> None:
+    """``melissa-server --status OUTPUT_DIR`` reads what rank 0 rewrites every status interval (issue 13, item 3)."""
+    output = tmp_path / "out"
+    config = study_config(output, [sys.executable, TOY_SIM, "--step-delay", "0.3"],
+                          server={"status_interval": 0.5})
+    status = [*SERVER, "--status", str(output)]
+    early = subprocess.run(status, capture_output=True, text=True, timeout=60)
+    assert early.returncode == 2 and "no status in" in early.stderr, early  # nothing started yet
+    process = subprocess.Popen([MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)], env=clean_environment(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, shown = time.monotonic() + 60, ""
+        while "running" not in shown.split("\n", 1)[0]:
+            assert time.monotonic() < deadline and process.poll() is None, "no running status was shown"
+            time.sleep(0.2)
+            shown = subprocess.run(status, capture_output=True, text=True, timeout=60).stdout
+        assert re.search(r"\d+% done, \d+ s elapsed, about \d+ s left", shown), shown
+        assert re.search(r"simulations \d done, \d running, \d queued, 0 failed of 4", shown), shown
+        assert re.search(r"samples \d+ received of 40, \d+ consumed", shown), shown
+        log, _ = process.communicate(timeout=90)
+    finally:
+        process.kill()
+    assert process.returncode == 0, log
+    final = subprocess.run(status, capture_output=True, text=True, timeout=60)
+    assert final.returncode == 0 and "finished" in final.stdout.split("\n", 1)[0], final
+    assert "100% done" in final.stdout and "simulations 4 done, 0 running, 0 queued, 0 failed of 4" in final.stdout
+    history = [json.loads(line) for line in (output / "progress.jsonl").read_text().splitlines()]
+    assert len(history) >= 2 and history[-1]["state"] == "finished"
+    assert [h["samples"]["received"] for h in history] == sorted(h["samples"]["received"] for h in history)
