@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("config", nargs="?", help="the study's JSON configuration")
     parser.add_argument("--status", metavar="OUTPUT_DIR", type=Path,
                         help="print the latest status of the study writing into OUTPUT_DIR (running or not), and exit")
+    parser.add_argument("--plot", metavar="OUTPUT_DIR", type=Path,
+                        help="draw the PNGs of the study in OUTPUT_DIR (running or not) into that folder, and exit")
     parser.add_argument("--check", action="store_true",
                         help="check the configuration, that output_dir can be written, that the simulation's program "
                         "exists and that the training module builds; print the configuration resolved, and exit")
@@ -40,8 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--export-model", action="store_true",
                         help="write model.pt from the latest checkpoint (on any number of ranks) and exit")
     args = parser.parse_args(argv)
-    if (args.config is None) == (args.status is None):
-        parser.error("give a configuration file, or --status OUTPUT_DIR")
+    if [args.config, args.status, args.plot].count(None) != 2:
+        parser.error("give a configuration file, --status OUTPUT_DIR or --plot OUTPUT_DIR")
     return args
 
 
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.status is not None:
         return print_status(args.status)
+    if args.plot is not None:
+        return plot(args.plot)
     try:
         config = load_config(args.config)
         check_study(config, build=args.check)
@@ -93,4 +97,16 @@ def print_status(output: Path) -> int:
     except (OSError, ValueError, KeyError) as error:  # no file yet, or not one of ours
         sys.stderr.write(f"melissa-server: no status in {output} ({error}); has the server started there?\n")
         return EXIT_CONFIG
+    return 0
+
+
+def plot(output: Path) -> int:
+    from melissa_dl.plots import draw  # matplotlib: only when asked
+
+    try:
+        paths = draw(output)
+    except (OSError, ValueError, KeyError) as error:
+        sys.stderr.write(f"melissa-server: nothing to plot in {output} ({error}); has the server started there?\n")
+        return EXIT_CONFIG
+    sys.stdout.write("".join(f"{path}\n" for path in paths))
     return 0

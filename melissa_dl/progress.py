@@ -19,11 +19,11 @@ from typing import Any
 
 from melissa_dl.files import write_atomic
 from melissa_dl.receiver import ReceiverReport
+from melissa_dl.status import HISTORY, STATUS
 from melissa_dl.study import Study
 
 logger = logging.getLogger(__name__)
 
-STATUS, HISTORY = "status.json", "progress.jsonl"
 MB = 1e6
 
 

@@ -55,6 +55,7 @@ from melissa_dl.checkpoint import (
 from melissa_dl.config import Config
 from melissa_dl.errors import CheckpointCorrupt, ConfigError
 from melissa_dl.mpi import Comm
+from melissa_dl.status import HISTORY, STATUS
 from melissa_dl.serialization import dumps, loads
 from melissa_dl.snapshots import BackgroundWriter, release, settled
 
@@ -197,11 +198,13 @@ def checkpoint_root(config: Config) -> Path:
 
 
 def start_fresh(config: Config) -> None:
-    """``--fresh``: forget the checkpoints and curves of an earlier run of this output folder."""
+    """``--fresh``: forget the checkpoints, curves and progress history of an earlier run of this output folder."""
     for folder in (checkpoint_root(config), config.output_path / "tensorboard"):
         if folder.exists():
             logger.warning("--fresh: deleting %s", folder)
             shutil.rmtree(folder)
+    for name in (HISTORY, STATUS):
+        (config.output_path / name).unlink(missing_ok=True)
 
 
 def find_checkpoint(config: Config) -> Version | None:

@@ -52,6 +52,7 @@ from melissa_dl.recovery import (
     restore,
     start_fresh,
 )
+from melissa_dl.plots import draw
 from melissa_dl.progress import StatusBoard
 from melissa_dl.report import final_report, write_report
 from melissa_dl.security import Security
@@ -299,6 +300,7 @@ class Server:
             report = final_report(study, reports, handshake.rejections.counts(), consumed, duration,
                                   self.config.study.time_steps, extra)
             write_report(report, self.config.output_path / "report.json")
+            logger.info("plots: %s", ", ".join(str(path) for path in draw(self.config.output_path)))
             code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
         return self.comm.bcast(code)
 

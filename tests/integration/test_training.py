@@ -11,6 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import HERE, TOY_SIM, run_server, study_config
+from melissa_dl.plots import BUFFERS, INTAKE, LOSS, SIMULATIONS
 from melissa_dl.status import EXIT_FAILED_SIMULATIONS
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,6 +48,8 @@ def test_training_logs_every_scalar_on_every_rank_and_saves_the_model(tmp_path: 
     state = torch.load(output / "model.pt")
     assert set(state) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
     assert (output / "config.json").exists()
+    pictures = [output / name for name in (INTAKE, BUFFERS, SIMULATIONS, LOSS)]
+    assert all(path.stat().st_size > 0 for path in pictures) and f"plots: {', '.join(map(str, pictures))}" in run.log
 
 
 def test_a_rank_that_runs_dry_stops_every_rank_at_the_same_batch(tmp_path: Path, output: Path) -> None:

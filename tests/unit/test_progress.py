@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from melissa_dl.progress import HISTORY, STATUS, StatusBoard, show_status
+from melissa_dl.progress import StatusBoard, show_status
 from melissa_dl.receiver import ReceiverReport
+from melissa_dl.status import HISTORY, STATUS
 
 pytestmark = pytest.mark.timeout(60)
 

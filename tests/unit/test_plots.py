@@ -1,0 +1,66 @@
+"""The study's PNGs: drawn from its status history and rank 0's TensorBoard events (issue 13, item 4)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from melissa_dl.plots import BUFFERS, INTAKE, LOSS, SIMULATIONS, buffers, draw, loss, read_losses, simulations
+from melissa_dl.status import HISTORY
+
+pytestmark = pytest.mark.timeout(60)
+
+START = 1_700_000_000.0
+
+
+def status(second: float, done: int, received: int, batches: int | None) -> dict:
+    return {"state": "running", "updated": START + second, "elapsed_s": second, "percent": 0, "eta_s": None,
+            "simulations": {"queued": 4 - done - 1, "running": 1, "done": done, "failed": 0, "total": 4},
+            "samples": {"received": received, "expected": 40, "consumed": received}, "MB_per_s": 1.5,
+            "buffers": [received % 7, received % 5], "refused": 0,
+            "training": None if batches is None else {"batches": batches, "batches_per_s": 10.0, "loss": 0.1,
+                                                      "validation_loss": None}}
+
+
+def study_output(tmp_path: Path, trained: bool) -> Path:
+    history = [status(s, done, 10 * done, 20 * s if trained else None) for s, done in ((1, 0), (2, 1), (3, 2))]
+    (tmp_path / HISTORY).write_text("".join(json.dumps(h) + "\n" for h in history))
+    if trained:
+        writer = SummaryWriter(str(tmp_path / "tensorboard" / "rank0"))
+        for batch in range(0, 60, 10):
+            writer.add_scalar("train/loss", 1.0 / (batch + 1), batch, walltime=START + 1 + batch / 20)
+        for batch in (0, 30, 60):
+            writer.add_scalar("validation/loss", 2.0 / (batch + 1), batch, walltime=START + 1 + batch / 20)
+        writer.close()
+    return tmp_path
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_draw_writes_readable_pngs_next_to_the_report(tmp_path: Path, trained: bool) -> None:
+    paths = draw(study_output(tmp_path, trained))
+    expected = [INTAKE, BUFFERS, SIMULATIONS, *([LOSS] if trained else [])]
+    assert [path.name for path in paths] == expected
+    for path in paths:
+        height, width, _ = matplotlib.image.imread(path).shape
+        assert width >= 600 and height >= 300, path
+
+
+def test_the_figures_hold_the_curves_with_labelled_axes(tmp_path: Path) -> None:
+    output = study_output(tmp_path, trained=True)
+    history = [json.loads(line) for line in (output / HISTORY).read_text().splitlines()]
+    losses = read_losses(output / "tensorboard" / "rank0", START, 1.0)
+    assert losses["train/loss"][0] == [0, 10, 20, 30, 40, 50]
+    assert losses["validation/loss"][1] == pytest.approx([1.0, 2.5, 4.0])  # seconds since the start
+    by_batch, by_time = loss(losses, "wall time (s)").axes
+    assert (by_batch.get_xlabel(), by_batch.get_ylabel(), by_time.get_xlabel()) == ("batches", "loss", "wall time (s)")
+    assert [list(line.get_ydata()) for line in by_batch.get_lines()][1] == pytest.approx([2.0, 2.0 / 31, 2.0 / 61])
+    (axes,) = buffers([1, 2, 3], "wall time (s)", history).axes
+    assert [list(line.get_ydata()) for line in axes.get_lines()] == [[0, 3, 6], [0, 0, 0]]
+    assert (axes.get_ylabel(), [text.get_text() for text in axes.get_legend().get_texts()]) == (
+        "samples held", ["rank 0", "rank 1"])
+    (axes,) = simulations([1, 2, 3], "wall time (s)", history).axes
+    assert axes.get_ylim() == (0, 4) and [t.get_text() for t in axes.get_legend().get_texts()] == [
+        "done", "running", "queued", "failed"]
