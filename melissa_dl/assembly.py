@@ -25,7 +25,7 @@ import hmac
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,9 @@ from melissa_dl.protocol import (
 )
 from melissa_dl.rejections import RejectionLog
 from melissa_dl.sample import Sample
+
+if TYPE_CHECKING:
+    from melissa_dl.config import Config
 
 COPY_FROM = 1 << 16  # smaller payloads are copied out of ZeroMQ's shared receive chunks
 
@@ -69,6 +72,15 @@ class StreamSpec:
     @property
     def simulations(self) -> int:
         return len(self.parameters)
+
+    @classmethod
+    def from_config(cls, config: Config, parameters: np.ndarray, token: bytes, rank: int, size: int) -> StreamSpec:
+        """Rank ``rank`` of ``size``'s view of the study ``config`` describes."""
+        server, study = config.server, config.study
+        return cls(fields=study.field_names, parameters=parameters, token=token, server_rank=rank, server_size=size,
+                   bind_simulation=server.bind_simulation_to_server_rank, time_steps=study.time_steps,
+                   max_message_bytes=server.max_message_bytes, reject_non_finite=server.reject_non_finite,
+                   max_partial_bytes=server.max_partial_bytes, layouts=study.field_layouts)
 
 
 @dataclass

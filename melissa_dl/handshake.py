@@ -27,7 +27,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import zmq
 
@@ -35,6 +35,9 @@ from melissa_dl.connections import ConnectionGuard, ServerSocketThread
 from melissa_dl.errors import ProtocolError
 from melissa_dl.protocol import PROTOCOL_VERSION, Layout, check_layout, decode_json, describe, encode_json, quote
 from melissa_dl.security import Security, hello_bytes
+
+if TYPE_CHECKING:
+    from melissa_dl.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,16 @@ class HandshakeServer(ServerSocketThread):
         self._admitted: dict[int, dict[int, dict[str, Layout]]] = {}  # simulation -> client rank -> its slices
         self._failures: list[tuple[int, str]] = []
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: Config, token: bytes, endpoints: Sequence[str], bind_address: str,
+                    security: Security) -> HandshakeServer:
+        """Rank 0's handshake socket for the study ``config`` describes, sending clients to ``endpoints``."""
+        return cls(token=token, fields=config.study.field_names, simulations=config.study.simulations,
+                   endpoints=endpoints, bind_simulation=config.server.bind_simulation_to_server_rank,
+                   max_message_bytes=config.server.max_message_bytes, bind_address=bind_address,
+                   client_size=config.launcher.client_ranks, layouts=config.study.field_layouts,
+                   port=config.server.handshake_port, security=security)
 
     def expect(self, simulation_id: int, attempt: int | None) -> None:
         """Admit the clients of this attempt of a simulation (None: stop admitting its clients)."""

@@ -25,7 +25,6 @@ from typing import Any
 from mpi4py import MPI
 
 from launcher import Launcher, make_scheduler
-from melissa_dl import client
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
 from melissa_dl.checkpoint import Version, next_version
@@ -57,7 +56,7 @@ from melissa_dl.progress import StatusBoard
 from melissa_dl.report import final_report, write_report
 from melissa_dl.security import Security
 from melissa_dl.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
-from melissa_dl.study import Study
+from melissa_dl.study import Study, simulation_environment
 from melissa_dl.training import Trainer
 
 logger = logging.getLogger(__name__)
@@ -104,8 +103,7 @@ class Server:
         self.stop = GracefulStop()
         self.lock: Any = None  # rank 0's lock of the output folder, held until the process ends
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        study = config.study
-        self.parameters = study.parameter_table()
+        self.parameters = config.study.parameter_table()
         self.token: bytes = comm.bcast(secrets.token_bytes(32) if self.rank == 0 else None)
         self.security: Security = comm.bcast(  # CURVE keys drawn once, by rank 0
             Security.generate(config.server.security, self.token, config.launcher.client_timeout)
@@ -119,19 +117,7 @@ class Server:
             seed=options.seed + self.rank,
             pseudo_epochs=options.pseudo_epochs,
         )
-        spec = StreamSpec(
-            fields=study.field_names,
-            parameters=self.parameters,
-            token=self.token,
-            server_rank=self.rank,
-            server_size=self.size,
-            bind_simulation=config.server.bind_simulation_to_server_rank,
-            time_steps=study.time_steps,
-            max_message_bytes=config.server.max_message_bytes,
-            reject_non_finite=config.server.reject_non_finite,
-            max_partial_bytes=config.server.max_partial_bytes,
-            layouts=study.field_layouts,
-        )
+        spec = StreamSpec.from_config(config, self.parameters, self.token, self.rank, self.size)
         self.bind_address, self.host = addresses(config.server.interface)
         self.receiver = Receiver(spec, self.buffer, self.bind_address, config.server.receive_queue_bytes,
                                  self.security)
@@ -226,19 +212,7 @@ class Server:
 
     def _open_study(self, endpoints: list[str], version: Version | None) -> tuple[HandshakeServer, Launcher, Study]:
         """Rank 0: the handshake socket, the launcher and the study, restored from ``version``."""
-        handshake = HandshakeServer(
-            token=self.token,
-            fields=self.config.study.field_names,
-            simulations=self.config.study.simulations,
-            endpoints=endpoints,
-            bind_simulation=self.config.server.bind_simulation_to_server_rank,
-            max_message_bytes=self.config.server.max_message_bytes,
-            bind_address=self.bind_address,
-            client_size=self.config.launcher.client_ranks,
-            layouts=self.config.study.field_layouts,
-            port=self.config.server.handshake_port,
-            security=self.security,
-        )
+        handshake = HandshakeServer.from_config(self.config, self.token, endpoints, self.bind_address, self.security)
         server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
         logger.info("study of %d simulations, handshake at %s, %d server ranks",
                     self.config.study.simulations, server_endpoint, self.size)
@@ -247,7 +221,8 @@ class Server:
             self.config.study.simulations,
             self.size,
             launcher,
-            lambda sim, attempt: self._client_environment(server_endpoint, sim, attempt),
+            lambda sim, attempt: simulation_environment(self.config.launcher, server_endpoint, self.token, self.security,
+                                                        sim, attempt, self.parameters[sim]),
             handshake.expect,
             self.config.launcher.max_retries,
             self.config.launcher.simulation_timeout,
@@ -303,21 +278,6 @@ class Server:
             logger.info("plots: %s", ", ".join(str(path) for path in draw(self.config.output_path)))
             code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
         return self.comm.bcast(code)
-
-    def _client_environment(self, endpoint: str, sim: int, attempt: int) -> dict[str, str]:
-        options = self.config.launcher
-        return {
-            **options.env,
-            client.ENV_SERVER: endpoint,
-            client.ENV_TOKEN: self.token.hex(),
-            client.ENV_SIMULATION_ID: str(sim),
-            client.ENV_ATTEMPT: str(attempt),
-            client.ENV_PARAMETERS: json.dumps(self.parameters[sim].tolist()),
-            client.ENV_CLIENT_TIMEOUT: str(options.client_timeout),
-            client.ENV_SEND_QUEUE_BYTES: str(options.send_queue_bytes),
-            **self.security.client_environment(),
-        }
-
 
 def serve(config: Config, fresh: bool, export_model: bool) -> int:
     """Run this rank of the server on a checked configuration (``melissa_dl.cli`` checks it before MPI starts)."""

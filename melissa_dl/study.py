@@ -25,16 +25,24 @@ that ended (so that they free what its unfinished steps hold).
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
 
 from launcher import NOT_RUNNABLE, Launcher
 from melissa_dl.assembly import Progress
 from melissa_dl.handshake import DETERMINISTIC
+from melissa_dl import client
 from melissa_dl.receiver import ReceiverReport
+from melissa_dl.security import Security
+
+if TYPE_CHECKING:
+    from melissa_dl.config import LauncherConfig
 
 logger = logging.getLogger(__name__)
 
@@ -253,3 +261,19 @@ class Study:
         for sim in self.simulations:
             counts[sim.state.value] += 1
         return counts
+
+
+def simulation_environment(options: LauncherConfig, endpoint: str, token: bytes, security: Security, simulation: int,
+                           attempt: int, parameters: np.ndarray) -> dict[str, str]:
+    """What an attempt of ``simulation`` finds in its environment: where the server is, who it is, its parameters."""
+    return {
+        **options.env,
+        client.ENV_SERVER: endpoint,
+        client.ENV_TOKEN: token.hex(),
+        client.ENV_SIMULATION_ID: str(simulation),
+        client.ENV_ATTEMPT: str(attempt),
+        client.ENV_PARAMETERS: json.dumps(parameters.tolist()),
+        client.ENV_CLIENT_TIMEOUT: str(options.client_timeout),
+        client.ENV_SEND_QUEUE_BYTES: str(options.send_queue_bytes),
+        **security.client_environment(),
+    }
