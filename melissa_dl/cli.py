@@ -33,6 +33,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="print the latest status of the study writing into OUTPUT_DIR (running or not), and exit")
     parser.add_argument("--plot", metavar="OUTPUT_DIR", type=Path,
                         help="draw the PNGs of the study in OUTPUT_DIR (running or not) into that folder, and exit")
+    parser.add_argument("--try-simulation", action="store_true",
+                        help="run one simulation (the first parameter set, or --parameters) against a throwaway local "
+                        "server, check what it sends against the study, print what arrived, and exit (1 on a problem)")
+    parser.add_argument("--parameters", type=float, nargs="+", metavar="VALUE",
+                        help="with --try-simulation: the simulation's parameters")
     parser.add_argument("--check", action="store_true",
                         help="check the configuration, that output_dir can be written, that the simulation's program "
                         "exists and that the training module builds; print the configuration resolved, and exit")
@@ -86,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         sys.stdout.write(json.dumps(config.to_dict(), indent=2) + "\n")
         return 0
+    if args.try_simulation:
+        return try_one(config, args.parameters)
     from melissa_dl.server import serve  # only now: MPI and the training machinery
 
     return serve(config, fresh=args.fresh, export_model=args.export_model)
@@ -110,3 +117,15 @@ def plot(output: Path) -> int:
         return EXIT_CONFIG
     sys.stdout.write("".join(f"{path}\n" for path in paths))
     return 0
+
+
+def try_one(config: Config, parameters: list[float] | None) -> int:
+    from melissa_dl.trial import describe, try_simulation
+
+    if parameters is not None and len(parameters) != len(config.study.parameters):
+        sys.stderr.write(f"melissa-server: --parameters: {len(parameters)} values for the study's "
+                         f"{len(config.study.parameters)} parameters\n")
+        return EXIT_CONFIG
+    trial = try_simulation(config, parameters)
+    sys.stdout.write(describe(trial) + "\n")
+    return 1 if trial.problems else 0

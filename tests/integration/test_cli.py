@@ -227,3 +227,23 @@ def test_status_shows_a_running_study_from_another_shell_and_then_its_end(tmp_pa
     history = [json.loads(line) for line in (output / "progress.jsonl").read_text().splitlines()]
     assert len(history) >= 2 and history[-1]["state"] == "finished"
     assert [h["samples"]["received"] for h in history] == sorted(h["samples"]["received"] for h in history)
+
+
+@pytest.mark.parametrize("broken, expected", [
+    ([], ["steps: 10 arrived (0 to 9)", "field 'field': float32[4, 8], min 0, max 9, mean 4.5", "no problem found"]),
+    (["--nan-at", "3"], ["steps: 3 arrived (0 to 2)", "problem: frames refused: simulation 0, step 3, field 'field', "
+                         "client rank 0: NaN or infinite values", "problem: 3 steps arrived, study.time_steps is 10"]),
+    (["--fail", "crash", "--fail-simulation", "0"],
+     ["exit code 1", "problem: exit code 1; output: toy_sim: crashing on purpose at step 3"]),
+])
+def test_try_simulation_runs_one_and_says_what_arrived_and_what_is_wrong(tmp_path: Path, broken: list[str],
+                                                                         expected: list[str]) -> None:
+    """The quickest way to debug a simulation's instrumentation (issue 13, item 6): no MPI, no study."""
+    config = study_config(tmp_path / "out", [sys.executable, TOY_SIM, *broken])
+    done = subprocess.run([*SERVER, "--try-simulation", write(tmp_path, config), "--parameters", "0.5", "0.25"],
+                          capture_output=True, text=True, timeout=90, env=clean_environment())
+    assert done.returncode == (1 if broken else 0), done.stdout + done.stderr
+    assert done.stdout.startswith("simulation 0 with parameters [0.5, 0.25]: exit code"), done.stdout
+    for line in expected:
+        assert line in done.stdout, done.stdout
+    assert not (tmp_path / "out" / "report.json").exists()  # nothing of a study was written
