@@ -58,9 +58,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 
-from melissa_dl import Sample  # noqa: E402
+from melissa_dl import Sample, TrainingModule  # noqa: E402
 from melissa_dl.config import Config, TrainingConfig, load_config  # noqa: E402
-from melissa_dl.module import TrainingModule, load_module_class  # noqa: E402
+from melissa_dl.module import load_module_class  # noqa: E402
 from solver import DEFAULT_DT, HeatSolver  # noqa: E402
 
 FIELD = "temperature"

@@ -48,6 +48,8 @@ def test_training_logs_every_scalar_on_every_rank_and_saves_the_model(tmp_path: 
     state = torch.load(output / "model.pt")
     assert set(state) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
     assert (output / "config.json").exists()
+    log = (output / "logs" / "rank0.log").read_text()  # a library's INFO lines stay out (issue 13, item 5)
+    assert "chatty_library: a WARNING it should" in log and "an INFO line" not in log
     pictures = [output / name for name in (INTAKE, BUFFERS, SIMULATIONS, LOSS)]
     assert all(path.stat().st_size > 0 for path in pictures) and f"plots: {', '.join(map(str, pictures))}" in run.log
 

@@ -1,14 +1,16 @@
 """A small TrainingModule for the toy simulations of the integration tests."""
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import torch
 from torch import nn
 
-from melissa_dl.module import TrainingModule
-from melissa_dl.sample import Sample
+from melissa_dl import Sample, TrainingModule
+
+CHATTY = logging.getLogger("chatty_library")  # a third-party library that logs at INFO
 
 
 class Tiny(TrainingModule):
@@ -24,6 +26,8 @@ class Tiny(TrainingModule):
         self.net = nn.Sequential(nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 32))
         self.fail_rank, self.fail_after, self.step_delay = fail_rank, fail_after, step_delay
         self.steps = 0
+        CHATTY.info("chatty_library: an INFO line the server's log should not show")
+        CHATTY.warning("chatty_library: a WARNING it should")
 
     def configure_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-2)
