@@ -27,7 +27,7 @@ STATES = ("done", "running", "queued", "failed")
 
 def draw(output: Path) -> list[Path]:
     """Write the study's PNGs into ``output``; returns their paths (the loss only when something was trained)."""
-    history = [json.loads(line) for line in (output / HISTORY).read_text().splitlines() if line.strip()]
+    history = read_history(output / HISTORY)
     if not history:
         raise FileNotFoundError(f"{output / HISTORY} is empty")
     start = history[0]["updated"] - history[0]["elapsed_s"]
@@ -44,6 +44,17 @@ def draw(output: Path) -> list[Path]:
         plt.close(figure)
         paths.append(output / name)
     return paths
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """Every status in ``path``, but a last line torn by a server killed while appending it."""
+    history = []
+    for line in path.read_text().splitlines():
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return history
 
 
 def time_unit(seconds: float) -> tuple[float, str]:
@@ -101,8 +112,9 @@ def intake(times: list[float], unit: str, history: list[dict[str, Any]]) -> Figu
 
 def buffers(times: list[float], unit: str, history: list[dict[str, Any]]) -> Figure:
     figure, axes = plt.subplots(figsize=(7, 4), constrained_layout=True)
-    for rank in range(len(history[0]["buffers"])):  # styles and markers: equal fills stay visible
-        axes.plot(times, [h["buffers"][rank] for h in history], label=f"rank {rank}", marker="o", markersize=3,
+    for rank in range(max(len(h["buffers"]) for h in history)):  # a restart may change the number of ranks
+        fill = [h["buffers"][rank] if rank < len(h["buffers"]) else float("nan") for h in history]
+        axes.plot(times, fill, label=f"rank {rank}", marker="o", markersize=3,  # styles: equal fills stay visible
                   linestyle=("-", "--", ":", "-.")[rank % 4])
     axes.set(xlabel=unit, ylabel="samples held", title="Buffer fill per rank")
     axes.grid(True, alpha=0.3)

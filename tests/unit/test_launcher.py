@@ -76,7 +76,7 @@ def alive(pid: int) -> bool:
     """Whether ``pid`` runs; a zombie awaiting an (orphan) reaper counts as dead."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before or while its file was read
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
@@ -301,7 +301,7 @@ def test_jobs_die_with_the_server(tmp_path: Path, ranks: int | None) -> None:
     server_code = (
         "import time; from pathlib import Path; from launcher.schedulers import *; "
         f"c, p = ['python', '-c', {RANK_SLEEPER!r}], Path({str(tmp_path)!r}); "
-        f"s = LocalScheduler(c, p) if {ranks} is None else MpirunScheduler(c, p, {ranks}, {MPIRUN!r}); "
+        f"s = LocalScheduler(c, p) if {ranks is None} else MpirunScheduler(c, p, {ranks}, {MPIRUN!r}); "
         "s.start(0, 0, {}, p / 'job.log'); time.sleep(60)"
     )
     server = subprocess.Popen(
