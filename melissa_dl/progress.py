@@ -37,6 +37,7 @@ class StatusBoard:
         self.expected_samples = expected_samples
         self._last: tuple[float, int, int] = (start, 0, 0)  # time, bytes received, batches
         self._first_batches: int | None = None  # at the first status: a resumed run's rates count its own
+        self._latest: dict[str, Any] | None = None
         self._bar: Any = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -51,6 +52,14 @@ class StatusBoard:
     def finish(self, study: Study, reports: Sequence[ReceiverReport], consumed: int,
                training: dict[str, Any] | None) -> None:
         self._publish(self.status(time.monotonic(), study, reports, consumed, training, "finished"))
+        if self._bar is not None:
+            self._bar.close()
+
+    def stopped(self) -> None:
+        """The study stopped on request: the latest status says so (a restart resumes it)."""
+        if self._latest is not None:
+            self._latest.update(state="stopped", updated=time.time())
+            write_atomic(self.output / STATUS, (json.dumps(self._latest) + "\n").encode())
         if self._bar is not None:
             self._bar.close()
 
@@ -86,6 +95,7 @@ class StatusBoard:
         }
 
     def _publish(self, status: dict[str, Any]) -> None:
+        self._latest = status
         text = json.dumps(status)
         write_atomic(self.output / STATUS, (text + "\n").encode())
         with open(self.output / HISTORY, "a") as history:

@@ -160,6 +160,8 @@ class Server:
             if trainer is not None:
                 loop = self._train(trainer, bookkeeping)
                 if loop is None:
+                    if status is not None:
+                        status.stopped()
                     return EXIT_STOPPED
             else:
                 loop = Loop(self.comm, bookkeeping, self.stop)

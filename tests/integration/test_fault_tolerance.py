@@ -36,7 +36,7 @@ from conftest import (
 from melissa_dl.checkpoint import latest_valid
 from melissa_dl.ledger import Ledger
 from melissa_dl.serialization import loads
-from melissa_dl.status import EXIT_CONFIG, EXIT_STOPPED
+from melissa_dl.status import EXIT_CONFIG, EXIT_STOPPED, STATUS
 from tiny_module import Tiny
 
 pytestmark = pytest.mark.timeout(240)
@@ -50,6 +50,8 @@ def stop_after_first_checkpoint(tmp_path: Path, config: dict, ranks: int) -> str
     assert process.returncode == EXIT_STOPPED, log
     assert "stopped on request" in log
     assert not (Path(config["output_dir"]) / "report.json").exists(), "the study should have been cut short"
+    status = Path(config["output_dir"]) / STATUS  # written if a status interval had passed
+    assert not status.exists() or json.loads(status.read_text())["state"] == "stopped"
     return log
 
 

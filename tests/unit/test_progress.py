@@ -68,3 +68,13 @@ def test_on_a_terminal_a_live_bar_replaces_the_lines(tmp_path: Path, monkeypatch
     assert "% done" not in caplog.text
     board.finish(study(4, 0, 0), reports(20), 20, None)
     assert "100%" in terminal.getvalue()
+
+
+def test_a_stopped_study_says_so(tmp_path: Path) -> None:
+    start = time.monotonic()
+    board = StatusBoard(tmp_path, interval=1.0, start=start, expected_samples=None)
+    board.stopped()  # before any status: nothing to say
+    assert not (tmp_path / STATUS).exists()
+    board.update(start + 2.0, study(1, 3, 0), reports(10), 10, None)
+    board.stopped()
+    assert show_status(tmp_path).startswith(f"study in {tmp_path}: stopped")
