@@ -160,8 +160,6 @@ class Server:
             if trainer is not None:
                 loop = self._train(trainer, bookkeeping)
                 if loop is None:
-                    if status is not None:
-                        status.stopped()
                     return EXIT_STOPPED
             else:
                 loop = Loop(self.comm, bookkeeping, self.stop)
@@ -246,7 +244,8 @@ class Server:
         if loop.train(trainer, dataset.next_batch, self.config.training.checkpoint_interval) is Outcome.ENDED:
             return loop
         self.receiver.stop()
-        if self.rank == 0:
+        if bookkeeping.status is not None:  # rank 0
+            bookkeeping.status.stopped()
             logger.warning("stopped on request; run the same command again to resume from %s",
                            checkpoint_root(self.config))
         return None
