@@ -86,7 +86,7 @@ def run_online(config: Path, ranks: int, folder: Path, timeout: float) -> dict[s
     """One online study; its wall time and the training section of its report."""
     mpirun = Path(sys.executable).parent / "mpirun"
     command = [str(mpirun) if mpirun.exists() else "mpirun", "-n", str(ranks),
-               sys.executable, "-m", "melissa_dl", str(config)]
+               sys.executable, "-m", "melissa_dl", "--fresh", str(config)]  # each repetition from scratch
     report_path = folder / "online" / "report.json"
     report_path.unlink(missing_ok=True)
     start = time.monotonic()

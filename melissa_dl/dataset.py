@@ -1,7 +1,7 @@
 """StreamDataset: a rank's buffer seen as a torch ``IterableDataset`` of batches.
 
 Batches are formed here rather than by a ``DataLoader``: the buffer already
-guarantees distinct samples, the user's ``process`` runs once per sample, and
+guarantees distinct samples, the user's ``process`` runs once per serving, and
 ``collate`` stacks the results with one copy per output of the batch (no
 Python call per element). ``process`` may return numpy arrays instead of
 tensors: they are stacked by numpy and handed to torch once per batch, which

@@ -12,7 +12,7 @@ collective, so a user never writes MPI or ``torch.distributed`` code::
         def configure_optimizer(self):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
-        def process(self, sample):                    # once per sample, when a batch is formed
+        def process(self, sample):                    # each time a sample is served into a batch
             x = torch.tensor([*sample.parameters, sample.time_step], dtype=torch.float32)
             return x, torch.from_numpy(sample.fields["temperature"]).flatten()
 
