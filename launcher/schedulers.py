@@ -12,6 +12,7 @@ orphan simulations behind.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import signal
@@ -196,7 +197,21 @@ class MpirunScheduler(LocalScheduler):
 def _spawn(
     argv: list[str], cwd: Path, env: dict[str, str], log_path: Path, death_signal: signal.Signals
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in a new session, stdin closed, stdout and stderr to ``log_path``."""
+    """Start ``argv`` in a new session, stdin closed, stdout and stderr to ``log_path``, to receive
+    ``death_signal`` when the server dies.
+
+    Where ``setpriv`` can (util-linux 2.33 and later), it sets the death signal
+    in the child and execs the command, so that Python starts it with vfork:
+    0.18 ms against 31 ms for a preexec_fn's full fork of a server holding
+    2 GiB (``bench/spawn.py``), while every rank waits in the bookkeeping
+    round. Unlike the preexec_fn, it cannot see a server that died before the
+    signal was set.
+    """
+    setpriv = _setpriv()
+    if setpriv is not None:
+        argv, preexec = [setpriv, f"--pdeathsig={death_signal.name.removeprefix('SIG')}", "--", *argv], None
+    else:
+        preexec = die_with_parent(death_signal)
     with open_log(log_path) as log:  # append: a restarted server may launch an attempt number again
         return subprocess.Popen(
             argv,
@@ -206,8 +221,18 @@ def _spawn(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent(death_signal),
+            preexec_fn=preexec,
         )
+
+
+@functools.cache
+def _setpriv() -> str | None:
+    """The ``setpriv`` that sets a child's death signal, if this machine has one (Linux only)."""
+    path = shutil.which("setpriv") if sys.platform == "linux" else None
+    if path is None:
+        return None
+    usage = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10).stdout
+    return path if "--pdeathsig" in usage else None
 
 
 def die_with_parent(death_signal: signal.Signals) -> Callable[[], None] | None:

@@ -125,10 +125,10 @@ def test_unstartable_command_is_reported_as_failed(tmp_path: Path) -> None:
     scheduler = LocalScheduler([str(tmp_path / "no-such-simulation")], tmp_path)
     launcher = Launcher(scheduler, 1, tmp_path / "logs")
     launcher.submit(0, 0, {})
-    assert launcher.poll() == [(0, NOT_FOUND)]
+    assert poll_until(launcher, 1) == [(0, NOT_FOUND)]  # at once without setpriv, when setpriv has tried with it
     assert launcher.running() == set()
-    assert launcher.output_tail(0, 0).endswith(f"could not start: [Errno 2] No such file or directory: "
-                                               f"'{tmp_path / 'no-such-simulation'}'")
+    assert "No such file or directory" in launcher.output_tail(0, 0)
+    assert str(tmp_path / "no-such-simulation") in launcher.output_tail(0, 0)
 
 
 def test_a_program_that_cannot_run_and_one_that_could_not_start_get_distinct_codes(tmp_path: Path) -> None:
@@ -138,7 +138,7 @@ def test_a_program_that_cannot_run_and_one_that_could_not_start_get_distinct_cod
     program.write_text("#!/bin/sh\n")
     launcher = Launcher(LocalScheduler([str(program)], tmp_path), 1, tmp_path / "logs")
     launcher.submit(0, 0, {})
-    assert launcher.poll() == [(0, NOT_EXECUTABLE)]
+    assert poll_until(launcher, 1) == [(0, NOT_EXECUTABLE)]
 
     class Refused(LocalScheduler):
         def start(self, *args: Any) -> Any:
