@@ -210,7 +210,7 @@ def test_status_shows_a_running_study_from_another_shell_and_then_its_end(tmp_pa
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline, shown = time.monotonic() + 60, ""
-        while "running" not in shown.split("\n", 1)[0]:
+        while "running" not in shown.split("\n", 1)[0] or "left" not in shown:  # a time left needs some progress
             assert time.monotonic() < deadline and process.poll() is None, "no running status was shown"
             time.sleep(0.2)
             shown = subprocess.run(status, capture_output=True, text=True, timeout=60).stdout
