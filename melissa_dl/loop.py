@@ -140,8 +140,8 @@ class Loop:
 
         self.consumed = lambda: summary.samples
         self.training = trainer.status
+        start = time.monotonic()  # the first validation counts, as it always did
         trainer.begin()
-        start = time.monotonic()
         outcome = self._rounds(next_batch, step, trainer.options.stall_timeout)
         summary.duration_s += time.monotonic() - start
         self._log(outcome, summary.batches)

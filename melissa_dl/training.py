@@ -270,7 +270,8 @@ class Dense:
             del module[f"{name}.shard"], module[f"{name}._extra_state"]
         parameters = {name for name, _ in trainer.module.named_parameters()}
         buffers = copy_to_cpu({k: v for k, v in module.items() if k not in parameters})
-        return {"module": trainer.copy_later("module", {**module, **buffers}),
+        dense = {**{k: v for k, v in module.items() if k in parameters}, **buffers}  # parameters first, as before
+        return {"module": trainer.copy_later("module", dense),
                 "optimizer": trainer.copy_later("optimizer", trainer.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
