@@ -3,9 +3,15 @@
 The pipeline side is the real path: a buffer from ``make_buffer(kind, ...)``
 holding ``Sample``s of numpy arrays (as the receiver builds them), pre-filled
 with capacity = number of samples and closed, so nothing ever waits; it is
-drained by ``StreamDataset(buffer, process, batch).next_batch()`` with
-``process = (parameters, field)`` returning the numpy arrays as they are
-(``StreamDataset`` stacks numpy outputs with numpy and converts once per batch). The baseline
+drained by ``StreamDataset(buffer, process, batch, deterministic).next_batch()``
+with ``process = (parameters, field)`` returning the numpy arrays as they are.
+Two paths, each against the baseline: ``deterministic`` (the module declares
+``deterministic_process``: the dataset is made before the buffer fills, so
+``process`` runs once per sample as it is put, untimed like the receiver's
+work, and each batch is one ``index_select`` per output; RESULT
+``pipeline_<kind>_<size>``, target 0.8) and per serving (``process`` on
+every serving, then ``StreamDataset`` stacks the numpy outputs once per batch;
+RESULT ``pipeline_per_serving_<kind>_<size>``, no target). The baseline
 stacks the same samples into tensors X, Y once, then forms each batch as
 ``X[idx], Y[idx]`` with the same batch composition (contiguous indices for
 FIFO, a random permutation for FIRO and Reservoir), so both sides copy the same
@@ -25,6 +31,7 @@ another process takes a core, which would make the baseline meaningless.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -50,12 +57,15 @@ def make_samples(n: int, shape: tuple[int, ...], seed: int = 0) -> list[Sample]:
     return [Sample(i, 0, params[i], {"f": rng.random(shape, dtype=np.float32)}) for i in range(n)]
 
 
-def filled(kind: str, samples: list[Sample]) -> Buffer:
+def filled(kind: str, samples: list[Sample], dataset: Callable[[Buffer], StreamDataset] | None = None
+           ) -> tuple[Buffer, StreamDataset | None]:
+    """A closed buffer holding ``samples``, and the ``dataset`` made on it before they came (as the server's)."""
     buffer = make_buffer(kind, capacity_samples=len(samples), capacity_bytes=None, watermark=0, seed=1)
+    made = dataset(buffer) if dataset is not None else None
     for s in samples:
         buffer.put(s)
     buffer.close()
-    return buffer
+    return buffer, made
 
 
 def batch_indices(kind: str, n: int, batch: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -72,8 +82,9 @@ def run_for(min_seconds: float, one_pass: Callable[[], tuple[float, int]]) -> fl
     return count / elapsed
 
 
-def pipeline_pass(kind: str, samples: list[Sample], batch: int) -> tuple[float, int]:
-    dataset = StreamDataset(filled(kind, samples), process, batch)
+def pipeline_pass(kind: str, samples: list[Sample], batch: int, deterministic: bool) -> tuple[float, int]:
+    _, dataset = filled(kind, samples, lambda buffer: StreamDataset(buffer, process, batch, deterministic))
+    assert dataset is not None
     count = 0
     start = time.perf_counter()
     while (b := dataset.next_batch()) is not END:
@@ -93,7 +104,7 @@ def baseline_pass(x: torch.Tensor, y: torch.Tensor, indices: list[torch.Tensor])
 def profile(samples: list[Sample], batch: int, kind: str = "firo") -> None:
     """Where a small-sample batch's time goes, stage by stage."""
     stages = {"get_batch": 0.0, "process": 0.0, "collate": 0.0}
-    buffer, batches = filled(kind, samples), 0
+    (buffer, _), batches = filled(kind, samples), 0
     while got := buffer.get_batch(batch):
         t0 = time.perf_counter()
         items = [process(s) for s in got]
@@ -103,7 +114,7 @@ def profile(samples: list[Sample], batch: int, kind: str = "firo") -> None:
         stages["process"] += t1 - t0
         stages["collate"] += t2 - t1
         batches += 1
-    buffer, start = filled(kind, samples), time.perf_counter()
+    (buffer, _), start = filled(kind, samples), time.perf_counter()
     while buffer.get_batch(batch):
         pass
     stages["get_batch"] = time.perf_counter() - start
@@ -132,18 +143,20 @@ def main() -> None:
         nbytes = samples[0].nbytes
         if size == "small":
             profile(samples, args.batch)
-        for kind in BUFFER_KINDS:
+        for kind, deterministic in itertools.product(BUFFER_KINDS, (True, False)):
             indices = batch_indices(kind, n, args.batch, gen)
             pipe, base = [], []
             for _ in range(args.repeat):  # interleaved, so drifts hit both sides
-                pipe.append(run_for(args.min_seconds, lambda: pipeline_pass(kind, samples, args.batch)))
+                pipe.append(run_for(args.min_seconds, lambda: pipeline_pass(kind, samples, args.batch, deterministic)))
                 base.append(run_for(args.min_seconds, lambda: baseline_pass(x, y, indices)))
             ratios = sorted(a / b for a, b in zip(pipe, base))
             p, b = statistics.median(pipe), statistics.median(base)
-            print(f"{kind:9s} {size}: pipeline {p:10.0f}/s {p * nbytes / 1e6:7.0f} MB/s | "
+            name = f"{kind}_{size}" if deterministic else f"per_serving_{kind}_{size}"
+            print(f"{name:24s}: pipeline {p:10.0f}/s {p * nbytes / 1e6:7.0f} MB/s | "
                   f"baseline {b:10.0f}/s {b * nbytes / 1e6:7.0f} MB/s | "
                   f"ratios {ratios[0]:.3f}..{ratios[-1]:.3f}")
-            results.append(f"RESULT pipeline_{kind}_{size} ratio={statistics.median(ratios):.3f} target={TARGET} "
+            results.append(f"RESULT pipeline_{name} ratio={statistics.median(ratios):.3f} "
+                           f"target={TARGET if deterministic else 'none'} "
                            f"pipeline={p:.0f} baseline={b:.0f} sample={nbytes}B batch={args.batch}")
         del samples, x, y
     print("\n".join(results))

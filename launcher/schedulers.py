@@ -88,6 +88,8 @@ class RunningJob(Protocol):
 
     def terminate(self) -> None: ...
 
+    def finish_kill(self, deadline: float) -> bool: ...
+
     def kill(self, deadline: float | None = None) -> None: ...
 
 
@@ -130,15 +132,21 @@ class Job:
         zombie its pid cannot be reused, so the group signal cannot hit an
         unrelated process.
         """
-        if self._process.returncode is not None:
-            return
         self.terminate()
-        if deadline is None:
-            deadline = time.monotonic() + KILL_GRACE
-        while not self._leader_exited() and time.monotonic() < deadline:
+        deadline = time.monotonic() + KILL_GRACE if deadline is None else deadline
+        while not self.finish_kill(deadline):
             time.sleep(0.01)
+
+    def finish_kill(self, deadline: float) -> bool:
+        """After :meth:`terminate`, without waiting: once the leader exited or ``deadline`` passed, SIGKILL the
+        group and reap the leader (True); False while the leader may still be shutting down."""
+        if self._process.returncode is not None:
+            return True
+        if not self._leader_exited() and time.monotonic() < deadline:
+            return False
         self._signal_group(signal.SIGKILL)
         self._process.wait()
+        return True
 
     def _leader_exited(self) -> bool:
         """Whether the leader exited, without reaping it (see :meth:`kill`)."""

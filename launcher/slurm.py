@@ -92,6 +92,10 @@ class SlurmJob:
         """Cancel the job. Nothing to wait for: Slurm sends SIGTERM, then SIGKILL after its ``KillWait``."""
         self.terminate()
 
+    def finish_kill(self, deadline: float) -> bool:
+        self.terminate()
+        return True
+
 
 class SlurmScheduler(Scheduler):
     """Runs ``command`` on ``ranks`` ranks as one Slurm job per attempt."""

@@ -1,7 +1,8 @@
 """Bounded, thread-safe sample buffers between the receiver and the training loop.
 
 One ``threading.Condition`` per buffer guards everything; the producer (network
-receiver) and the consumer (training loop) wake each other with ``notify_all``.
+receiver) and the consumer (training loop) wake each other with ``notify_all``
+(the consumer only when a put is blocked: nothing else waits for room).
 
 Choices, and why:
 
@@ -29,10 +30,11 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, MutableSequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from melissa_dl.errors import BufferClosed, ConfigError
+from melissa_dl.rows import Rows
 from melissa_dl.sample import Sample
 
 T = TypeVar("T")
@@ -42,6 +44,11 @@ T = TypeVar("T")
 class _Entry:
     sample: Sample
     served: int = 0
+    row: int = -1  # of its processed outputs, when the buffer keeps them (``keep_processed``)
+    nbytes: int = field(init=False)  # the sample's, here so that freeing a batch does not visit the samples
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.sample.nbytes
 
 
 class Buffer(ABC):
@@ -65,6 +72,7 @@ class Buffer(ABC):
         self._put_wait = 0.0
         self._get_wait = 0.0
         self._closed = False
+        self._rows: Rows | None = None
 
     # ----------------------------------------------------------- public API
     def put(self, sample: Sample, timeout: float | None = None,
@@ -77,6 +85,8 @@ class Buffer(ABC):
         deadline = None if timeout is None else time.monotonic() + timeout
         nb = sample.nbytes
         blocked = False
+        rows = self._rows
+        prepared = rows.prepare(sample) if rows is not None else None  # the user's process, outside the lock
         with self._cond:
             try:
                 while True:
@@ -96,7 +106,7 @@ class Buffer(ABC):
             finally:
                 if blocked:
                     self._blocked.remove(nb)
-            self._insert(_Entry(sample))
+            self._insert(self._entry(sample, prepared if rows is self._rows else None))
             self._nbytes += nb
             self._total_put += 1
             if on_insert is not None:
@@ -106,6 +116,25 @@ class Buffer(ABC):
 
     def get_batch(self, size: int, timeout: float | None = None) -> list[Sample] | None:
         """Up to ``size`` distinct samples; [] at end of stream, None on timeout."""
+        return self._take(size, timeout, lambda entries: [e.sample for e in entries])
+
+    def get_processed(self, size: int, timeout: float | None = None) -> Any:
+        """As ``get_batch``, but the batch of the samples' kept ``process`` outputs (see ``keep_processed``)."""
+        rows = self._rows
+        assert rows is not None, "keep_processed() first"
+        return self._take(size, timeout, lambda entries: rows.gather([e.row for e in entries]))
+
+    def keep_processed(self, process: Callable[[Sample], Any]) -> None:
+        """From now on, run ``process`` once per sample as it is put, and keep its outputs as rows
+        (``melissa_dl.rows``) for ``get_processed``; the samples held already are processed now."""
+        with self._cond:
+            self._rows = Rows(process, self._cap_samples or 64)
+            for entry in self._entries:
+                entry.row = self._rows.add(entry.sample, self._rows.prepare(entry.sample))
+
+    def _take(self, size: int, timeout: float | None, form: Callable[[list[_Entry]], T]) -> T | list[Any] | None:
+        """``form`` of up to ``size`` entries served (called under the lock, before any of them leaves);
+        [] at end of stream, None on timeout."""
         if size < 1:
             raise ValueError(f"batch size must be >= 1, got {size}")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -113,22 +142,27 @@ class Buffer(ABC):
             while True:
                 n = len(self._entries)
                 if self._closed or self._full():
-                    batch = self._serve(min(size, n))
+                    k = min(size, n)
                     break
                 if self._total_put >= self._watermark and n >= size:
-                    batch = self._serve(size)
+                    k = size
                     break
                 waited = self._block(deadline)
                 if waited is None:
                     return None
                 self._get_wait += waited
-            if batch:
-                self._cond.notify_all()  # room freed, or entries became evictable
+            if k == 0:
+                return []
+            batch = self._serve(k, form)
+            if self._blocked:  # room freed, or entries became evictable: only a blocked put waits for that
+                self._cond.notify_all()
             return batch
 
     def close(self) -> None:
         """Reception is over: wake every waiter so the buffer drains."""
         with self._cond:
+            if not self._closed:
+                self._on_close()
             self._closed = True
             self._cond.notify_all()
 
@@ -199,10 +233,14 @@ class Buffer(ABC):
                               f"configured kind is {self.kind!r}")
         with self._cond:
             self._entries = self._new_container()
+            if self._rows is not None:
+                self._rows = Rows(self._rows.process, self._cap_samples or 64)
             for d in state["entries"]:
                 sample = Sample(d["simulation_id"], d["time_step"],
                                 d["parameters"], dict(d["fields"]))
-                self._entries.append(_Entry(sample, d["served"]))
+                entry = self._entry(sample)
+                entry.served = d["served"]
+                self._entries.append(entry)
             self._nbytes = sum(e.sample.nbytes for e in self._entries)
             self._total_put = state["total_put"]
             self._total_served = state["total_served"]
@@ -235,23 +273,30 @@ class Buffer(ABC):
         """The buffer cannot grow (probe: a blocked put, else a 1-byte sample)."""
         return not self._fits(min(self._blocked) if self._blocked else 1)
 
-    def _serve(self, k: int) -> list[Sample]:
-        indices = self._pick(k)
-        batch = [self._entries[i].sample for i in indices]
-        # Descending order: removing or moving entry i only touches positions
-        # >= i, so the indices still to process stay valid.
-        for i in sorted(indices, reverse=True):
-            self._entries[i].served += 1
-            self._after_serve(i)
-        self._total_served += k
-        return batch
+    def _entry(self, sample: Sample, prepared: Any = None) -> _Entry:
+        """A new entry, with its row of processed outputs when the buffer keeps them."""
+        if self._rows is None:
+            return _Entry(sample)
+        return _Entry(sample, row=self._rows.add(sample, prepared or self._rows.prepare(sample)))
 
-    def _remove(self, i: int) -> None:
+    @abstractmethod
+    def _serve(self, k: int, form: Callable[[list[_Entry]], T]) -> T:
+        """``form`` of ``k`` entries chosen by the kind (called before any leaves), which are then served:
+        the batch's hot path, so one pass per step and no call per entry where possible."""
+
+    def _remove(self, i: int) -> _Entry:
         """O(1) removal: the last entry takes the place of entry ``i``."""
         entries = self._entries
-        self._nbytes -= entries[i].sample.nbytes
+        entry = entries[i]
         entries[i] = entries[-1]
         entries.pop()
+        return entry
+
+    def _forget(self, entries: list[_Entry]) -> None:
+        """Entries left: their bytes and rows are free again."""
+        self._nbytes -= sum([entry.nbytes for entry in entries])
+        if self._rows is not None:
+            self._rows.release([entry.row for entry in entries])
 
     def _new_container(self) -> MutableSequence[_Entry]:
         return []
@@ -265,17 +310,9 @@ class Buffer(ABC):
     def _after_load(self) -> None:
         """Hook to rebuild derived structures after ``load_state_dict``."""
 
-    def _after_serve(self, i: int) -> None:
-        if self._done(self._entries[i]):
-            self._remove(i)
+    def _on_close(self) -> None:
+        """Hook: reception just ended."""
 
-    def _pick(self, k: int) -> list[int]:
-        """``k`` distinct indices, uniformly at random."""
-        return self._rng.sample(range(len(self._entries)), k)
-
-    @abstractmethod
-    def _done(self, entry: _Entry) -> bool:
-        """Whether a just-served entry leaves the buffer."""
 
 
 class FifoBuffer(Buffer):
@@ -286,30 +323,63 @@ class FifoBuffer(Buffer):
     def _new_container(self) -> MutableSequence[_Entry]:
         return deque()
 
-    def _pick(self, k: int) -> list[int]:
-        return list(range(k))
-
-    def _remove(self, i: int) -> None:
-        self._nbytes -= self._entries[i].sample.nbytes
-        del self._entries[i]  # i < batch size: cheap on a deque, keeps order
-
-    def _done(self, entry: _Entry) -> bool:
-        return True
+    def _serve(self, k: int, form: Callable[[list[_Entry]], T]) -> T:
+        """The first ``k`` entries, all leaving: no per-entry bookkeeping but the bytes and rows freed."""
+        popleft = self._entries.popleft  # type: ignore[attr-defined]
+        entries = [popleft() for _ in range(k)]
+        batch = form(entries)
+        self._forget(entries)
+        self._total_served += k
+        return batch
 
 
 class FiroBuffer(Buffer):
-    """First in, random out; removed after ``pseudo_epochs`` servings."""
+    """First in, random out; removed after ``pseudo_epochs`` servings.
+
+    The entries are kept in a uniformly random order: an arrival goes to a
+    random place and that place's entry to the end (the inside-out
+    Fisher-Yates shuffle), so the last ``k`` entries are ``k`` picked at
+    random, taken with one slice; an entry served fewer than ``pseudo_epochs``
+    times goes back the same way.
+    """
 
     kind = "firo"
 
-    def _done(self, entry: _Entry) -> bool:
-        return entry.served >= self._pseudo_epochs
+    def _insert(self, entry: _Entry) -> None:
+        entries = self._entries
+        entries.append(entry)
+        j = self._rng.randrange(len(entries))
+        entries[-1], entries[j] = entries[j], entries[-1]
+
+    def _serve(self, k: int, form: Callable[[list[_Entry]], T]) -> T:
+        picked = self._entries[-k:]
+        del self._entries[-k:]
+        batch = form(picked)
+        if self._pseudo_epochs == 1:  # all leave: no count left to keep
+            self._forget(picked)
+        else:
+            self._serve_again(picked)
+        self._total_served += k
+        return batch
+
+    def _serve_again(self, picked: list[_Entry]) -> None:
+        """Count a serving of each picked entry: those served ``pseudo_epochs`` times leave, the others go back."""
+        gone = []
+        for entry in picked:
+            entry.served += 1
+            if entry.served >= self._pseudo_epochs:
+                gone.append(entry)
+            else:
+                self._insert(entry)
+        self._forget(gone)
 
 
 class ReservoirBuffer(Buffer):
     """Random out, kept; when full, an arrival replaces a random served sample.
 
-    Invariant: ``_entries[:_n_fresh]`` were never served, the rest were.
+    Invariant: ``_entries[:_n_fresh]`` were never served, the rest were;
+    after reception the order is shuffled once and the buffer drains as a
+    FIRO does, from the end.
     """
 
     kind = "reservoir"
@@ -321,24 +391,51 @@ class ReservoirBuffer(Buffer):
         entries[-1], entries[self._n_fresh] = entries[self._n_fresh], entries[-1]
         self._n_fresh += 1
 
-    def _after_serve(self, i: int) -> None:
-        if i < self._n_fresh:  # first serving: move across the boundary
-            j = self._n_fresh - 1
-            self._entries[i], self._entries[j] = self._entries[j], self._entries[i]
-            self._n_fresh = i = j
-        super()._after_serve(i)
+    def _serve(self, k: int, form: Callable[[list[_Entry]], T]) -> T:
+        """``k`` entries at random; a first serving moves the entry across the boundary (in descending order
+        of place: moving entry i only touches places >= i, so the places still to settle stay valid)."""
+        entries = self._entries
+        if self._closed:
+            return self._drain(k, form)
+        places = self._rng.sample(range(len(entries)), k)
+        picked = [entries[i] for i in places]
+        batch = form(picked)
+        for entry in picked:
+            entry.served += 1
+        self._total_served += k
+        fresh = self._n_fresh
+        for i in sorted((i for i in places if i < fresh), reverse=True):
+            fresh -= 1
+            entries[i], entries[fresh] = entries[fresh], entries[i]
+        self._n_fresh = fresh
+        return batch
 
-    def _done(self, entry: _Entry) -> bool:
-        return self._closed  # after reception, serving drains the buffer
+    def _drain(self, k: int, form: Callable[[list[_Entry]], T]) -> T:
+        """After reception, the last ``k`` of the order shuffled at ``close``: served once more and gone
+        (so there is no count left to keep)."""
+        picked = self._entries[-k:]
+        del self._entries[-k:]
+        batch = form(picked)
+        self._forget(picked)
+        self._total_served += k
+        return batch
+
+    def _on_close(self) -> None:
+        self._rng.shuffle(self._entries)
+        self._n_fresh = 0  # the order is no longer partitioned, and nothing is put any more
 
     def _make_room(self, nb: int) -> None:
         while not self._fits(nb) and self._n_fresh < len(self._entries):
-            self._remove(self._rng.randrange(self._n_fresh, len(self._entries)))
+            self._forget([self._remove(self._rng.randrange(self._n_fresh, len(self._entries)))])
 
     def _after_load(self) -> None:
+        """Open: never-served entries first (a checkpoint taken while draining has them anywhere). Closed:
+        the order shuffled at ``close``, as it was."""
+        if self._closed:
+            self._n_fresh = 0
+            return
+        self._entries[:] = sorted(self._entries, key=lambda e: e.served > 0)  # stable: a no-op if partitioned
         self._n_fresh = sum(1 for e in self._entries if e.served == 0)
-        if any(e.served == 0 for e in list(self._entries)[self._n_fresh:]):
-            raise ValueError("reservoir state: never-served entries must come first")
 
 
 _KINDS: dict[str, type[Buffer]] = {

@@ -11,24 +11,20 @@
   share one all-to-all path.
 
 ``GradientAverager`` averages dense gradients (DESIGN §5: the global loss is
-the mean of the K per-rank losses). As DDP's ``gradient_as_bucket_view``, each
-``.grad`` is a view into a flat bucket: autograd's ``AccumulateGrad`` adds a
-new gradient in place into an existing ``.grad`` (``variable_grad +=
-new_grad`` when not building a higher-order graph; checked on torch 2.13 by
-``tests/mpi/test_collectives.py``), so backward writes straight into the
-buckets and the all-reduce needs no copy. A ``.grad`` replaced by the user (or
-by ``backward(create_graph=True)``, which accumulates out of place) is copied
-back into its bucket before the reduce.
+the mean of the K per-rank losses).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 import os
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from itertools import accumulate
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,6 +47,11 @@ class Collectives(ABC):
         """Sum ``tensor`` (contiguous) over ranks, in place."""
 
     @abstractmethod
+    def start_allreduce_sum_(self, tensor: torch.Tensor) -> Started:
+        """Start summing ``tensor`` (contiguous) over ranks in place, apart from the other collectives: only
+        the order of these reductions must be the same on every rank. Read ``tensor`` after ``wait()``."""
+
+    @abstractmethod
     def alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Send ``send_counts[r]`` rows of ``send`` (in rank order) to rank ``r``.
 
@@ -59,7 +60,7 @@ class Collectives(ABC):
         """
 
     def close(self) -> None:
-        """Release the transport (nothing to do for MPI)."""
+        """Release the transport."""
 
     def _check_alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> None:
         if len(send_counts) != self.size or min(send_counts) < 0 or sum(send_counts) != send.shape[0]:
@@ -70,6 +71,45 @@ class Collectives(ABC):
         _check_contiguous(send)
 
 
+class Started(Protocol):
+    """A reduction under way."""
+
+    def test(self) -> bool:
+        """Whether it is done; also moves it along (MPI progresses only inside its calls)."""
+
+    def wait(self) -> None: ...
+
+
+class _MpiStarted:
+    def __init__(self, request: MPI.Request) -> None:
+        self.request = request
+
+    def test(self) -> bool:
+        return bool(self.request.Test())
+
+    def wait(self) -> None:
+        self.request.Wait()
+
+
+class _TorchStarted:
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def test(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+class _Done:
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
 class MpiCollectives(Collectives):
     """Collectives of mpi4py directly on CPU tensors' memory."""
 
@@ -77,6 +117,17 @@ class MpiCollectives(Collectives):
         self.comm = comm
         self.rank = comm.rank
         self.size = comm.size
+        self._reductions = comm.Dup()  # the started ones: their order is theirs alone
+
+    def close(self) -> None:
+        self._reductions.Free()
+
+    def start_allreduce_sum_(self, tensor: torch.Tensor) -> Started:
+        _check_contiguous(tensor)
+        if tensor.dtype == torch.bfloat16:
+            self.allreduce_sum_(tensor)
+            return _Done()
+        return _MpiStarted(self._reductions.Iallreduce(MPI.IN_PLACE, tensor.detach().numpy(), op=MPI.SUM))
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         _check_contiguous(tensor)
@@ -123,6 +174,10 @@ class TorchCollectives(Collectives):
         _check_contiguous(tensor)
         dist.all_reduce(tensor.detach(), op=dist.ReduceOp.SUM)
 
+    def start_allreduce_sum_(self, tensor: torch.Tensor) -> Started:
+        _check_contiguous(tensor)
+        return _TorchStarted(dist.all_reduce(tensor.detach(), op=dist.ReduceOp.SUM, async_op=True))
+
     def alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         self._check_alltoallv(send, send_counts)
         counts = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
@@ -146,82 +201,117 @@ def make_collectives(comm: Comm, device: torch.device) -> Collectives:
 
 
 class GradientAverager:
-    """Averages dense gradients over ranks, reducing flat buckets that the ``.grad`` are views of.
+    """Averages dense gradients over ranks: large ones where backward left them, small ones packed.
 
-    One flat tensor per (device, dtype) holds the gradients of the parameters
-    with ``requires_grad`` (in their order; every rank must pass the same
-    model), cut into buckets of at most ``bucket_bytes`` (a larger parameter
-    gets a bucket of its own).
+    Gradients start every step as ``None`` (``zero_grad``, as torch's own
+    default), so backward stores each new gradient as it is made: no memset of
+    old gradients, no add into them (on a 25 MB model that zeroing and adding
+    cost 4.7 ms a step; ``bench/step_overhead.py``). A gradient of at least
+    ``small_bytes`` is then reduced in place; smaller ones are copied into one
+    flat tensor per (device, dtype), reduced with one call and handed back as
+    views of it, so that a model of many small tensors costs few calls. A
+    missing gradient (the parameter took no part in this rank's loss) counts as
+    zeros, so that all ranks reduce the same tensors; every rank must pass the
+    same model.
+
+    Under ``overlapping()`` the large ones are reduced during backward, as DDP
+    does: measured on 2 ranks sharing 2 cores (``bench/step_overhead.py``), the
+    gain is small, since the reduction's copies need the same cores; with a
+    free core or a GPU's own communication stream it hides behind backward.
     """
 
-    def __init__(
-        self, parameters: Iterable[nn.Parameter], collectives: Collectives, bucket_bytes: int = 25 << 20
-    ) -> None:
+    def __init__(self, parameters: Iterable[nn.Parameter], collectives: Collectives,
+                 small_bytes: int = 1 << 20) -> None:
         self.collectives = collectives
         unique = {id(p): p for p in parameters if p.requires_grad}
         self._params = list(unique.values())
+        self.large = [p for p in self._params if p.numel() * p.element_size() >= small_bytes]
         groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
         for p in self._params:
-            groups.setdefault((p.device, p.dtype), []).append(p)
-        self.flats: list[torch.Tensor] = []
-        self.buckets: list[torch.Tensor] = []
-        views: dict[int, torch.Tensor] = {}
+            if p.numel() * p.element_size() < small_bytes:
+                groups.setdefault((p.device, p.dtype), []).append(p)
+        self.packs: list[tuple[torch.Tensor, list[nn.Parameter], list[torch.Tensor]]] = []
         for (device, dtype), params in groups.items():
-            flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
-            self.flats.append(flat)
-            start = offset = 0
-            for p in params:
-                if offset > start and (offset + p.numel() - start) * flat.element_size() > bucket_bytes:
-                    self.buckets.append(flat[start:offset])
-                    start = offset
-                views[id(p)] = flat[offset : offset + p.numel()].view(p.shape)
-                offset += p.numel()
-            if offset > start:
-                self.buckets.append(flat[start:offset])
-        self._views: list[torch.Tensor] = [views[id(p)] for p in self._params]
-        self._attach_all(keep_values=True)
-        logger.debug(
-            "gradient buckets: %d parameters, %d buckets, %d bytes",
-            len(self._params), len(self.buckets), sum(f.numel() * f.element_size() for f in self.flats),
-        )
+            ends = list(accumulate(p.numel() for p in params))
+            flat = torch.zeros(ends[-1], dtype=dtype, device=device)
+            views = [flat[end - p.numel() : end].view(p.shape) for p, end in zip(params, ends)]
+            self.packs.append((flat, params, views))
+        logger.debug("gradients: %d reduced in place, %d packed into %d flat tensors",
+                     len(self.large), len(self._params) - len(self.large), len(self.packs))
+        self.large.reverse()  # the order in which backward produces them, mostly: the order they are reduced in
+        self._position = {id(p): i for i, p in enumerate(self.large)}
+        self._ready = [False] * len(self.large)
+        self._started: list[Started] = []
+        self._overlapping = False
+        for p in self.large:
+            p.register_post_accumulate_grad_hook(self._produced)
 
     def zero_grad(self) -> None:
-        """Zero the buckets in place; a ``.grad`` the user replaced becomes its bucket view again."""
-        self._attach_all(keep_values=False)
-        for flat in self.flats:
-            flat.zero_()
+        for p in self._params:
+            p.grad = None
+
+    @contextlib.contextmanager
+    def overlapping(self) -> Iterator[None]:
+        """Around a step's one backward: each large gradient is divided and its reduction started as soon as
+        backward has produced it and those before it in ``large`` (the same order on every rank, whatever
+        parameter a rank did not use), while its bytes are still in cache and backward goes on."""
+        self._overlapping = self.collectives.size > 1
+        self._ready = [False] * len(self.large)
+        try:
+            yield
+        finally:
+            self._overlapping = False
+
+    def _produced(self, p: nn.Parameter) -> None:
+        if not self._overlapping or threading.current_thread() is not threading.main_thread():
+            return  # a GPU's backward may run hooks in another thread: average() starts those
+        self._ready[self._position[id(p)]] = True
+        while len(self._started) < len(self.large) and self._ready[len(self._started)]:
+            self._start(self.large[len(self._started)])
+        for started in self._started:
+            started.test()
+
+    def _start(self, p: nn.Parameter) -> None:
+        grad = _dense_grad(p)
+        grad.div_(self.collectives.size)
+        self._started.append(self.collectives.start_allreduce_sum_(grad))
 
     def average(self) -> None:
         """Replace each gradient by its mean over ranks (the gradient of the mean loss)."""
-        self._attach_all(keep_values=True)
         size = self.collectives.size
-        if size == 1:
-            return
-        for bucket in self.buckets:
-            self.collectives.allreduce_sum_(bucket)
-            bucket.div_(size)
+        if size > 1:
+            for p in self.large[len(self._started):]:
+                self._start(p)
+        reduced = [] if size > 1 else [_dense_grad(p) for p in self.large]
+        for flat, params, views in self.packs:
+            for p, view in zip(params, views):
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(_dense_grad(p))
+                p.grad = view
+            reduced.append(flat)
+        if size > 1:
+            for tensor in reduced:
+                self.collectives.allreduce_sum_(tensor)
+                tensor.div_(size)
+        for started in self._started:
+            started.wait()
+        self._started = []
 
-    def _attach_all(self, keep_values: bool) -> None:
-        """Point every ``.grad`` at its bucket view; copy a replaced one in if ``keep_values``.
 
-        A missing gradient (the parameter took no part in this rank's loss, or
-        was set to ``None``) counts as zeros, so that all ranks reduce the same
-        buckets.
-        """
-        for p, view in zip(self._params, self._views):
-            grad = p.grad
-            if grad is not None and grad.layout != torch.strided:
-                raise ValueError(
-                    f"GradientAverager: parameter of shape {tuple(p.shape)} has a sparse gradient; dense "
-                    "all-reduce cannot average it (use ShardedEmbedding, not nn.Embedding(sparse=True))"
-                )
-            if grad is not None and grad.data_ptr() == view.data_ptr():
-                continue
-            if keep_values and grad is not None:
-                view.copy_(grad)
-            elif keep_values:
-                view.zero_()
-            p.grad = view
+def _dense_grad(p: nn.Parameter) -> torch.Tensor:
+    """``p.grad``, made zeros if missing and contiguous if not."""
+    grad = p.grad
+    if grad is not None and grad.layout != torch.strided:
+        raise ValueError(
+            f"GradientAverager: parameter of shape {tuple(p.shape)} has a sparse gradient; dense "
+            "all-reduce cannot average it (use ShardedEmbedding, not nn.Embedding(sparse=True))"
+        )
+    if grad is None or not grad.is_contiguous():
+        p.grad = grad = torch.zeros_like(p, memory_format=torch.contiguous_format) if grad is None \
+            else grad.contiguous()
+    return grad
 
 
 def _rendezvous_address(comm: Comm) -> tuple[str, int]:

@@ -1,7 +1,8 @@
 """StreamDataset: a rank's buffer seen as a torch ``IterableDataset`` of batches.
 
 Batches are formed here rather than by a ``DataLoader``: the buffer already
-guarantees distinct samples, the user's ``process`` runs once per serving, and
+guarantees distinct samples, the user's ``process`` runs once per serving
+(once per sample if the module declares ``deterministic_process``), and
 ``collate`` stacks the results with one copy per output of the batch (no
 Python call per element). ``process`` may return numpy arrays instead of
 tensors: they are stacked by numpy and handed to torch once per batch, which
@@ -39,14 +40,24 @@ def collate(items: list[Any]) -> Any:
 
 
 class StreamDataset(IterableDataset):
-    def __init__(self, buffer: Buffer, process: Callable[[Sample], Any], batch_size: int) -> None:
+    """``deterministic``: ``process`` runs once per sample as the buffer takes it, and batches are formed
+    from its kept outputs (``Buffer.keep_processed``)."""
+
+    def __init__(self, buffer: Buffer, process: Callable[[Sample], Any], batch_size: int,
+                 deterministic: bool = False) -> None:
         super().__init__()
         self.buffer = buffer
         self.process = process
         self.batch_size = batch_size
+        self.deterministic = deterministic
+        if deterministic:
+            buffer.keep_processed(process)
 
     def next_batch(self, timeout: float | None = None) -> Any:
         """A collated batch, None if none could be formed within ``timeout``, or END."""
+        if self.deterministic:
+            batch = self.buffer.get_processed(self.batch_size, timeout=timeout)
+            return END if isinstance(batch, list) and not batch else batch
         samples = self.buffer.get_batch(self.batch_size, timeout=timeout)
         if samples is None:
             return None

@@ -12,6 +12,13 @@ study's bookkeeping while data is late. A rank keeps a batch it formed until
 the step happens, so nothing is skipped. Without training, ranks drain
 independently and stop when all are dry.
 
+While data keeps up, that round costs no collective of its own: before a
+step every rank takes its next batch without waiting and starts the next
+round's all-reduce, which completes during the step's gradient all-reduce
+(MPI progresses both in one call), so the next iteration finds its decision
+made. Not before a snapshot (a rank would hold a formed batch the snapshot
+misses) nor once a stop is asked for.
+
 The checkpoints' life is here too: a snapshot right after every
 ``checkpoint_interval``-th step (no rank then holds a formed batch), its
 commit in a later bookkeeping round, and a last one when training ends or
@@ -88,7 +95,7 @@ class Bookkeeping:
         self.receiver.check()
         reports = self.comm.gather(self.receiver.report())
         consumed = self.comm.reduce(consumed)
-        over, news = False, None
+        over, news = False, ({}, [])  # without a study (benches): nothing to follow
         if self.study is not None:
             assert self.handshake is not None and self.status is not None
             if self.handshake.error is not None:
@@ -133,16 +140,22 @@ class Loop:
         assert self.checkpointer is not None
         checkpointer, summary = self.checkpointer, trainer.summary
 
+        def snapshot_after(batches: int) -> bool:
+            return checkpoint_interval > 0 and batches % checkpoint_interval == 0
+
         def step(batch: Any) -> None:
             trainer.step(batch)
-            if checkpoint_interval and summary.batches % checkpoint_interval == 0:
+            if snapshot_after(summary.batches):
                 checkpointer.snapshot(summary.batches, summary.samples)
 
         self.consumed = lambda: summary.samples
         self.training = trainer.status
+        self.bookkeeping.sync(self.consumed(), self.training())  # the simulations start while begin() runs
         start = time.monotonic()  # the first validation counts, as it always did
         trainer.begin()
-        outcome = self._rounds(next_batch, step, trainer.options.stall_timeout)
+        self.stop.install()  # a signal before is an exit: there is nothing to checkpoint yet
+        outcome = self._rounds(next_batch, step, trainer.options.stall_timeout,
+                               look_ahead=lambda: not snapshot_after(summary.batches + 1))
         summary.duration_s += time.monotonic() - start
         self._log(outcome, summary.batches)
         if outcome is Outcome.ENDED:
@@ -169,19 +182,26 @@ class Loop:
         return self._rounds(next_samples, count, stall_timeout=None)
 
     def _rounds(self, next_batch: Callable[[float], Any], step: Callable[[Any], None],
-                stall_timeout: float | None) -> Outcome:
+                stall_timeout: float | None, look_ahead: Callable[[], bool] = lambda: False) -> Outcome:
         """Consume until one rank (with a ``stall_timeout``: lockstep training) or every rank (without:
-        independent draining) is dry, or a rank was asked to stop."""
+        independent draining) is dry, or a rank was asked to stop.
+
+        When every rank steps, the next round may travel with the step (see ``_step_ahead``) if
+        ``look_ahead()`` allows holding the next batch through it (not before a snapshot).
+        """
         synchronous = stall_timeout is not None
-        flags = np.zeros(5, dtype=np.int64)
-        pending = None
+        flags, next_flags = np.zeros(5, dtype=np.int64), np.zeros(5, dtype=np.int64)
+        pending, ahead = None, False  # ahead: this round's flags came with the last step, in next_flags
         self._stalled_since: float | None = None
         self._stopping_since: float | None = None
         while True:
-            if pending is None:
-                pending = next_batch(WAIT)
-            ready = pending is not None and pending is not END
-            self._exchange(flags, ready, pending is END)
+            if ahead:
+                flags, next_flags = next_flags, flags
+            else:
+                if pending is None:
+                    pending = next_batch(WAIT)
+                self._wait(self._exchange(flags, pending))
+            ready, ahead = pending is not None and pending is not END, False
             if flags[DUE]:
                 self.bookkeeping.sync(self.consumed(), self.training())
                 if self.checkpointer is not None:
@@ -189,21 +209,40 @@ class Loop:
             if flags[ENDED] >= (1 if synchronous else self.size):
                 return Outcome.ENDED
             if ready and (flags[READY] == self.size or not synchronous):
-                step(pending)
-                pending = None
+                if synchronous and not flags[STOP] and self._stopping_since is None and look_ahead():
+                    pending, ahead = self._step_ahead(step, pending, next_batch, next_flags), True
+                else:
+                    step(pending)
+                    pending = None
             if (stopped := self._stopped(flags, synchronous)) is not None:
                 return stopped
             if synchronous:
                 self._check_stall(flags, stall_timeout)  # type: ignore[arg-type]
 
-    def _exchange(self, flags: np.ndarray, ready: bool, ended: bool) -> None:
-        """The round's all-reduce, polled rather than waited in: simulations and the other ranks may share
-        these cores."""
+    def _step_ahead(self, step: Callable[[Any], None], batch: Any, next_batch: Callable[[float], Any],
+                    flags: np.ndarray) -> Any:
+        """Step on ``batch`` with the next round in flight: the next batch is taken first (without waiting),
+        and the round's all-reduce, started before the step, completes during the step's gradient
+        all-reduce, so that lockstep costs no collective of its own. ``flags`` receives the next round's;
+        returns the next batch (None if none was ready, or END)."""
+        following = next_batch(0)
+        request = self._exchange(flags, following)
+        step(batch)
+        self._wait(request)
+        return following
+
+    def _exchange(self, flags: np.ndarray, pending: Any) -> MPI.Request:
+        """Start the round's all-reduce of what this rank holds and wants."""
         overdue = self.rank == 0 and self._stopping_since is not None \
             and time.monotonic() - self._stopping_since > STOP_WAIT
-        flags[:] = (ready, ended, self.rank == 0 and self.bookkeeping.due(), self.buffer.producer_waiting,
+        flags[:] = (pending is not None and pending is not END, pending is END,
+                    self.rank == 0 and self.bookkeeping.due(), self.buffer.producer_waiting,
                     self.stop.requested + overdue * (self.size + 1))
-        request = self.comm.Iallreduce(MPI.IN_PLACE, flags)
+        return self.comm.Iallreduce(MPI.IN_PLACE, flags)
+
+    @staticmethod
+    def _wait(request: MPI.Request) -> None:
+        """Polled rather than waited in: simulations and the other ranks may share these cores."""
         while not request.Test():
             time.sleep(POLL)
 

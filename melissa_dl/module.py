@@ -12,7 +12,8 @@ collective, so a user never writes MPI or ``torch.distributed`` code::
         def configure_optimizer(self):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
-        def process(self, sample):                    # each time a sample is served into a batch
+        def process(self, sample):                    # each time a sample is served into a batch, or once
+                                                      # per sample with deterministic_process = True
             x = torch.tensor([*sample.parameters, sample.time_step], dtype=torch.float32)
             return x, torch.from_numpy(sample.fields["temperature"]).flatten()
 
@@ -45,6 +46,12 @@ class TrainingModule(nn.Module, ABC):
 
     rank: int = 0  # set by the server before any hook runs
     world_size: int = 1
+    deterministic_process: bool = False
+    """True when ``process`` depends on the sample alone (no randomness, no state that changes) and returns
+    the same shapes and dtypes for every sample: the server then runs it once per sample, as the sample
+    arrives, keeps its outputs as rows of preallocated tensors, and forms each batch with one ``index_select``
+    per output (``melissa_dl.rows``; a second copy of the buffered samples, processed). False: ``process``
+    runs every time a sample is served into a batch."""
 
     @abstractmethod
     def configure_optimizer(self) -> torch.optim.Optimizer:

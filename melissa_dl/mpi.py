@@ -3,10 +3,12 @@
 An uncaught exception in any thread of any rank is logged with its traceback
 and followed by ``MPI_Abort``, which makes ``mpirun`` kill every rank and exit
 non-zero (1; 2 without a traceback for an output folder that is full or
-read-only, where a restart cannot help). SIGTERM is turned into ``SystemExit`` so that ``finally`` blocks,
-which stop the simulation jobs, still run; while training, the first SIGTERM
-or SIGINT (``mpirun`` forwards both to every rank) asks for a graceful stop
-instead: the ranks agree on a batch, checkpoint and exit (``GracefulStop``).
+read-only, where a restart cannot help). SIGTERM is turned into ``SystemExit``
+so that ``finally`` blocks, which stop the simulation jobs, still run; then
+the job is aborted with 128 + 15 (``end_every_rank``). While training, the
+first SIGTERM or SIGINT (``mpirun`` forwards both to every rank) asks for a
+graceful stop instead: the ranks agree on a batch, checkpoint and exit
+(``GracefulStop``).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from melissa_dl.files import unwritable
 from melissa_dl.status import EXIT_CONFIG
@@ -49,6 +51,16 @@ def install_abort_on_error(comm: Comm) -> None:
     sys.excepthook = abort
     threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)  # type: ignore[arg-type]
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def end_every_rank(comm: Comm, signalled: SystemExit) -> NoReturn:
+    """End the job on a signal's ``SystemExit``: the other ranks may wait inside a collective, where Python
+    runs no signal handler, so a plain exit of this rank would leave them (and ``mpirun``) hanging."""
+    code = signalled.code if isinstance(signalled.code, int) else 1
+    logger.warning("signal %d: ending every rank", code - 128)
+    logging.shutdown()
+    comm.Abort(code)
+    raise AssertionError("MPI_Abort returned")  # pragma: no cover
 
 
 def first_of_launch() -> bool:

@@ -36,7 +36,7 @@ from melissa_dl.files import remove_temporaries, write_atomic
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.logs import setup_logging
 from melissa_dl.loop import Bookkeeping, Loop, Outcome
-from melissa_dl.mpi import Comm, GracefulStop, first_of_launch, install_abort_on_error, launch_problem
+from melissa_dl.mpi import Comm, GracefulStop, end_every_rank, first_of_launch, install_abort_on_error, launch_problem
 from melissa_dl.receiver import Receiver
 from melissa_dl.recovery import (
     DENSE,
@@ -164,7 +164,7 @@ class Server:
             else:
                 loop = Loop(self.comm, bookkeeping, self.stop)
                 loop.drain()
-            return self._report(trainer, study, handshake, status, loop.consumed(), time.monotonic() - start)
+            return self._report(trainer, bookkeeping, loop.consumed(), time.monotonic() - start)
         finally:
             if launcher is not None:
                 launcher.shutdown()
@@ -238,9 +238,9 @@ class Server:
         assert self.config.training is not None
         first_version = self.comm.bcast(next_version(checkpoint_root(self.config)) if self.rank == 0 else None)
         checkpointer = Checkpointer(self.config, self.comm, self.parts, first_version)
-        self.stop.install()
         loop = Loop(self.comm, bookkeeping, self.stop, checkpointer)
-        dataset = StreamDataset(self.buffer, trainer.module.process, self.config.training.batch_size)
+        dataset = StreamDataset(self.buffer, trainer.module.process, self.config.training.batch_size,
+                                trainer.module.deterministic_process)
         if loop.train(trainer, dataset.next_batch, self.config.training.checkpoint_interval) is Outcome.ENDED:
             return loop
         self.receiver.stop()
@@ -255,9 +255,11 @@ class Server:
         expected = study.simulations * study.time_steps if study.time_steps is not None else None
         return StatusBoard(self.config.output_path, self.config.server.status_interval, start, expected)
 
-    def _report(self, trainer: Trainer | None, study: Study | None, handshake: HandshakeServer | None,
-                status: StatusBoard | None, consumed: int, duration: float) -> int:
-        """The final model, config and report; the exit code, the same on every rank."""
+    def _report(self, trainer: Trainer | None, bookkeeping: Bookkeeping, consumed: int, duration: float) -> int:
+        """The final model, config and report; the exit code, the same on every rank. Rank 0 beats the heart
+        between its steps: the final validation, checkpoint and plots are the server at work, not hung."""
+        study, handshake, status = bookkeeping.study, bookkeeping.handshake, bookkeeping.status
+        bookkeeping.beat()
         reports = self.comm.gather(self.receiver.report())
         consumed = self.comm.reduce(consumed)
         extra = {}
@@ -276,7 +278,9 @@ class Server:
             report = final_report(study, reports, handshake.rejections.counts(), consumed, duration,
                                   self.config.study.time_steps, extra)
             write_report(report, self.config.output_path / "report.json")
+            bookkeeping.beat()
             logger.info("plots: %s", ", ".join(str(path) for path in draw(self.config.output_path)))
+            bookkeeping.beat()
             code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
         return self.comm.bcast(code)
 
@@ -290,4 +294,7 @@ def serve(config: Config, fresh: bool, export_model: bool) -> int:
     install_abort_on_error(comm)
     setup_logging(comm.Get_rank(), config.output_path / "logs", config.server.log_level)
     raise_open_file_limit()
-    return Server(config, comm, fresh=fresh, export_model=export_model).run()
+    try:
+        return Server(config, comm, fresh=fresh, export_model=export_model).run()
+    except SystemExit as signalled:  # a SIGTERM outside training (or a second one), after the finally blocks ran
+        end_every_rank(comm, signalled)

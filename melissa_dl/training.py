@@ -58,6 +58,18 @@ def rss_megabytes() -> float:
     return int(os.pread(_STATM, 128, 0).split()[1]) * resource.getpagesize() / 1e6
 
 
+def torch_threads(comm: Comm) -> int:
+    """One thread per core this rank may run on, shared with the ranks of its node allowed there too (all of
+    them under ``mpirun`` without binding, none under ``srun --cpu-bind``): a core running two ranks'
+    OpenMP threads makes both spin and wait. The affinity mask, not the node's core count: Slurm's
+    cpusets and ``taskset`` give a process fewer cores than the node has."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    mine = os.sched_getaffinity(0)
+    sharing = sum(1 for cores in node.allgather(mine) if cores & mine)
+    node.Free()
+    return max(1, len(mine) // sharing)
+
+
 @dataclass
 class TrainingSummary:
     batches: int = 0
@@ -91,8 +103,7 @@ class Trainer:
         self.scalars = scalars
         cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
         self.device = torch.device(f"cuda:{self.rank % torch.cuda.device_count()}" if cuda else "cpu")
-        local_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))  # ranks on a node share its cores
+        torch.set_num_threads(torch_threads(comm))
         torch.manual_seed(options.seed)  # the same seed everywhere: replicas start identical
         self.collectives = make_collectives(comm, self.device)
         set_default_collectives(self.collectives)  # the user's ShardedEmbeddings shard over these ranks
@@ -103,9 +114,7 @@ class Trainer:
         self.tables = {name: m for name, m in self.module.named_modules() if isinstance(m, ShardedEmbedding)}
         self.optimizer = self.module.configure_optimizer()
         self.averager = GradientAverager(self.module.parameters(), self.collectives)
-        held_out = list(self.module.validation_samples())
-        # equal shares, so that every rank runs as many validation batches (lookups of sharded tables are collectives)
-        self.validation_set = held_out[: len(held_out) - len(held_out) % self.size][self.rank :: self.size]
+        self.validation_set: list[Any] = []  # this rank's share of the held-out samples, from begin()
         self.output = output
         self.writer: Any = None  # opened by begin(), after a restore has set the step to continue from
         self.copies: list[BackgroundCopy] = []  # of the last state taken, until the next optimizer step
@@ -117,8 +126,14 @@ class Trainer:
         self._last_log = (time.monotonic(), 0)  # time, batches
 
     def begin(self) -> None:
-        """Open the TensorBoard curves where the restored run left them; validate the untrained model."""
+        """Take this rank's share of the held-out samples (here, once the study runs: a module may solve them,
+        and the simulations need not wait for it); open the TensorBoard curves where the restored run left
+        them; validate the untrained model."""
         from torch.utils.tensorboard import SummaryWriter  # slow import, only when training
+
+        held_out = list(self.module.validation_samples())
+        # equal shares, so that every rank runs as many validation batches (lookups of sharded tables are collectives)
+        self.validation_set = held_out[: len(held_out) - len(held_out) % self.size][self.rank :: self.size]
 
         # purge_step: a resumed run replaces what a dead one logged after its checkpoint (taken after batch b's points)
         self.writer = SummaryWriter(str(self.output / "tensorboard" / f"rank{self.rank}"),
@@ -134,7 +149,8 @@ class Trainer:
         self.module.train()
         self.averager.zero_grad()
         loss = self.module.training_step(to_device(batch, self.device))
-        loss.backward()
+        with self.averager.overlapping():
+            loss.backward()
         self.averager.average()
         for pending in self.copies:  # a checkpoint's copy of what the optimizers are about to change
             pending.wait()

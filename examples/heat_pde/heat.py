@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--ny", type=int, default=32)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--dt", type=float, default=DEFAULT_DT)
+    parser.add_argument("--refine", type=int, default=1, help="solve on a grid this many times finer, send nx x ny")
     parser.add_argument("--mpi", action="store_true", help="decompose over COMM_WORLD")
     parser.add_argument("--crash-at", type=int, metavar="STEP", help="exit 1 before sending STEP")
     parser.add_argument("--crash-simulation", type=int, metavar="SID", help="the one that crashes")
@@ -36,7 +37,7 @@ def main() -> None:
     # Each rank declares and sends its own block of rows; the server stacks them.
     fields = {"temperature": (np.float32, local_shape(args.nx, args.ny, comm))}
     with Client(fields, comm=comm) as client:
-        solver = HeatSolver(client.parameters, args.nx, args.ny, args.dt, comm=comm)
+        solver = HeatSolver(client.parameters, args.nx, args.ny, args.dt, comm=comm, refine=args.refine)
         crash = client.simulation_id == args.crash_simulation and client.attempt == 0
         for t in range(args.steps):
             if crash and t == args.crash_at:

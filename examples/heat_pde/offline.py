@@ -8,23 +8,30 @@ batch size and validation schedule, in two phases:
 1. **Generate**: draw the study's parameter sets exactly as the server does
    (``StudyConfig.parameter_table``), run the solver for each with the
    grid and step count of ``launcher.command`` (``--nx``, ``--ny``,
-   ``--steps``, ``--dt``), and write every simulation's steps to
+   ``--steps``, ``--dt``, ``--refine``), and write every simulation's steps to
    ``<output>/simulations/simulation<s>.npy`` (``[steps, nx, ny]`` float32),
    plus ``<output>/parameters.npy``. The solver runs in this process, one
    simulation after the other: no process start-up, no network, so this is
    the cheapest generation possible and the comparison errs in favour of
    the offline side.
 2. **Train**: load every step back into memory, then epochs of shuffled
-   batches of ``training.batch_size`` samples through a ``DataLoader`` (the
-   module's ``process`` on each sample, ``default_collate``), Adam from the
-   module, until ``--batches`` batches or the time budget. The held-out
+   batches of ``training.batch_size`` samples, the optimizer from the
+   module, until ``--batches`` batches or the time budget. With
+   ``deterministic_process`` every sample is processed once and the outputs
+   stacked, so a batch is one indexing per output (the fastest way through
+   an in-memory data set); otherwise a ``DataLoader`` runs ``process`` on
+   each sample it serves (``default_collate``). The held-out
    ``validation_samples()`` are evaluated before the first batch, every
    ``training.nb_batches_update`` batches and at the end, with the server's
    rule (mean of ``validation_step`` over chunks of
-   ``training.validation_batch_size``, weighted by chunk size).
+   ``training.validation_batch_size``, weighted by chunk size); the report
+   gives each as ``[batches, loss, seconds since this script started]``.
+   ``--save-model`` writes the trained module's ``state_dict``.
 
 One process, no MPI: a "batch" here is ``batch_size`` samples, one optimizer
-step. torch keeps its default thread count (one per core), the fastest on an
+step. ``--generation-cpus`` and ``--training-cpus`` confine each phase to
+some cores, as a cluster confines simulations and training to their own
+nodes. torch keeps its default thread count (one per core), the fastest on an
 otherwise idle machine; with other busy processes on the cores, ``--threads
 1`` is much faster (at this model size threads mostly wait for each other).
 Time budgets: ``--seconds`` bounds the training phase (timed as the server
@@ -45,7 +52,9 @@ START = time.monotonic()  # before the heavy imports: --total-seconds counts the
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Iterable, Iterator  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -56,6 +65,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository, when melissa_dl is n
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._pytree import tree_map  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 
 from melissa_dl import Sample, TrainingModule  # noqa: E402
@@ -75,13 +85,15 @@ class Grid:
     ny: int = 32
     steps: int = 100
     dt: float = DEFAULT_DT
+    refine: int = 1
 
 
 def grid_of(config: Config) -> Grid:
     """The solver arguments of the study's command line (heat.py's defaults otherwise)."""
     command = config.launcher.command
     grid = Grid(steps=config.study.time_steps or Grid.steps)
-    for flag, attr, kind in (("--nx", "nx", int), ("--ny", "ny", int), ("--steps", "steps", int), ("--dt", "dt", float)):
+    for flag, attr, kind in (("--nx", "nx", int), ("--ny", "ny", int), ("--steps", "steps", int), ("--dt", "dt", float),
+                             ("--refine", "refine", int)):
         if flag in command[:-1]:
             setattr(grid, attr, kind(command[command.index(flag) + 1]))
     return grid
@@ -102,7 +114,7 @@ def generate(parameters: np.ndarray, grid: Grid, folder: Path) -> None:
     (folder / "simulations").mkdir(parents=True, exist_ok=True)
     np.save(folder / "parameters.npy", parameters)
     for sim, values in enumerate(parameters):
-        solver = HeatSolver(values, grid.nx, grid.ny, grid.dt)
+        solver = HeatSolver(values, grid.nx, grid.ny, grid.dt, refine=grid.refine)
         steps = np.stack([solver.step() for _ in range(grid.steps)])
         np.save(folder / "simulations" / f"simulation{sim}.npy", steps)
 
@@ -129,6 +141,24 @@ class ProcessedSamples(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         return self.module.process(self.samples[index])
+
+
+def epochs(samples: list[Sample], module: TrainingModule, batch_size: int, seed: int) -> Iterator[Iterable[Any]]:
+    """Endless epochs, each an iterable of shuffled batches (the last partial one dropped when one full
+    batch fits)."""
+    generator = torch.Generator().manual_seed(seed)
+    drop_last = len(samples) >= batch_size
+    if not module.deterministic_process:
+        loader = DataLoader(ProcessedSamples(samples, module), batch_size=batch_size, shuffle=True,
+                            drop_last=drop_last, generator=generator)
+        while True:
+            yield loader
+    stacked = default_collate([module.process(s) for s in samples])
+    while True:
+        order = torch.randperm(len(samples), generator=generator).split(batch_size)
+        if drop_last and len(order[-1]) < batch_size:
+            order = order[:-1]
+        yield (tree_map(lambda column, idx=idx: column[idx], stacked) for idx in order)
 
 
 @torch.no_grad()
@@ -163,17 +193,12 @@ def train(
     """
     optimizer = module.configure_optimizer()
     validation_set = list(module.validation_samples())
-    generator = torch.Generator().manual_seed(options.seed)
-    loader = DataLoader(
-        ProcessedSamples(samples, module), batch_size=options.batch_size, shuffle=True,
-        drop_last=len(samples) >= options.batch_size, generator=generator,
-    )
     curve: list[list[float]] = []
 
     def record(batches: int) -> None:
         loss = validate(module, validation_set, options.validation_batch_size)
         if loss is not None:
-            curve.append([batches, loss])
+            curve.append([batches, loss, round(time.monotonic() - START, 3)])
             if log:
                 print(f"  validation loss {loss:.6g} after {batches} batches", flush=True)
 
@@ -183,9 +208,11 @@ def train(
     batches = trained = 0
     record(0)
     module.train()
-    done = max_batches == 0 or len(loader) == 0 or time.monotonic() >= deadline
-    while not done:
-        for batch in loader:
+    done = max_batches == 0 or not samples or time.monotonic() >= deadline
+    for epoch in epochs(samples, module, options.batch_size, options.seed):
+        if done:
+            break
+        for batch in epoch:
             optimizer.zero_grad(set_to_none=True)
             loss = module.training_step(batch)
             loss.backward()
@@ -211,6 +238,10 @@ def train(
     }
 
 
+def cpu_list(text: str) -> set[int]:
+    return {int(core) for core in text.split(",")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=HERE / "config.json")
@@ -221,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="folder of the simulation files (default <config dir>/output_offline)")
     parser.add_argument("--report", type=Path, help="JSON report (default <output>/report.json)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own, one per core)")
+    parser.add_argument("--generation-cpus", type=cpu_list, metavar="0,1",
+                        help="run the generation on these cores only (default: wherever this process may)")
+    parser.add_argument("--training-cpus", type=cpu_list, metavar="0,1",
+                        help="run the loading and training on these cores only (default: wherever this process may)")
+    parser.add_argument("--save-model", type=Path, help="write the trained module's state_dict here")
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
     args = parser.parse_args(argv)
 
@@ -234,9 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         max_batches = DEFAULT_BATCHES
 
     parameters = config.study.parameter_table()
+    if args.generation_cpus:
+        os.sched_setaffinity(0, args.generation_cpus)
     t0 = time.monotonic()
     generate(parameters, grid, output)
     generation_s = time.monotonic() - t0
+    if args.training_cpus:
+        os.sched_setaffinity(0, args.training_cpus)
 
     t0 = time.monotonic()
     samples = load(output)
@@ -255,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     training = train(module, samples, options, max_batches, args.seconds, deadline, log=not args.quiet)
+    if args.save_model is not None:
+        torch.save(module.state_dict(), args.save_model)
     report = {
         "config": str(args.config),
         "simulations": len(parameters),

@@ -1,15 +1,17 @@
 """A surrogate of the heat equation, trained online by melissa_dl.
 
 ``HeatSurrogate`` maps the five parameters of a simulation (initial, left,
-right, bottom and top temperatures) and a time step to the whole temperature
-field: an MLP with ``nx * ny`` outputs. The server imports this file (the
+right, bottom and top temperatures; a sixth, the diffusivity, when the study
+varies it: option ``diffusivity = [low, high]``) and a time step to the whole
+temperature field: an MLP with ``nx * ny`` outputs. The server imports this file (the
 config's ``training.module``), builds the class with ``training.options`` as
 keyword arguments, and calls the hooks below; nothing here knows about MPI.
 
 Normalisation, so that the network sees numbers of order one:
 
-- parameters in ``[low, high]`` -> ``[-1, 1]`` (centred inputs train faster
-  than ``[0, 1]`` ones with the same width);
+- parameters in ``[low, high]`` (the diffusivity in its own bounds) ->
+  ``[-1, 1]`` (centred inputs train faster than ``[0, 1]`` ones with the same
+  width);
 - time step ``t`` -> ``t / steps`` in ``[0, 1)``;
 - temperature ``T`` -> ``(T - mid) / (range / 4)``, i.e. ``(T - 300) / 100``
   for the default bounds: the maximum principle keeps every temperature in
@@ -18,7 +20,7 @@ Normalisation, so that the network sees numbers of order one:
 Validation uses whole simulations held out from training: parameter sets
 drawn uniformly with ``validation_seed`` (the study draws a scrambled Sobol
 sequence with its own seed, so they are different parameter sets), solved
-in-process with the study's own solver.
+in-process with the study's own solver (its ``refine`` too).
 
 Tuning (``examples/heat_pde/offline.py``, 32 Sobol simulations x 100 steps,
 batch 32, validation loss 0.64 before training): 3 hidden layers of 256 with
@@ -39,11 +41,13 @@ from melissa_dl import Sample, TrainingModule
 from solver import DEFAULT_DT, HeatSolver  # solver.py sits next to this file
 
 FIELD = "temperature"
-N_PARAMETERS = 5
+TEMPERATURES = 5  # initial, left, right, bottom, top
 
 
 class HeatSurrogate(TrainingModule):
-    """MLP ``(5 parameters, t) -> temperature field``, trained with Adam on the MSE."""
+    """MLP ``(5 or 6 parameters, t) -> temperature field``, trained with Adam on the MSE."""
+
+    deterministic_process = True  # process() is plain arithmetic on the sample: the server runs it once per sample
 
     def __init__(
         self,
@@ -58,25 +62,30 @@ class HeatSurrogate(TrainingModule):
         high: float = 500.0,
         validation_simulations: int = 4,
         validation_seed: int = 1,
+        diffusivity: Sequence[float] | None = None,
+        refine: int = 1,
     ) -> None:
-        """``nx``, ``ny``, ``steps`` and ``dt`` must match the simulation's command
-        line; ``low``/``high`` are the bounds of the parameter sweep."""
+        """``nx``, ``ny``, ``steps``, ``dt`` and ``refine`` must match the simulation's command
+        line; ``low``/``high`` are the bounds of the temperatures' sweep, ``diffusivity`` those of
+        the sixth parameter if the study has one."""
         super().__init__()
         if depth < 1 or hidden < 1:
             raise ValueError(f"need depth >= 1 and hidden >= 1, got depth={depth}, hidden={hidden}")
-        if not low < high:
-            raise ValueError(f"need low < high, got low={low}, high={high}")
         self.lr = lr
         self.nx, self.ny, self.steps, self.dt = nx, ny, steps, dt
-        self.low, self.high = low, high
         self.validation_simulations = validation_simulations
         self.validation_seed = validation_seed
-        # Normalisation constants, kept as plain floats: process() runs in numpy.
-        self.param_mid, self.param_half = (low + high) / 2, (high - low) / 2
+        self.refine = refine
+        # Each parameter's bounds, and normalisation constants kept in numpy: process() runs in numpy.
+        bounds = [(low, high)] * TEMPERATURES + ([tuple(diffusivity)] if diffusivity is not None else [])
+        self.bounds = np.array(bounds, dtype=np.float64)
+        if not np.all(self.bounds[:, 0] < self.bounds[:, 1]):
+            raise ValueError(f"need low < high for the temperatures and the diffusivity, got {bounds}")
+        self.param_mid, self.param_half = self.bounds.mean(axis=1), (self.bounds[:, 1] - self.bounds[:, 0]) / 2
         self.temp_mid, self.temp_scale = (low + high) / 2, (high - low) / 4
 
         layers: list[nn.Module] = []
-        width = N_PARAMETERS + 1
+        width = len(bounds) + 1
         for _ in range(depth):
             layers += [nn.Linear(width, hidden), nn.GELU()]
             width = hidden
@@ -91,10 +100,11 @@ class HeatSurrogate(TrainingModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
     def inputs(self, parameters: np.ndarray, time_step: int) -> np.ndarray:
-        """The network's normalised input for one parameter set and step (float32, 6 values)."""
-        x = np.empty(N_PARAMETERS + 1, dtype=np.float32)
-        x[:N_PARAMETERS] = (parameters - self.param_mid) / self.param_half
-        x[N_PARAMETERS] = time_step / self.steps
+        """The network's normalised input for one parameter set and step (float32, parameters then t)."""
+        n = len(self.bounds)
+        x = np.empty(n + 1, dtype=np.float32)
+        x[:n] = (parameters - self.param_mid) / self.param_half
+        x[n] = time_step / self.steps
         return x
 
     def process(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,19 +131,19 @@ class HeatSurrogate(TrainingModule):
         return (y * self.temp_scale + self.temp_mid).reshape(self.nx, self.ny)
 
     def validation_parameters(self) -> np.ndarray:
-        """The held-out parameter sets, ``[validation_simulations, 5]``."""
+        """The held-out parameter sets, ``[validation_simulations, 5 or 6]``."""
         rng = np.random.default_rng(self.validation_seed)
-        return rng.uniform(self.low, self.high, size=(self.validation_simulations, N_PARAMETERS))
+        return rng.uniform(self.bounds[:, 0], self.bounds[:, 1], size=(self.validation_simulations, len(self.bounds)))
 
     def validation_samples(self) -> list[Sample]:
-        """Every step of the held-out simulations, solved here (a few ms at 32x32).
+        """Every step of the held-out simulations, solved here (a few ms at 32x32, unrefined).
 
         Their ids are negative so that they can never be mistaken for a
         simulation of the study.
         """
         samples = []
         for i, parameters in enumerate(self.validation_parameters()):
-            solver = HeatSolver(parameters, self.nx, self.ny, self.dt)
+            solver = HeatSolver(parameters, self.nx, self.ny, self.dt, refine=self.refine)
             for t in range(self.steps):
                 samples.append(Sample(-1 - i, t, parameters, {FIELD: solver.step()}))
         return samples

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -53,6 +54,21 @@ def stop_after_first_checkpoint(tmp_path: Path, config: dict, ranks: int) -> str
     status = Path(config["output_dir"]) / STATUS  # written if a status interval had passed
     assert not status.exists() or json.loads(status.read_text())["state"] == "stopped"
     return log
+
+
+def test_sigterm_before_training_ends_every_rank_even_one_inside_a_collective(tmp_path: Path, output: Path) -> None:
+    """Before training, SIGTERM is an exit: rank 0, still building its held-out set, exits, while rank 1
+    waits for it inside a collective, where Python sees no signal. The job must end all the same."""
+    marker = tmp_path / "stalled"
+    config = paced_config(output)
+    config["training"]["options"] = {"stall_rank": 0, "stall_marker": str(marker)}
+    process = start(server_command(tmp_path, config, 2))
+    wait_for(marker.exists, process)
+    time.sleep(1)  # rank 1 reaches its collective
+    process.send_signal(signal.SIGTERM)
+    log, _ = process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGTERM, log
+    assert "signal 15: ending every rank" in log
 
 
 def final_ledgers(output: Path) -> list[Ledger]:

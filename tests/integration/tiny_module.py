@@ -18,13 +18,17 @@ class Tiny(TrainingModule):
 
     ``fail_rank``/``fail_after`` make ``training_step`` raise on one rank, to
     test that a user's error ends the whole job; ``step_delay`` makes training
-    slower than the simulations; ``hidden`` makes its checkpoints larger.
+    slower than the simulations; ``hidden`` makes its checkpoints larger;
+    ``stall_rank`` makes that rank's ``validation_samples`` (called before
+    training) create the file ``stall_marker`` and sleep for a minute.
     """
 
-    def __init__(self, fail_rank: int = -1, fail_after: int = 3, step_delay: float = 0.0, hidden: int = 16) -> None:
+    def __init__(self, fail_rank: int = -1, fail_after: int = 3, step_delay: float = 0.0, hidden: int = 16,
+                 stall_rank: int = -1, stall_marker: str = "") -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 32))
         self.fail_rank, self.fail_after, self.step_delay = fail_rank, fail_after, step_delay
+        self.stall_rank, self.stall_marker = stall_rank, stall_marker
         self.steps = 0
         CHATTY.info("chatty_library: an INFO line the server's log should not show")
         CHATTY.warning("chatty_library: a WARNING it should")
@@ -45,6 +49,9 @@ class Tiny(TrainingModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def validation_samples(self) -> list[Sample]:
+        if self.rank == self.stall_rank:
+            open(self.stall_marker, "w").close()
+            time.sleep(60)
         return [
             Sample(s, t, np.array([0.5, 0.5]), {"field": np.full((4, 8), s * 1000 + t, np.float32)})
             for s in range(2) for t in range(5)

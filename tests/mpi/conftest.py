@@ -32,8 +32,10 @@ def comm() -> Iterator[MPI.Comm]:
 
 
 @pytest.fixture(scope="module")
-def mpi(comm: MPI.Comm) -> MpiCollectives:
-    return MpiCollectives(comm)
+def mpi(comm: MPI.Comm) -> Iterator[MpiCollectives]:
+    collectives = MpiCollectives(comm)
+    yield collectives
+    collectives.close()
 
 
 @pytest.fixture(scope="module")

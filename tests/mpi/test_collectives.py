@@ -6,6 +6,7 @@ and through torch.distributed with gloo (the NCCL code path, minus the GPU).
 """
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 import torch
@@ -130,19 +131,20 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("optimizer", "steps"), [(torch.optim.SGD, 1), (torch.optim.Adam, 2)])
-@pytest.mark.parametrize("bucket_bytes", [25 << 20, 256])
+@pytest.mark.parametrize(("small_bytes", "overlapping"), [(1 << 20, False), (0, False), (0, True)])
 def test_ranks_train_like_one_model_on_the_mean_loss(
-    coll: Collectives, optimizer: type[torch.optim.Optimizer], steps: int, bucket_bytes: int
+    coll: Collectives, optimizer: type[torch.optim.Optimizer], steps: int, small_bytes: int, overlapping: bool
 ) -> None:
     """DESIGN §5: K ranks on B_1..B_K equal one model whose loss is the mean of the K batch losses."""
     model = _mlp()
-    averager = GradientAverager(model.parameters(), coll, bucket_bytes=bucket_bytes)
-    assert (len(averager.buckets) > 1) == (bucket_bytes == 256)
+    averager = GradientAverager(model.parameters(), coll, small_bytes=small_bytes)
+    assert len(averager.large) == (4 if small_bytes == 0 else 0)
     opt = optimizer(model.parameters(), lr=0.1)
     for step in range(steps):
         averager.zero_grad()
         x, y = _batch(coll.rank, step)
-        nn.functional.mse_loss(model(x), y).backward()
+        with averager.overlapping() if overlapping else contextlib.nullcontext():
+            nn.functional.mse_loss(model(x), y).backward()
         averager.average()
         opt.step()
 
@@ -157,56 +159,73 @@ def test_ranks_train_like_one_model_on_the_mean_loss(
         torch.testing.assert_close(trained, expected, atol=1e-6, rtol=0)
 
 
-def _in_bucket(grad: torch.Tensor, averager: GradientAverager) -> bool:
-    start, end = grad.data_ptr(), grad.data_ptr() + grad.numel() * grad.element_size()
-    return any(
-        b.data_ptr() <= start and end <= b.data_ptr() + b.numel() * b.element_size() for b in averager.buckets
-    )
-
-
-def test_autograd_accumulates_into_the_bucket_views(coll: Collectives) -> None:
-    """AccumulateGrad adds into an existing ``.grad`` in place, so backward fills the buckets."""
-    model = _mlp()
-    averager = GradientAverager(model.parameters(), coll)
-    views = {name: p.grad for name, p in model.named_parameters()}
-    assert all(v is not None and _in_bucket(v, averager) for v in views.values())
-    x, y = _batch(coll.rank, 0)
-    expected = torch.autograd.grad(nn.functional.mse_loss(model(x), y), list(model.parameters()))
-    for _ in range(2):
-        nn.functional.mse_loss(model(x), y).backward()
-    for (name, p), own in zip(model.named_parameters(), expected):
-        assert p.grad is views[name] and p.grad.data_ptr() == views[name].data_ptr()
-        torch.testing.assert_close(p.grad, 2 * own)
-
-    averager.average()
-    assert all(p.grad is views[name] and _in_bucket(p.grad, averager) for name, p in model.named_parameters())
+def test_large_gradients_are_reduced_where_backward_left_them(coll: Collectives) -> None:
+    """No memset and no add: after zero_grad the gradients are None, and a large one stays the tensor backward
+    made; small ones become views of one flat tensor."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
+    averager = GradientAverager(model.parameters(), coll, small_bytes=64 * 64 * 4)
+    assert [p is model[0].weight for p in averager.large] == [True] and len(averager.packs) == 1
     averager.zero_grad()
-    for name, p in model.named_parameters():
-        assert p.grad is views[name] and not p.grad.any()
+    assert all(p.grad is None for p in model.parameters())
+    model(torch.ones(3, 64)).sum().backward()
+    made = model[0].weight.grad
+    averager.average()
+    assert model[0].weight.grad is made
+    flat = averager.packs[0][0]
+    for p in (model[0].bias, *model[1].parameters()):
+        assert p.grad is not None and p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
 
 
-def test_replaced_or_missing_grads_are_copied_into_the_buckets(coll: Collectives) -> None:
-    """Float32 and float64 parameters get separate flats; small buckets split them further."""
+def test_overlapped_reductions_keep_one_order_when_a_rank_leaves_a_parameter_out(coll: Collectives) -> None:
+    """Rank 0 never uses the middle layer: its gradient is zeros there, reduced in the same order as on the
+    ranks that produced it during backward (no mismatched or hanging reduction), and the mean is right."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)])
+    averager = GradientAverager(layers.parameters(), coll, small_bytes=0)
+    used = [0, 2] if coll.rank == 0 else [0, 1, 2]
+
+    def loss() -> torch.Tensor:
+        x = torch.ones(2, 4)
+        for i in used:
+            x = layers[i](x)
+        return x.sum()
+
+    own = torch.autograd.grad(loss(), list(layers.parameters()), allow_unused=True)
+    expected = [torch.zeros_like(p) if g is None else g.clone() for p, g in zip(layers.parameters(), own)]
+    for tensor in expected:
+        coll.allreduce_sum_(tensor)
+        tensor.div_(coll.size)
+    for _ in range(2):
+        averager.zero_grad()
+        with averager.overlapping():
+            loss().backward()
+        averager.average()
+        for p, mean in zip(layers.parameters(), expected):
+            torch.testing.assert_close(p.grad, mean)
+
+
+def test_missing_or_non_contiguous_gradients_count_as_zeros_or_are_made_contiguous(coll: Collectives) -> None:
+    """Float32 and float64 parameters get separate packs; stale values in a pack never leak into a mean."""
     model = nn.ModuleDict({"single": nn.Linear(4, 4), "wide": nn.Linear(4, 2).double()})
     frozen = nn.Parameter(torch.zeros(3), requires_grad=False)
-    averager = GradientAverager([*model.parameters(), frozen, model["single"].weight], coll, bucket_bytes=64)
-    assert len(averager.flats) == 2 and len(averager.buckets) == 4 and frozen.grad is None
+    averager = GradientAverager([*model.parameters(), frozen, model["single"].weight], coll, small_bytes=64)
+    assert len(averager.packs) == 2 and frozen.grad is None  # the weights of 64 bytes are large, the biases packed
+    assert {id(p) for p in averager.large} == {id(model["single"].weight), id(model["wide"].weight)}
     me, size = coll.rank, coll.size
-    for flat in averager.flats:
+    for flat, _, _ in averager.packs:
         flat.fill_(7.0)  # stale values a missing gradient must not contribute
     for p in model.parameters():
         p.grad = torch.full_like(p, float(me + 1))
+    model["single"].weight.grad = torch.full((4, 4), float(me + 1)).t()  # not contiguous
     model["single"].bias.grad = None if me == 0 else model["single"].bias.grad
     averager.average()
     mean = sum(r + 1 for r in range(size)) / size
     for name, p in model.named_parameters():
-        assert p.grad is not None and _in_bucket(p.grad, averager)
+        assert p.grad is not None and p.grad.is_contiguous()
         expected = (mean - 1 / size) if name == "single.bias" else mean
         torch.testing.assert_close(p.grad, torch.full_like(p, expected))
-
-    model["wide"].weight.grad = torch.ones(2, 4, dtype=torch.float64)
     averager.zero_grad()
-    assert all(p.grad is not None and _in_bucket(p.grad, averager) and not p.grad.any() for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_sparse_gradients_are_refused(coll: Collectives) -> None:

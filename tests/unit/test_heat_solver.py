@@ -124,6 +124,31 @@ def test_matches_dense_backward_euler(nx: int, ny: int, dt: float, alpha: float)
         np.testing.assert_allclose(field[1:-1, 1:-1], ref, rtol=0, atol=1e-5)
 
 
+def test_a_sixth_parameter_is_the_diffusivity() -> None:
+    params = (0.3, 1.0, -0.5, 2.0, 0.7)
+    np.testing.assert_array_equal(run(HeatSolver((*params, 2.5), nx=9, ny=7), 5),
+                                  run(HeatSolver(params, nx=9, ny=7, alpha=2.5), 5))
+
+
+def test_refined_solve_sends_the_coarse_points_of_the_fine_field() -> None:
+    """Refining the mesh changes the field by the discretisation error only, and the fine solve is
+    the textbook scheme on the fine grid restricted to every refine-th point."""
+    params = (0.3, 1.0, -0.5, 2.0, 0.7)
+    coarse, refined = run(HeatSolver(params, nx=9, ny=7), 10), run(HeatSolver(params, nx=9, ny=7, refine=3), 10)
+    fine = dense_backward_euler(params, 25, 19, 1e-3, 1.0, 10)
+    for c, r, f in zip(coarse, refined, fine):
+        assert r.shape == (9, 7)
+        np.testing.assert_allclose(r[1:-1, 1:-1], f[2::3, 2::3], rtol=0, atol=1e-5)
+        assert 0 < np.abs(r - c).max() < 0.1  # of a field spanning 2.5
+
+
+def test_refined_rank_blocks_concatenate_to_full_field() -> None:
+    params = (0.2, 1.0, -1.0, 0.5, 2.0)
+    full = HeatSolver(params, nx=11, ny=6, refine=2).step()
+    blocks = [HeatSolver(params, nx=11, ny=6, refine=2, comm=FakeComm(rank, 3)).step() for rank in range(3)]
+    np.testing.assert_allclose(np.concatenate(blocks), full, rtol=0, atol=1e-6)
+
+
 def test_boundaries_and_corners() -> None:
     """Edges hold their parameter; a corner holds the mean of its two edges."""
     initial, left, right, bottom, top = 0.5, 1.0, 2.0, 3.0, 4.0
@@ -150,7 +175,8 @@ def test_step_output_dtype_shape_and_freshness() -> None:
 
 @pytest.mark.parametrize(
     "params,nx,ny,dt",
-    [([0.0] * 4, 8, 8, 1e-3), ([0.0] * 5, 2, 8, 1e-3), ([0.0] * 5, 8, 8, 0.0)],
+    [([0.0] * 4, 8, 8, 1e-3), ([0.0] * 7, 8, 8, 1e-3), ([0.0] * 6, 8, 8, 1e-3), ([0.0] * 5, 2, 8, 1e-3),
+     ([0.0] * 5, 8, 8, 0.0)],
 )
 def test_rejects_bad_arguments(params: list[float], nx: int, ny: int, dt: float) -> None:
     with pytest.raises(ValueError):

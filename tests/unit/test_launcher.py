@@ -154,13 +154,29 @@ def test_kill_stops_job_without_grace_and_poll_does_not_report_it(tmp_path: Path
     launcher.submit(0, 0, {})
     launcher.poll()
     [pid] = read_pids(log_of(tmp_path, 0), 1)
-    started = time.monotonic()
     launcher.kill(0)
-    assert time.monotonic() - started < KILL_GRACE
-    assert not alive(pid) and launcher.running() == set()
+    assert launcher.running() == set()
+    wait_for(lambda: launcher.poll() == [] and not alive(pid))
     time.sleep(0.2)
     assert launcher.poll() == []
     launcher.kill(0)  # idempotent
+
+
+def test_kill_returns_at_once_and_polls_sigkill_a_job_ignoring_sigterm_after_the_grace(tmp_path: Path) -> None:
+    code = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + SLEEPER
+    launcher = python_launcher(tmp_path, code, job_limit=1)
+    launcher.submit(0, 0, {})
+    launcher.submit(1, 0, {})
+    launcher.poll()
+    [pid] = read_pids(log_of(tmp_path, 0), 1)
+    started = time.monotonic()
+    launcher.kill(0)
+    assert time.monotonic() - started < 0.5  # the round that kills does not wait for the job
+    assert launcher.poll() == [] and alive(pid) and launcher.queued() == [1]  # its slot stays taken
+    wait_for(lambda: launcher.poll() == [] and not alive(pid), timeout=KILL_GRACE + 10)
+    assert time.monotonic() - started >= KILL_GRACE
+    assert launcher.running() == {1} and launcher.queued() == []  # the slot went to the next one
+    launcher.shutdown()
 
 
 def test_kill_reaches_grandchildren(tmp_path: Path) -> None:
@@ -173,7 +189,7 @@ def test_kill_reaches_grandchildren(tmp_path: Path) -> None:
     launcher.poll()
     [grandchild] = read_pids(log_of(tmp_path, 0), 1)
     launcher.kill(0)
-    wait_for(lambda: not alive(grandchild))
+    wait_for(lambda: launcher.poll() == [] and not alive(grandchild))
 
 
 def test_kill_escalates_to_sigkill_and_is_idempotent(tmp_path: Path) -> None:
@@ -292,7 +308,7 @@ def test_kill_of_mpirun_job_stops_its_ranks(tmp_path: Path) -> None:
     launcher.poll()
     ranks = read_pids(log_of(tmp_path, 0), 2)
     launcher.kill(0)
-    wait_for(lambda: not any(alive(pid) for pid in ranks))
+    wait_for(lambda: launcher.poll() == [] and not any(alive(pid) for pid in ranks))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux only")

@@ -76,6 +76,22 @@ def test_process_normalises_into_float32_tensors() -> None:
     np.testing.assert_allclose(y.numpy(), (field.reshape(-1) - 300) / 100, atol=1e-6)
 
 
+def test_a_diffusivity_range_adds_a_sixth_input_and_held_out_truth_uses_refine() -> None:
+    module = HeatSurrogate(hidden=8, depth=1, nx=9, ny=7, steps=3, diffusivity=[0.5, 2.5], refine=2,
+                           validation_simulations=2)
+    assert module.net[0].in_features == 7
+    parameters = np.array([100.0, 500.0, 300.0, 200.0, 400.0, 2.0])
+    x, _ = module.process(Sample(0, 0, parameters, {"temperature": np.zeros((9, 7), np.float32)}))
+    np.testing.assert_allclose(x.numpy(), [-1, 1, 0, -0.5, 0.5, 0.5, 0], atol=1e-6)
+    held_out = module.validation_samples()
+    values = module.validation_parameters()
+    assert values.shape == (2, 6) and np.all((values[:, 5] >= 0.5) & (values[:, 5] <= 2.5))
+    solver = HeatSolver(values[0], 9, 7, refine=2)
+    truth = [solver.step() for _ in range(3)]
+    for t in range(3):
+        np.testing.assert_array_equal(held_out[t].fields["temperature"], truth[t])
+
+
 def test_training_step_on_a_collated_batch_is_a_scalar_with_gradients() -> None:
     module = HeatSurrogate(hidden=16, depth=1)
     samples = simulate(np.array([[150.0, 250, 350, 450, 200]]), steps=4)
