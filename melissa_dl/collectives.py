@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import threading
 import os
 import socket
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from itertools import accumulate
