@@ -1,12 +1,17 @@
 """Online against offline training, in a comparison that only honesty can win (DESIGN.md §11, last row).
 
-Both sides train the example's ``HeatSurrogate`` (same architecture, Adam, lr,
-seed) on the heat equation with six parameters (five temperatures and the
-diffusivity, which makes the field depend non-linearly on them) and 64x64
-fields, and get:
+Both sides train the example's ``HeatSurrogate`` (same architecture, fused
+Adam, lr, seed) on the heat equation with six parameters (five temperatures
+and the diffusivity, which makes the field depend non-linearly on them) and
+64x64 fields, and get:
 
-- the same per-step batch: online, K ranks of ``--batch`` samples each
-  (gradients averaged); offline, one process on K x ``--batch``;
+- the same simulations: the same program, ``examples/heat_pde/heat.py``,
+  one process per simulation, the same number at a time on the same cores;
+  online it streams its steps to the server, offline (``offline.py``) it
+  writes them to a ``.npy`` file that is read back before training;
+- the same per-step batch (the experiment's): online, K ranks of
+  ``batch / K`` samples each (gradients averaged); offline, one process on
+  ``batch``;
 - the same wall-clock budget ``--seconds``, counted from the launch of each
   side's process: online, ``mpirun`` of the server, stopped by SIGTERM at the
   budget (a graceful stop: the model at that moment is checkpointed, then
@@ -17,27 +22,30 @@ fields, and get:
   offline generates ``K x capacity // steps`` simulations (as many as its
   memory holds) and trains epochs over them, while online streams as many
   simulations as its time allows through the Reservoirs;
-- the same held-out validation set: the module's ``validation_samples``,
-  parameter sets drawn uniformly with their own seed, never trained on, and
-  the same validation schedule (every ``--validate-every`` steps).
+- the same held-out validation set: the module's ``validation_samples()``,
+  parameter sets drawn uniformly with their own seed, never trained on,
+  solved once before the first run into the module's ``validation_cache``
+  (outside both budgets: neither side spends its time on them), and the same
+  validation schedule (every ``--validate-every`` steps).
 
 Experiments (``--experiments``):
 
 - **A, diversity at equal memory**: cheap simulations (the solver on the
-  64x64 grid, well under a millisecond a step), K=2, everything sharing the
-  machine's cores: the online side's simulations (one per core, one thread
-  each) and training ranks, the offline side's generation and training
-  (torch's default threads) in turn;
+  64x64 grid, well under a millisecond a step), K=2, a batch of 64,
+  everything sharing the machine's cores: the online side's simulations (one
+  per core, one thread each) and training ranks, the offline side's
+  generation (one simulation per core) and training (torch's default
+  threads) in turn;
 - **B, simulation cost**: every step solved on a grid 8 times finer
-  (``heat.py --refine 8``: about 9 ms a step of real solver work on one
-  core), so that offline spends about as long generating as training. A
-  cluster in miniature: simulations run on cores of their own (all but the
-  first) and training on the first, on both sides (offline generates on the
-  simulation cores and trains on the training core; online runs K=1 rank on
-  the training core and two simulations per simulation core, so that one
-  computes while the next starts). Its figure is the time to reach the
-  offline side's final validation loss: offline has no model until its data
-  is written.
+  (``heat.py --refine 8``: about 8 ms a step of real solver work on one
+  core), and a batch of 128, so that offline spends about as long generating
+  its data (about 21 s) as training on them until its loss stops falling
+  (about 13 s). A cluster in miniature: simulations run on cores of their
+  own (all but the first) and training on the first, on both sides, two
+  simulations per simulation core (one computes while the next starts);
+  online runs K=1 rank on the training core. Its figure is the time to reach
+  the offline side's final validation loss: offline has no model until its
+  data is written.
 
 Each experiment runs ``--seeds`` seeds (study sampler and training seed),
 the two sides alternating which goes first, each in a fresh output folder.
@@ -94,11 +102,12 @@ class Experiment:
     refine: int  # solver grid refinement: the cost of a simulation step
     capacity: int  # samples per rank's Reservoir; the offline data set holds ranks x capacity // steps simulations
     ranks: int  # K, server ranks of the online side
+    batch: int  # samples per training step: batch / ranks per rank online
     dedicated: bool  # simulations on cores of their own, training on the others (on both sides), as on a cluster
 
 
-EXPERIMENTS = {"A": Experiment("A", refine=1, capacity=500, ranks=2, dedicated=False),
-               "B": Experiment("B", refine=8, capacity=2000, ranks=1, dedicated=True)}
+EXPERIMENTS = {"A": Experiment("A", refine=1, capacity=500, ranks=2, batch=64, dedicated=False),
+               "B": Experiment("B", refine=8, capacity=2000, ranks=1, batch=128, dedicated=True)}
 CORES = sorted(os.sched_getaffinity(0))
 TRAINING_CORES, SIMULATION_CORES = CORES[:1], CORES[1:]  # of a dedicated experiment
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -138,10 +147,11 @@ def config_for(args: argparse.Namespace, experiment: Experiment, seed: int, side
         # each simulation on one thread (BLAS threads spin when they share cores); dedicated: two per core
         # of their own, so that one computes while the next starts; otherwise one per core
         job_limit=2 * len(SIMULATION_CORES) if experiment.dedicated else len(CORES), env=ONE_THREAD)
-    data["buffer"].update(kind="reservoir", capacity_samples=experiment.capacity, per_server_watermark=args.batch)
+    per_rank = experiment.batch // experiment.ranks
+    data["buffer"].update(kind="reservoir", capacity_samples=experiment.capacity, per_server_watermark=per_rank)
     training = data["training"]
     training.update(module=str(EXAMPLE / "surrogate.py"), seed=seed, checkpoint_interval=0,
-                    batch_size=args.batch * experiment.ranks if offline else args.batch,
+                    batch_size=experiment.batch if offline else per_rank,
                     nb_batches_update=args.validate_every)
     training["options"] = module_options(args, experiment)
     path = folder / f"{side}.json"
@@ -152,7 +162,8 @@ def config_for(args: argparse.Namespace, experiment: Experiment, seed: int, side
 def module_options(args: argparse.Namespace, experiment: Experiment) -> dict[str, Any]:
     return {"hidden": 256, "depth": 3, "lr": 2e-3, "nx": 64, "ny": 64, "steps": args.steps,
             "diffusivity": DIFFUSIVITY, "refine": experiment.refine,
-            "validation_simulations": args.validation_simulations, "validation_seed": 1}
+            "validation_simulations": args.validation_simulations, "validation_seed": 1,
+            "validation_cache": str(args.validation_cache)}
 
 
 def environment() -> dict[str, str]:
@@ -323,7 +334,6 @@ def main() -> int:
     parser.add_argument("--experiments", nargs="+", choices=sorted(EXPERIMENTS), default=sorted(EXPERIMENTS))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=60.0, help="wall-clock budget of each side")
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step online (K x this offline)")
     parser.add_argument("--steps", type=int, default=50, help="time steps per simulation")
     parser.add_argument("--validate-every", type=int, default=100, help="steps between two validations")
     parser.add_argument("--validation-simulations", type=int, default=8)
@@ -331,6 +341,7 @@ def main() -> int:
     results: dict[str, list[tuple[Run, Run]]] = {}
     lines = []
     with tempfile.TemporaryDirectory(prefix="melissa_online_vs_offline_") as tmp:
+        args.validation_cache = Path(tmp) / "held-out"  # solved before the first run, outside both budgets
         for name in args.experiments:
             results[name] = [run_seed(args, EXPERIMENTS[name], seed, Path(tmp)) for seed in range(args.seeds)]
             lines += summarise(args, EXPERIMENTS[name], results[name])

@@ -1,9 +1,13 @@
 """Bounded, first-in first-out execution of simulation attempts for rank 0.
 
 The server submits attempts and polls for the ones that ended; the launcher
-only keeps at most ``job_limit`` of them running. It is not thread-safe and,
-since jobs die with the thread that started them (see
-:mod:`launcher.schedulers`), it must be driven from one long-lived thread.
+only keeps at most ``job_limit`` of them running. Jobs die with the thread
+that started them (see :mod:`launcher.schedulers`), so one long-lived thread
+starts them all: the caller of :meth:`Launcher.poll`, or the launcher's own
+thread (:meth:`Launcher.start_thread`), which the server uses so that a slot
+freed by a simulation is taken again at once rather than at the ranks' next
+bookkeeping round, which a validation, a checkpoint or the building of a
+held-out set can delay by seconds.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import errno
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +36,8 @@ START_FAILED = 125
 that refused it): a relaunch may succeed."""
 TAIL = 300
 """Characters of an attempt's output end that go into its failure reason."""
+REFILL = 0.01
+"""Seconds between two looks of the launcher's thread at its jobs (a submit wakes it at once)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,8 @@ def make_scheduler(kind: str, job: JobTemplate) -> Scheduler:
 
 
 class Launcher:
-    """Runs submitted attempts through ``scheduler``, at most ``job_limit`` at a time."""
+    """Runs submitted attempts through ``scheduler``, at most ``job_limit`` at a time; its methods may be called
+    from any thread."""
 
     def __init__(self, scheduler: Scheduler, job_limit: int, log_dir: Path) -> None:
         self._scheduler = scheduler
@@ -72,20 +80,43 @@ class Launcher:
         # simulation -> (attempt, env), in start order: a dict, so that studies of 10^5 simulations queue in O(1)
         self._queue: dict[int, tuple[int, dict[str, str]]] = {}
         self._jobs: dict[int, RunningJob] = {}
+        self._ended: list[tuple[int, int]] = []  # (simulation, return code) of jobs reaped, until poll reports them
         self._dying: list[tuple[RunningJob, float]] = []  # killed jobs, and when they get SIGKILL
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start_thread(self) -> None:
+        """From now on the launcher's own thread starts and reaps the jobs, every :data:`REFILL` seconds and at
+        each submit; :meth:`poll` only reports. It lives until :meth:`shutdown`, as the jobs it starts do."""
+        self._thread = threading.Thread(target=self._refill_until_shutdown, name="launcher", daemon=True)
+        self._thread.start()
+
+    def _refill_until_shutdown(self) -> None:
+        while True:
+            self._wake.wait(REFILL)
+            self._wake.clear()
+            with self._lock:
+                if self._closed:
+                    return
+                self._reap_and_start()
 
     def submit(self, simulation_id: int, attempt: int, env: dict[str, str]) -> None:
-        """Queue an attempt; :meth:`poll` starts it when a slot is free.
+        """Queue an attempt, started when a slot is free.
 
         ``env`` is added to the child's environment. A simulation has at most
         one attempt running or queued: the server retries only after it saw
         the previous attempt end.
         """
-        assert simulation_id not in self._jobs and simulation_id not in self._queue, simulation_id
-        self._queue[simulation_id] = (attempt, env)
+        with self._lock:
+            assert simulation_id not in self._jobs and simulation_id not in self._queue, simulation_id
+            self._queue[simulation_id] = (attempt, env)
+        self._wake.set()
 
     def poll(self) -> list[tuple[int, int]]:
-        """Report ``(simulation_id, returncode)`` of jobs ended since the last call, then fill free slots.
+        """Report ``(simulation_id, returncode)`` of jobs ended since the last call; without the launcher's thread,
+        reap the jobs and fill free slots first.
 
         An attempt that cannot even be started (e.g. its command does not
         exist, sbatch refuses it) is reported here too, with
@@ -93,13 +124,19 @@ class Launcher:
         failed attempt; the error is written to its log, so that its failure
         reason says why.
         """
+        with self._lock:
+            if self._thread is None:
+                self._reap_and_start()
+            ended, self._ended = self._ended, []
+            return ended
+
+    def _reap_and_start(self) -> None:
         self._dying = [(job, deadline) for job, deadline in self._dying if not job.finish_kill(deadline)]
-        ended: list[tuple[int, int]] = []
         for simulation_id, job in list(self._jobs.items()):
             code = job.poll()
             if code is not None:
                 del self._jobs[simulation_id]
-                ended.append((simulation_id, code))
+                self._ended.append((simulation_id, code))
                 logger.info(
                     "simulation %d attempt %d ended with code %d", simulation_id, job.attempt, code
                 )
@@ -113,14 +150,13 @@ class Launcher:
                 logger.error("simulation %d attempt %d could not start: %s", simulation_id, attempt, error)
                 with open_log(log_path) as log:
                     log.write(f"could not start: {error}\n".encode())
-                ended.append((simulation_id, _start_failure_code(error)))
+                self._ended.append((simulation_id, _start_failure_code(error)))
                 continue
             self._jobs[simulation_id] = job
             logger.info(
                 "simulation %d attempt %d started (%s, log %s)",
                 simulation_id, attempt, job.label, log_path,
             )
-        return ended
 
     def log_path(self, simulation_id: int, attempt: int) -> Path:
         return self._log_dir / f"simulation{simulation_id}.attempt{attempt}.log"
@@ -138,49 +174,62 @@ class Launcher:
     def kill(self, simulation_id: int) -> None:
         """Kill the simulation's running job or drop it from the queue; poll will not report it.
 
-        Returns at once: the job gets SIGTERM now, and the next polls SIGKILL its group once the leader
-        exited or after :data:`KILL_GRACE` seconds; until then its slot stays taken. Does nothing if the
-        simulation has neither, e.g. its end was already reported.
+        Returns at once: the job gets SIGTERM now, and the next looks at the jobs SIGKILL its group once the
+        leader exited or after :data:`KILL_GRACE` seconds; until then its slot stays taken. Does nothing if
+        the simulation has neither, e.g. its end was already reported.
         """
-        job = self._jobs.pop(simulation_id, None)
-        if job is not None:
-            job.terminate()
-            self._dying.append((job, time.monotonic() + KILL_GRACE))
-            logger.info("simulation %d attempt %d killed", simulation_id, job.attempt)
-        self._queue.pop(simulation_id, None)
+        with self._lock:
+            job = self._jobs.pop(simulation_id, None)
+            if job is not None:
+                job.terminate()
+                self._dying.append((job, time.monotonic() + KILL_GRACE))
+                logger.info("simulation %d attempt %d killed", simulation_id, job.attempt)
+            self._queue.pop(simulation_id, None)
+            self._ended = [(sid, code) for sid, code in self._ended if sid != simulation_id]
 
     def drop_unstarted(self, simulation_id: int) -> None:
         """Kill the simulation's attempt if it has not started (queued here, or pending at Slurm, asked afresh);
         one that runs ends by itself."""
-        job = self._jobs.get(simulation_id)
-        if job is None or not job.started(fresh=True):
-            self.kill(simulation_id)
+        with self._lock:
+            job = self._jobs.get(simulation_id)
+            if job is None or not job.started(fresh=True):
+                self.kill(simulation_id)
 
     def running(self) -> set[int]:
-        """Simulations whose job has started (a Slurm job may wait in the queue) and whose end has not been reported."""
-        return {simulation_id for simulation_id, job in self._jobs.items() if job.started()}
+        """Simulations whose job has started (a Slurm job may wait in the queue) and whose end has not been
+        reported: a job reaped since the last poll still counts, so that its end is seen before it is gone."""
+        with self._lock:
+            return {sid for sid, job in self._jobs.items() if job.started()} | {sid for sid, _ in self._ended}
 
     def queued(self) -> list[int]:
         """Simulations waiting for a slot, in start order."""
-        return list(self._queue)
+        with self._lock:
+            return list(self._queue)
 
     def shutdown(self) -> None:
-        """Kill every running job and forget the queue.
+        """Kill every running job, forget the queue and end the launcher's thread.
 
         All jobs get SIGTERM first and share one grace period, so shutdown
-        takes at most one grace however many jobs ignore SIGTERM.
+        takes at most one grace however many jobs ignore SIGTERM. The thread
+        ends last: the jobs it started would get their death signal with it,
+        without that grace.
         """
-        jobs = list(self._jobs.values())
-        self._jobs.clear()
-        self._queue.clear()
-        for job in jobs:
-            job.terminate()
-        deadline = time.monotonic() + KILL_GRACE
-        for job, dying_deadline in [(job, deadline) for job in jobs] + self._dying:
-            job.kill(dying_deadline)
-        self._dying.clear()
+        with self._lock:
+            self._closed = True
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            self._queue.clear()
+            for job in jobs:
+                job.terminate()
+            deadline = time.monotonic() + KILL_GRACE
+            for job, dying_deadline in [(job, deadline) for job in jobs] + self._dying:
+                job.kill(dying_deadline)
+            self._dying.clear()
         if jobs:
             logger.info("killed %d running simulations", len(jobs))
+        if self._thread is not None:
+            self._wake.set()
+            self._thread.join()
 
 
 def _start_failure_code(error: OSError) -> int:

@@ -230,6 +230,7 @@ class Server:
         )
         self._add_parts(version, Part(STUDY, Group(simulations=study, handshake_rejected=handshake.rejections),
                                       shared=True))
+        launcher.start_thread()
         study.start()  # what a restored study left unfinished, or everything
         return handshake, launcher, study
 

@@ -92,7 +92,12 @@ class Simulation:
 
 
 class Study:
-    """Drives the simulations through the launcher; ``tick`` is called periodically."""
+    """Drives the simulations through the launcher; ``tick`` is called periodically.
+
+    A tick visits the running simulations and those that something happened
+    to, not the whole study: the ranks wait for it, and a study may declare
+    10^5 simulations.
+    """
 
     def __init__(
         self,
@@ -106,6 +111,8 @@ class Study:
         first_wave: int = 1 << 32,
     ) -> None:
         self.simulations = [Simulation(s, server_size) for s in range(simulations)]
+        self._running: dict[int, Simulation] = {}
+        self._counts = dict.fromkeys(State, 0) | {State.QUEUED: simulations}
         self._launcher = launcher
         self._environment = environment
         self._expect = expect
@@ -128,7 +135,7 @@ class Study:
             sim.attempts, sim.failures = saved.get("attempts", 0), saved.get("failures", 0)
             sim.reason, sim.log, sim.output = saved.get("reason", ""), saved.get("log", ""), saved.get("output", "")
             if saved.get("state") in (State.DONE, State.FAILED):
-                sim.state = State(saved["state"])
+                self._set_state(sim, State(saved["state"]))
 
     def state_dict(self) -> list[dict[str, Any]]:
         """What a restart needs: done and failed simulations stay so, the others run again.
@@ -138,8 +145,17 @@ class Study:
         return [{"state": s.state.value, "attempts": s.attempts - (s.state is State.QUEUED), "failures": s.failures,
                  "reason": s.reason, "log": s.log, "output": s.output} for s in self.simulations]
 
+    def _set_state(self, sim: Simulation, state: State) -> None:
+        self._counts[sim.state] -= 1
+        self._counts[state] += 1
+        sim.state = state
+        if state is State.RUNNING:
+            self._running[sim.id] = sim
+        else:
+            self._running.pop(sim.id, None)
+
     def _launch(self, sim: Simulation) -> None:
-        sim.state = State.QUEUED
+        self._set_state(sim, State.QUEUED)
         sim.exit_code = None
         # the new attempt announces its steps anew; a stale announcement could fail it before its frames are read
         sim.progress = [Progress(p.received, None) for p in sim.progress]
@@ -151,7 +167,7 @@ class Study:
         sim.attempts += 1
 
     def _end(self, sim: Simulation, state: State) -> None:
-        sim.state = state
+        self._set_state(sim, state)
         self._expect(sim.id, None)
         self._ended.append(sim.id)
 
@@ -180,14 +196,18 @@ class Study:
                 self.simulations[sid].last_activity = now
             for sid, refused in report.refused.items():
                 self.simulations[sid].refused = self.simulations[sid].refused or refused  # the first says most
-        for sid, code in self._launcher.poll():
+        ended = self._launcher.poll()
+        for sid, code in ended:
             self.simulations[sid].exit_code = code
         running = self._launcher.running()
-        for sim in self.simulations:
-            if sim.state is State.DONE and sim.id in running and now - sim.last_activity > self._timeout:
+        for sid in running:
+            sim = self.simulations[sid]
+            if sim.state is State.DONE and now - sim.last_activity > self._timeout:
                 self._launcher.kill(sim.id)  # all its data is in; do not let a hung exit block the study
-            if sim.state not in (State.QUEUED, State.RUNNING):
-                continue
+        # a queued simulation moves only when its job started or ended, or late frames of its last attempt came
+        moved = running.union((sid for sid, _ in ended), (sid for report in reports for sid in report.progress))
+        for sid in sorted(self._running.keys() | {s for s in moved if self.simulations[s].state is State.QUEUED}):
+            sim = self.simulations[sid]
             if sim.complete:
                 if sim.state is State.QUEUED:
                     self._launcher.drop_unstarted(sim.id)  # a relaunch made useless by late frames of the last one
@@ -198,7 +218,7 @@ class Study:
             if sim.state is State.QUEUED:
                 if sim.id not in running and sim.exit_code is None:
                     continue  # still waiting for a job slot (a job that could not start has an exit code)
-                sim.state = State.RUNNING
+                self._set_state(sim, State.RUNNING)
                 sim.last_activity = now  # the timeout clock starts with the job
             if backpressure:
                 sim.last_activity = now  # a stalled server is not the simulation's fault
@@ -254,13 +274,10 @@ class Study:
     @property
     def over(self) -> bool:
         """Every simulation is done or failed and no job is left running."""
-        return all(s.state in (State.DONE, State.FAILED) for s in self.simulations) and not self._launcher.running()
+        return not self._counts[State.QUEUED] and not self._counts[State.RUNNING] and not self._launcher.running()
 
     def counts(self) -> dict[str, int]:
-        counts = {state.value: 0 for state in State}
-        for sim in self.simulations:
-            counts[sim.state.value] += 1
-        return counts
+        return {state.value: count for state, count in self._counts.items()}
 
 
 def simulation_environment(options: LauncherConfig, endpoint: str, token: bytes, security: Security, simulation: int,

@@ -5,15 +5,18 @@ environment; this script solves the PDE and sends the field after every step.
 Run with ``--mpi`` under mpirun for a domain-decomposed client (each rank
 sends its own rows). ``--crash-at``/``--crash-simulation`` make one
 simulation die on its first attempt, so tests can exercise restarts.
+``--output FILE --parameters P...`` runs it the classic way instead: the
+steps go to one ``.npy`` file (``[steps, nx, ny]``), which is how
+``offline.py`` generates its data set.
 """
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import numpy as np
 
-from melissa_dl import Client
 from solver import DEFAULT_DT, HeatSolver, local_shape  # solver.py sits next to this script
 
 
@@ -27,7 +30,16 @@ def main() -> None:
     parser.add_argument("--mpi", action="store_true", help="decompose over COMM_WORLD")
     parser.add_argument("--crash-at", type=int, metavar="STEP", help="exit 1 before sending STEP")
     parser.add_argument("--crash-simulation", type=int, metavar="SID", help="the one that crashes")
+    parser.add_argument("--output", type=Path, help="write the steps to this .npy file instead of sending them")
+    parser.add_argument("--parameters", type=float, nargs="+", help="with --output: the parameter set")
     args = parser.parse_args()
+    if args.output is not None:
+        if not args.parameters:
+            parser.error("--output needs --parameters")
+        solver = HeatSolver(np.array(args.parameters), args.nx, args.ny, args.dt, refine=args.refine)
+        np.save(args.output, np.stack([solver.step() for _ in range(args.steps)]))
+        return
+    from melissa_dl import Client  # only when streaming: the classic run needs neither ZeroMQ nor the client
 
     comm = None
     if args.mpi:

@@ -6,14 +6,15 @@ server and trains the same ``TrainingModule`` with the same options, seed,
 batch size and validation schedule, in two phases:
 
 1. **Generate**: draw the study's parameter sets exactly as the server does
-   (``StudyConfig.parameter_table``), run the solver for each with the
-   grid and step count of ``launcher.command`` (``--nx``, ``--ny``,
-   ``--steps``, ``--dt``, ``--refine``), and write every simulation's steps to
-   ``<output>/simulations/simulation<s>.npy`` (``[steps, nx, ny]`` float32),
-   plus ``<output>/parameters.npy``. The solver runs in this process, one
-   simulation after the other: no process start-up, no network, so this is
-   the cheapest generation possible and the comparison errs in favour of
-   the offline side.
+   (``StudyConfig.parameter_table``) and run the simulation program,
+   ``heat.py``, once for each, with the grid and step count of
+   ``launcher.command`` (``--nx``, ``--ny``, ``--steps``, ``--dt``,
+   ``--refine``), ``launcher.env`` in its environment and
+   ``launcher.job_limit`` of them at a time, as the server starts them; each
+   writes its steps to ``<output>/simulations/simulation<s>.npy``
+   (``[steps, nx, ny]`` float32) instead of sending them, and the parameters
+   go to ``<output>/parameters.npy``. A simulation costs the same process
+   start and solve on both sides; only the transport differs.
 2. **Train**: load every step back into memory, then epochs of shuffled
    batches of ``training.batch_size`` samples, the optimizer from the
    module, until ``--batches`` batches or the time budget. With
@@ -28,10 +29,10 @@ batch size and validation schedule, in two phases:
    gives each as ``[batches, loss, seconds since this script started]``.
    ``--save-model`` writes the trained module's ``state_dict``.
 
-One process, no MPI: a "batch" here is ``batch_size`` samples, one optimizer
-step. ``--generation-cpus`` and ``--training-cpus`` confine each phase to
-some cores, as a cluster confines simulations and training to their own
-nodes. torch keeps its default thread count (one per core), the fastest on an
+Training is one process, no MPI: a "batch" here is ``batch_size`` samples,
+one optimizer step. ``--generation-cpus`` and ``--training-cpus`` confine
+each phase to some cores (the simulations inherit the first), as a cluster
+confines simulations and training to their own nodes. torch keeps its default thread count (one per core), the fastest on an
 otherwise idle machine; with other busy processes on the cores, ``--threads
 1`` is much faster (at this model size threads mostly wait for each other).
 Time budgets: ``--seconds`` bounds the training phase (timed as the server
@@ -55,6 +56,8 @@ import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Iterable, Iterator  # noqa: E402
+import subprocess  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -71,7 +74,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 from melissa_dl import Sample, TrainingModule  # noqa: E402
 from melissa_dl.config import Config, TrainingConfig, load_config  # noqa: E402
 from melissa_dl.module import load_module_class  # noqa: E402
-from solver import DEFAULT_DT, HeatSolver  # noqa: E402
+from solver import DEFAULT_DT  # noqa: E402
 
 FIELD = "temperature"
 DEFAULT_BATCHES = 500
@@ -109,14 +112,20 @@ def training_config(config: Config, grid: Grid) -> TrainingConfig:
     return TrainingConfig(module="surrogate.py", class_name="HeatSurrogate", options=options)
 
 
-def generate(parameters: np.ndarray, grid: Grid, folder: Path) -> None:
-    """Phase 1: run every simulation and write its steps to one .npy file."""
+def generate(parameters: np.ndarray, grid: Grid, folder: Path, jobs: int, env: dict[str, str]) -> None:
+    """Phase 1: run the simulation program for every parameter set, ``jobs`` at a time, each writing its steps
+    to one .npy file."""
     (folder / "simulations").mkdir(parents=True, exist_ok=True)
     np.save(folder / "parameters.npy", parameters)
-    for sim, values in enumerate(parameters):
-        solver = HeatSolver(values, grid.nx, grid.ny, grid.dt, refine=grid.refine)
-        steps = np.stack([solver.step() for _ in range(grid.steps)])
-        np.save(folder / "simulations" / f"simulation{sim}.npy", steps)
+    program = [sys.executable, str(HERE / "heat.py"), "--nx", str(grid.nx), "--ny", str(grid.ny),
+               "--steps", str(grid.steps), "--dt", repr(grid.dt), "--refine", str(grid.refine)]
+
+    def simulate(sim: int) -> None:
+        subprocess.run([*program, "--output", str(folder / "simulations" / f"simulation{sim}.npy"),
+                        "--parameters", *map(repr, parameters[sim].tolist())], env=env, check=True)
+
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(simulate, range(len(parameters))))
 
 
 def load(folder: Path) -> list[Sample]:
@@ -273,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.generation_cpus:
         os.sched_setaffinity(0, args.generation_cpus)
     t0 = time.monotonic()
-    generate(parameters, grid, output)
+    generate(parameters, grid, output, config.launcher.job_limit, {**os.environ, **config.launcher.env})
     generation_s = time.monotonic() - t0
     if args.training_cpus:
         os.sched_setaffinity(0, args.training_cpus)

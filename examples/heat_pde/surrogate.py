@@ -20,7 +20,9 @@ Normalisation, so that the network sees numbers of order one:
 Validation uses whole simulations held out from training: parameter sets
 drawn uniformly with ``validation_seed`` (the study draws a scrambled Sobol
 sequence with its own seed, so they are different parameter sets), solved
-in-process with the study's own solver (its ``refine`` too).
+in-process with the study's own solver (its ``refine`` too). With
+``validation_cache`` (a folder) they are solved once and read back by every
+later run of the same problem: a refined solver makes them seconds of work.
 
 Tuning (``examples/heat_pde/offline.py``, 32 Sobol simulations x 100 steps,
 batch 32, validation loss 0.64 before training): 3 hidden layers of 256 with
@@ -31,7 +33,12 @@ thousand; 3e-3 is noisier still. ReLU plateaus 3x higher than GELU.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,10 +71,12 @@ class HeatSurrogate(TrainingModule):
         validation_seed: int = 1,
         diffusivity: Sequence[float] | None = None,
         refine: int = 1,
+        validation_cache: str | None = None,
     ) -> None:
         """``nx``, ``ny``, ``steps``, ``dt`` and ``refine`` must match the simulation's command
         line; ``low``/``high`` are the bounds of the temperatures' sweep, ``diffusivity`` those of
-        the sixth parameter if the study has one."""
+        the sixth parameter if the study has one; ``validation_cache``, a folder where the held-out
+        simulations are kept once solved."""
         super().__init__()
         if depth < 1 or hidden < 1:
             raise ValueError(f"need depth >= 1 and hidden >= 1, got depth={depth}, hidden={hidden}")
@@ -76,6 +85,7 @@ class HeatSurrogate(TrainingModule):
         self.validation_simulations = validation_simulations
         self.validation_seed = validation_seed
         self.refine = refine
+        self.validation_cache = None if validation_cache is None else Path(validation_cache)
         # Each parameter's bounds, and normalisation constants kept in numpy: process() runs in numpy.
         bounds = [(low, high)] * TEMPERATURES + ([tuple(diffusivity)] if diffusivity is not None else [])
         self.bounds = np.array(bounds, dtype=np.float64)
@@ -97,7 +107,9 @@ class HeatSurrogate(TrainingModule):
         return self.net(x)
 
     def configure_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
+        """Adam, fused: one pass over each parameter instead of torch's default of about ten elementwise ops
+        per tensor on the CPU (0.85 ms against 2.8 ms a step for the 64x64 model, the same losses)."""
+        return torch.optim.Adam(self.parameters(), lr=self.lr, fused=True)
 
     def inputs(self, parameters: np.ndarray, time_step: int) -> np.ndarray:
         """The network's normalised input for one parameter set and step (float32, parameters then t)."""
@@ -136,14 +148,34 @@ class HeatSurrogate(TrainingModule):
         return rng.uniform(self.bounds[:, 0], self.bounds[:, 1], size=(self.validation_simulations, len(self.bounds)))
 
     def validation_samples(self) -> list[Sample]:
-        """Every step of the held-out simulations, solved here (a few ms at 32x32, unrefined).
+        """Every step of the held-out simulations, solved here (a few ms at 32x32, unrefined) or read from
+        ``validation_cache``.
 
         Their ids are negative so that they can never be mistaken for a
         simulation of the study.
         """
-        samples = []
-        for i, parameters in enumerate(self.validation_parameters()):
-            solver = HeatSolver(parameters, self.nx, self.ny, self.dt, refine=self.refine)
-            for t in range(self.steps):
-                samples.append(Sample(-1 - i, t, parameters, {FIELD: solver.step()}))
-        return samples
+        parameters = self.validation_parameters()
+        cached = self._validation_file(parameters)
+        if cached is not None and cached.is_file():
+            fields = np.load(cached)
+        else:
+            fields = np.stack([np.stack([solver.step() for _ in range(self.steps)]) for solver in (
+                HeatSolver(p, self.nx, self.ny, self.dt, refine=self.refine) for p in parameters)])
+            if cached is not None:
+                _save_atomic(cached, fields)
+        return [Sample(-1 - i, t, p, {FIELD: fields[i, t]}) for i, p in enumerate(parameters) for t in range(self.steps)]
+
+    def _validation_file(self, parameters: np.ndarray) -> Path | None:
+        """The cache file of these held-out simulations, named by everything their fields depend on."""
+        if self.validation_cache is None:
+            return None
+        problem = json.dumps([self.nx, self.ny, self.steps, self.dt, self.refine, parameters.tolist()])
+        return self.validation_cache / f"held-out-{hashlib.sha256(problem.encode()).hexdigest()[:16]}.npy"
+
+
+def _save_atomic(path: Path, array: np.ndarray) -> None:
+    """Write ``path`` whole or not at all: runs that share the cache may start together."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as temporary:
+        np.save(temporary, array)
+    os.replace(temporary.name, path)

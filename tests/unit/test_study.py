@@ -413,3 +413,21 @@ def test_one_success_keeps_the_study_going() -> None:
         h.launcher.exit(sim, 1)
     h.tick(1.0)
     assert not h.study.gave_up and h.state(4) is State.QUEUED
+
+
+def test_counts_follow_every_transition_of_a_large_study() -> None:
+    h = Harness(simulations=1000, max_retries=1, restored=[{"state": "done"}, {"state": "failed"}])
+
+    def recounted() -> dict[str, int]:
+        return {state.value: sum(s.state is state for s in h.study.simulations) for state in State}
+
+    assert h.study.counts() == recounted() == {"queued": 998, "running": 0, "done": 1, "failed": 1}
+    h.running(0.0, 2, 3, 4, 5)
+    h.launcher.exit(3, 1)  # relaunched: queued again
+    h.launcher.exit(4, 1)
+    h.tick(1.0, *reports({2: [(1, 1), (0, 0)]}))  # done
+    h.running(2.0, 4)
+    h.launcher.exit(4, 1)  # its last retry: failed
+    h.tick(3.0)
+    assert h.study.counts() == recounted() == {"queued": 995, "running": 1, "done": 2, "failed": 2}
+    assert not h.study.over

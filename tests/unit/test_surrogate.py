@@ -56,7 +56,7 @@ def test_is_a_training_module_with_adam() -> None:
     assert isinstance(module, TrainingModule)
     optimizer = module.configure_optimizer()
     assert isinstance(optimizer, torch.optim.Adam)
-    assert optimizer.param_groups[0]["lr"] == 5e-4
+    assert optimizer.param_groups[0]["lr"] == 5e-4 and optimizer.param_groups[0]["fused"]
     linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(6, 32), (32, 32), (32, 48)]
 
@@ -154,3 +154,18 @@ def test_validation_samples_are_reproducible_whole_held_out_simulations() -> Non
     assert not np.any(np.all(np.isclose(held_out[:, None, :], study[None, :, :]), axis=-1))
     other = HeatSurrogate(steps=20, validation_simulations=3, validation_seed=8).validation_parameters()
     assert not np.allclose(held_out, other)
+
+
+def test_a_validation_cache_is_solved_once_then_read_back_per_problem(tmp_path: Path) -> None:
+    options = {"steps": 5, "validation_simulations": 2, "validation_cache": str(tmp_path)}
+    solved = HeatSurrogate(**options).validation_samples()
+    [cached] = tmp_path.glob("held-out-*.npy")
+    np.save(cached, np.load(cached) + 1)  # from now on, what a run gets is what the file holds
+    again = HeatSurrogate(**options).validation_samples()
+    for a, b in zip(solved, again, strict=True):
+        np.testing.assert_array_equal(a.fields["temperature"] + 1, b.fields["temperature"])
+    uncached = HeatSurrogate(steps=5, validation_simulations=2).validation_samples()
+    for a, b in zip(solved, uncached, strict=True):
+        np.testing.assert_array_equal(a.fields["temperature"], b.fields["temperature"])
+    HeatSurrogate(**options, refine=2).validation_samples()  # another problem: another file
+    assert len(list(tmp_path.glob("held-out-*.npy"))) == 2 and not list(tmp_path.glob("*.tmp"))
