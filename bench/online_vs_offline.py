@@ -271,7 +271,8 @@ def run_seed(args: argparse.Namespace, experiment: Experiment, seed: int, folder
               f"{run.unique_samples} unique samples, {run.batches} steps in {run.training_s:.1f} s "
               f"({run.samples_trained / run.training_s:.0f} samples/s trained), mean error "
               f"{run.errors.mean():.4g}, p99 {p99(run.errors):.4g}, time to offline's final "
-              f"{time_to(run.curve, offline.curve[-1][1]):.1f} s", flush=True)
+              f"{time_to(run.curve, offline.curve[-1][1]):.1f} s"
+              + (f", generation {run.generation_s:.1f} s" if run.side == "offline" else ""), flush=True)
     return online, offline
 
 
@@ -304,21 +305,23 @@ def p99(errors: np.ndarray) -> float:
 def summarise(args: argparse.Namespace, experiment: Experiment, pairs: list[tuple[Run, Run]]) -> list[str]:
     """The experiment's table of what each side got (medians over seeds) and its RESULT lines."""
     name, targets = experiment.name, [offline.curve[-1][1] for _, offline in pairs]
-    print("\n| exp. | side | budget | stored samples | simulations | unique samples | epochs | samples/s trained"
-          " | mean error | p99 error | time to offline's final loss |\n" + "|---" * 11 + "|")
+    print("\n| exp. | side | budget | batch | stored samples | simulations | unique samples | generation"
+          " | epochs | samples/s trained | mean error | p99 error | time to offline's final loss |\n" + "|---" * 13 + "|")
     for side in (0, 1):
         runs = [pair[side] for pair in pairs]
         cells = [f"{statistics.median(values):{form}}" for form, values in (
             (".1f", [r.stored_samples * SAMPLE_BYTES / 1e6 for r in runs]),
             (".0f", [r.simulations for r in runs]),
             (".0f", [r.unique_samples for r in runs]),
+            (".1f", [r.generation_s for r in runs]),
             (".1f", [r.samples_trained / max(r.unique_samples, 1) for r in runs]),
             (".0f", [r.samples_trained / r.training_s for r in runs]),
             (".3g", [float(r.errors.mean()) for r in runs]),
             (".3g", [p99(r.errors) for r in runs]),
             (".1f", [time_to(r.curve, target) for r, target in zip(runs, targets)]))]
-        print(f"| {name} | {runs[0].side} | {args.seconds:.0f} s | {cells[0]} MB | " + " | ".join(cells[1:-1])
-              + f" | {cells[-1]} s |")
+        cells[3] = f"{cells[3]} s" if runs[0].side == "offline" else "(streamed)"
+        print(f"| {name} | {runs[0].side} | {args.seconds:.0f} s | {experiment.batch} | {cells[0]} MB | "
+              + " | ".join(cells[1:-1]) + f" | {cells[-1]} s |")
     validation = statistics.median([float(off.errors.mean() / on.errors.mean()) for on, off in pairs])
     tail_ratio = statistics.median([p99(off.errors) / p99(on.errors) for on, off in pairs])
     speed = statistics.median([time_to(off.curve, target) / time_to(on.curve, target)

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -246,6 +247,51 @@ def test_shutdown_kills_all_jobs_within_one_grace(tmp_path: Path) -> None:
     assert not any(alive(pid) for pid in pids)
     assert launcher.running() == set() and launcher.queued() == []
     assert launcher.poll() == []
+
+
+def test_its_own_thread_refills_freed_slots_between_polls_and_a_poll_reports_what_ended(tmp_path: Path) -> None:
+    launcher = python_launcher(tmp_path, PRINT_PID + "import time; time.sleep(0.2)", job_limit=1)
+    launcher.start_thread()
+    try:
+        for simulation_id in range(3):
+            launcher.submit(simulation_id, 0, {})
+        # one slot: the third could start only once the thread had reaped the first two, with no poll
+        pids = [read_pids(log_of(tmp_path, i), 1)[0] for i in range(3)]
+        wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids))  # reaped: a zombie keeps its entry
+        assert launcher.queued() == [] and launcher.running() == {0, 1, 2}  # ended, until a poll reports it
+        assert sorted(launcher.poll()) == [(0, 0), (1, 0), (2, 0)]
+        assert launcher.running() == set() and launcher.poll() == []
+    finally:
+        launcher.shutdown()
+
+
+def test_with_its_own_thread_a_job_reaped_but_not_reported_is_not_reported_once_killed(tmp_path: Path) -> None:
+    launcher = python_launcher(tmp_path, PRINT_PID)
+    launcher.start_thread()
+    try:
+        launcher.submit(0, 0, {})
+        [pid] = read_pids(log_of(tmp_path, 0), 1)
+        wait_for(lambda: not Path(f"/proc/{pid}").exists())  # reaped (a zombie keeps its entry): by the thread
+        assert launcher.running() == {0}
+        launcher.kill(0)
+        assert launcher.poll() == [] and launcher.running() == set()
+    finally:
+        launcher.shutdown()
+
+
+def test_shutdown_kills_the_threads_jobs_with_their_grace_and_ends_the_thread(tmp_path: Path) -> None:
+    code = PRINT_PID + "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (print('term', " \
+        "flush=True), sys.exit(0))); time.sleep(60)"
+    launcher = python_launcher(tmp_path, code, job_limit=2)
+    launcher.start_thread()
+    for simulation_id in range(3):
+        launcher.submit(simulation_id, 0, {})
+    pids = [read_pids(log_of(tmp_path, i), 1)[0] for i in range(2)]
+    launcher.shutdown()
+    assert not any(alive(pid) for pid in pids)
+    assert all("term" in log_of(tmp_path, i).read_text() for i in range(2))  # SIGTERM first, not the death signal
+    assert not log_of(tmp_path, 2).exists()
+    assert not [t for t in threading.enumerate() if t.name == "launcher"]
 
 
 def test_child_environment_strips_mpi_launch_and_prefers_venv(monkeypatch: pytest.MonkeyPatch) -> None:
