@@ -88,7 +88,7 @@ def pipeline_pass(kind: str, samples: list[Sample], batch: int, deterministic: b
     count = 0
     start = time.perf_counter()
     while (b := dataset.next_batch()) is not END:
-        count += len(b[0])
+        count += len(b)
     return time.perf_counter() - start, count
 
 

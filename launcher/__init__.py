@@ -5,7 +5,7 @@ The server decides what runs, retries and states; this package only runs process
 from __future__ import annotations
 
 from launcher.jobs import NOT_RUNNABLE, SCHEDULERS, START_FAILED, JobTemplate, Launcher, make_scheduler
-from launcher.samplers import SAMPLERS, draw_parameters
+from launcher.samplers import SAMPLERS, Breeding, Sampler, make_sampler
 from launcher.schedulers import (
     KILL_GRACE,
     Job,
@@ -16,6 +16,7 @@ from launcher.schedulers import (
 )
 
 __all__ = [
+    "Breeding",
     "KILL_GRACE",
     "SAMPLERS",
     "SCHEDULERS",
@@ -26,8 +27,9 @@ __all__ = [
     "LocalScheduler",
     "MpirunScheduler",
     "NOT_RUNNABLE",
+    "Sampler",
     "Scheduler",
     "child_environment",
-    "draw_parameters",
+    "make_sampler",
     "make_scheduler",
 ]

@@ -58,7 +58,7 @@ class StreamSpec:
     """What every rank knows about the study's data streams."""
 
     fields: Sequence[str]
-    parameters: np.ndarray  # one row per simulation
+    parameters: np.ndarray  # one row per simulation, NaN until rank 0 has drawn it (``Receiver.follow``)
     token: bytes
     server_rank: int
     server_size: int
@@ -158,6 +158,8 @@ class Assembler:
 
     def _declare(self, header: Header, body: object) -> None:
         sim, crank, csize = header.simulation_id, header.client_rank, header.client_size
+        if np.isnan(self.spec.parameters[sim]).any():  # the study launches a simulation after every rank has them
+            raise ProtocolError(f"simulation {sim}: not launched yet (no parameters)", "unknown_simulation")
         fields = body.get("fields") if isinstance(body, dict) else None
         if not isinstance(fields, dict):
             raise ProtocolError(f"simulation {sim}: declaration without fields", "malformed")

@@ -118,8 +118,9 @@ class Buffer(ABC):
         """Up to ``size`` distinct samples; [] at end of stream, None on timeout."""
         return self._take(size, timeout, lambda entries: [e.sample for e in entries])
 
-    def get_processed(self, size: int, timeout: float | None = None) -> Any:
-        """As ``get_batch``, but the batch of the samples' kept ``process`` outputs (see ``keep_processed``)."""
+    def get_processed(self, size: int, timeout: float | None = None) -> tuple[Any, Any] | list[Any] | None:
+        """As ``get_batch``, but the batch of the samples' kept ``process`` outputs (see ``keep_processed``) and
+        their ``(simulation, step)`` (``Rows.gather``)."""
         rows = self._rows
         assert rows is not None, "keep_processed() first"
         return self._take(size, timeout, lambda entries: rows.gather([e.row for e in entries]))

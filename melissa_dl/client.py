@@ -65,6 +65,7 @@ ENV_TOKEN = "MELISSA_TOKEN"
 ENV_SIMULATION_ID = "MELISSA_SIMULATION_ID"
 ENV_ATTEMPT = "MELISSA_ATTEMPT"
 ENV_PARAMETERS = "MELISSA_PARAMETERS"
+ENV_PARAMETER_NAMES = "MELISSA_PARAMETER_NAMES"
 ENV_CLIENT_TIMEOUT = "MELISSA_CLIENT_TIMEOUT"
 ENV_SEND_QUEUE_BYTES = "MELISSA_SEND_QUEUE_BYTES"
 
@@ -139,6 +140,9 @@ class Client:
         self.simulation_id = int(_require(env, ENV_SIMULATION_ID))
         self.attempt = int(env.get(ENV_ATTEMPT, "0"))
         self.parameters = np.asarray(json.loads(_require(env, ENV_PARAMETERS)), dtype=np.float64)
+        names = json.loads(env.get(ENV_PARAMETER_NAMES, "[]"))
+        self.named_parameters: dict[str, float] = dict(zip(names, self.parameters.tolist()))
+        """The parameters by the names ``study.parameters`` gives them (``parameters`` in that order)."""
         self._timeout = float(env.get(ENV_CLIENT_TIMEOUT, "300"))
         queue_bytes = int(env.get(ENV_SEND_QUEUE_BYTES, str(64 << 20)))
         self.rank, self.size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)

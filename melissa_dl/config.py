@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from launcher.jobs import SCHEDULERS, JobTemplate
-from launcher.samplers import SAMPLERS, draw_parameters
+from launcher.samplers import SAMPLERS, SPACE_FILLING, Breeding, Sampler, make_sampler
 from melissa_dl.buffers import BUFFER_KINDS
 from melissa_dl.errors import ConfigError
 from melissa_dl.logs import LEVELS
@@ -67,6 +67,52 @@ class FieldConfig:
 
 
 @dataclass
+class AdaptiveConfig:
+    base: Literal[tuple(SPACE_FILLING)] = option("halton", doc="Space-filling sampler of the simulations not bred.")
+    population: int | None = option(None, minimum=1,
+        doc="Simulations per generation (default: `launcher.job_limit`).")
+    breed_after: int | None = option(None, minimum=1,
+        doc="Simulations drawn from the base before the first bred generation (default: 2 populations).")
+    lag: int | None = option(None, minimum=0,
+        doc="Simulations just before a generation that are not its parents (still running, or their samples not "
+        "yet trained); a generation waits until all its candidates' statistics are in (default: 1 population).")
+    window: int | None = option(None, minimum=1,
+        doc="Candidate parents: the last `window` simulations before the lag (default: 4 populations).")
+    sigma: float | list[float] = option(0.1, doc="Standard deviation of a child's mutation, as a fraction of each "
+        "parameter's range; one number for all, or one per parameter.")
+    start: float = option(0.5, doc="Bred fraction of the first bred generation.")
+    end: float = option(0.9, doc="Bred fraction from generation `breakpoint` on.")
+    breakpoint: int = option(10, minimum=1, doc="Generation at which the bred fraction reaches `end`.")
+    plot_parameters: list[str] = option([], doc="The two parameters of the TensorBoard picture of each generation "
+                                        "(default: the first two).")
+
+    def breeding(self, job_limit: int, dimensions: int) -> Breeding:
+        """The sampler's settings, defaults resolved."""
+        population = self.population or job_limit
+        sigma = self.sigma if isinstance(self.sigma, list) else [self.sigma] * dimensions
+        return Breeding(population=population, breed_after=self.breed_after or 2 * population,
+                        lag=population if self.lag is None else self.lag, window=self.window or 4 * population,
+                        sigma=sigma, start=self.start, end=self.end, breakpoint=self.breakpoint, base=self.base)
+
+    def check(self, dimensions: int) -> None:
+        for name in ("start", "end"):
+            _require(0.0 <= getattr(self, name) <= 1.0, f"study.adaptive.{name}", "must be between 0 and 1")
+        sigmas = self.sigma if isinstance(self.sigma, list) else [self.sigma]
+        _require(all(math.isfinite(v) and v > 0 for v in sigmas), "study.adaptive.sigma", "must be positive")
+        _require(not isinstance(self.sigma, list) or len(self.sigma) == dimensions, "study.adaptive.sigma",
+                 f"{len(sigmas)} values for {dimensions} parameters")
+        _require(len(self.plot_parameters) in (0, 2), "study.adaptive.plot_parameters", "name two parameters")
+
+
+@dataclass
+class CustomSamplerConfig:
+    module: str = option(doc="Python file defining the sampler, relative to the config file.")
+    class_name: str = option(doc="Name of its `launcher.Sampler` subclass.")
+    options: dict[str, Any] = option({}, doc="Keyword arguments of its constructor, after low, high, seed and "
+                                     "simulations.")
+
+
+@dataclass
 class StudyConfig:
     fields: list[str] | dict[str, FieldConfig] = option(
         doc="Names of the fields every time step carries; or an object `name: {dtype, shape}` that pins each "
@@ -76,7 +122,15 @@ class StudyConfig:
     parameters: list[ParameterConfig] = option(doc="The swept parameters and their bounds.")
     simulations: int = option(doc="Number of simulations (parameter sets) in the study.")
     sampler: Literal[SAMPLERS] = option(
-        "uniform", doc="How parameter sets are drawn: uniform random, scrambled Sobol, or `parameter_values`."
+        "uniform", doc="How parameter sets are drawn: `uniform` random, scrambled `sobol` or `halton`, `lhs` (a Latin "
+        "hypercube), `list` (`parameter_values`), `adaptive` (bred where training finds it hard: `adaptive`) or "
+        "`custom` (`custom_sampler`). README, Active sampling."
+    )
+    adaptive: AdaptiveConfig = option(AdaptiveConfig, doc="Settings of sampler `adaptive`.")
+    custom_sampler: CustomSamplerConfig | None = option(None, doc="The user's sampler class (sampler `custom`).")
+    loss_statistic: str = option(
+        "mean", doc="What makes a simulation hard for the samplers that learn: `mean` or `max` of its steps' "
+        "losses (each step's loss when it was first trained), or a quantile `qNN`, e.g. `q90`."
     )
     parameter_values: list[list[float]] | None = option(
         None, doc="Explicit parameter sets, one row per simulation (sampler `list`)."
@@ -90,10 +144,37 @@ class StudyConfig:
     def field_names(self) -> list[str]:
         return list(self.fields)
 
-    def parameter_table(self) -> np.ndarray:
-        """The ``[simulations, parameters]`` table; every server rank (and the offline mode) draws the same."""
-        return draw_parameters(self.sampler, self.simulations, [p.low for p in self.parameters],
-                               [p.high for p in self.parameters], self.seed, self.parameter_values)
+    @property
+    def parameter_names(self) -> list[str]:
+        return [p.name for p in self.parameters]
+
+    def make_sampler(self, base_dir: Path, job_limit: int) -> Sampler:
+        """The study's sampler, from its start."""
+        low, high = [p.low for p in self.parameters], [p.high for p in self.parameters]
+        custom = options = None
+        if self.sampler == "custom":
+            from melissa_dl.plugins import load_class
+
+            assert self.custom_sampler is not None
+            custom = load_class(base_dir / self.custom_sampler.module, self.custom_sampler.class_name, Sampler,
+                                "study.custom_sampler")
+            options = self.custom_sampler.options
+        return make_sampler(self.sampler, low, high, self.seed, self.simulations, values=self.parameter_values,
+                            breeding=self.adaptive.breeding(job_limit, len(low)), custom=custom, options=options)
+
+    def parameter_table(self, base_dir: Path = Path(".")) -> np.ndarray:
+        """Every simulation's parameters, drawn at once, for the samplers that need no training (``offline.py``,
+        ``--try-simulation``); a ``ConfigError`` for one that does."""
+        sampler = self.make_sampler(base_dir, 1)
+        table = sampler.ask(self.simulations)
+        if len(table) < self.simulations:
+            raise ConfigError(f"study.sampler: '{self.sampler}' draws as training goes, not all at once")
+        return table
+
+    def plotted(self) -> list[int]:
+        """The parameters of the pictures of the generations (``adaptive.plot_parameters``): one or two."""
+        names = self.adaptive.plot_parameters or self.parameter_names[:2]
+        return [self.parameter_names.index(name) for name in names]
 
     @property
     def field_layouts(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -127,6 +208,17 @@ class StudyConfig:
                 _require(all(map(math.isfinite, row)), f"study.parameter_values[{i}]", "values must be finite")
         if self.time_steps is not None:
             _require(0 < self.time_steps < 1 << 32, "study.time_steps", "must be between 1 and 2**32 - 1")
+        statistic = self.loss_statistic
+        _require(statistic in ("mean", "max") or (len(statistic) == 3 and statistic[0] == "q"
+                                                  and statistic[1:].isdigit() and 0 < int(statistic[1:]) < 100),
+                 "study.loss_statistic", f"expected mean, max or qNN (a quantile, q01 to q99), got {statistic!r}")
+        self.adaptive.check(len(self.parameters))
+        for i, name in enumerate(self.adaptive.plot_parameters):
+            close = difflib.get_close_matches(name, self.parameter_names, n=1)
+            _require(name in self.parameter_names, f"study.adaptive.plot_parameters[{i}]",
+                     f"no parameter {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        _require(self.sampler != "custom" or self.custom_sampler is not None, "study.custom_sampler",
+                 "required by sampler 'custom'")
 
 
 @dataclass
@@ -419,6 +511,16 @@ def _check(config: Config) -> None:
     config.launcher.check()
     if config.training is not None:
         config.training.check(config.base_dir, config.buffer)
+    study = config.study
+    if study.sampler == "adaptive":
+        _require(config.training is not None, "study.sampler", "'adaptive' learns from training: add a training section")
+        breeding = study.adaptive.breeding(config.launcher.job_limit, len(study.parameters))
+        _require(breeding.lag < breeding.breed_after, "study.adaptive.lag",
+                 f"{breeding.lag} leaves no parent before the first bred generation (breed_after={breeding.breed_after})")
+    if study.sampler == "custom":
+        assert study.custom_sampler is not None
+        _require((config.base_dir / study.custom_sampler.module).is_file(), "study.custom_sampler.module",
+                 f"no file {study.custom_sampler.module}")
 
 
 def parse_config(data: Any, base_dir: Path) -> Config:

@@ -13,6 +13,7 @@ timeout, so that it can keep the ranks' bookkeeping going while data is late.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,17 @@ def collate(items: list[Any]) -> Any:
     return default_collate(items)
 
 
+@dataclass(frozen=True)
+class Batch:
+    """A training batch: what the module's ``process`` made of its samples, stacked, and whose they are."""
+
+    data: Any
+    ids: np.ndarray  # [n, 2]: (simulation, step) of each sample, in batch order
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 class StreamDataset(IterableDataset):
     """``deterministic``: ``process`` runs once per sample as the buffer takes it, and batches are formed
     from its kept outputs (``Buffer.keep_processed``)."""
@@ -53,18 +65,21 @@ class StreamDataset(IterableDataset):
         if deterministic:
             buffer.keep_processed(process)
 
-    def next_batch(self, timeout: float | None = None) -> Any:
-        """A collated batch, None if none could be formed within ``timeout``, or END."""
+    def next_batch(self, timeout: float | None = None) -> Batch | object | None:
+        """A batch, None if none could be formed within ``timeout``, or END."""
         if self.deterministic:
-            batch = self.buffer.get_processed(self.batch_size, timeout=timeout)
-            return END if isinstance(batch, list) and not batch else batch
+            formed = self.buffer.get_processed(self.batch_size, timeout=timeout)
+            if isinstance(formed, tuple):
+                return Batch(*formed)
+            return END if formed == [] else None
         samples = self.buffer.get_batch(self.batch_size, timeout=timeout)
         if samples is None:
             return None
         if not samples:
             return END
-        return collate([self.process(s) for s in samples])
+        ids = np.array([(s.simulation_id, s.time_step) for s in samples], dtype=np.int64)
+        return Batch(collate([self.process(s) for s in samples]), ids)
 
-    def __iter__(self) -> Iterator[Any]:
-        while (batch := self.next_batch()) is not END:
+    def __iter__(self) -> Iterator[Batch]:
+        while isinstance(batch := self.next_batch(), Batch):
             yield batch

@@ -42,12 +42,13 @@ from melissa_dl.buffers import Buffer
 from melissa_dl.dataset import END
 from melissa_dl.errors import TrainingStalled
 from melissa_dl.handshake import HandshakeServer
+from melissa_dl.learning import Records
 from melissa_dl.mpi import Comm, GracefulStop
 from melissa_dl.receiver import Receiver
 from melissa_dl.recovery import Checkpointer
 from melissa_dl.progress import StatusBoard
 from melissa_dl.sample import Sample
-from melissa_dl.study import Study
+from melissa_dl.study import Generation, Study
 from melissa_dl.training import Trainer
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class Bookkeeping:
         self.status = status
         self.next_sync = time.monotonic() + interval
         self.over = False
+        self.losses: Callable[[], Records | None] = lambda: None  # this rank's losses per sample, when learning
+        self.on_generations: Callable[[list[Generation]], None] = lambda generations: None  # rank 0
 
     def due(self) -> bool:
         """Also after the study is over: draining the buffers still commits checkpoints and beats the heart."""
@@ -93,16 +96,19 @@ class Bookkeeping:
         it and ``training`` stand, and tells the ranks which attempts are current, which simulations finished,
         and whether the study is over."""
         self.receiver.check()
-        reports = self.comm.gather(self.receiver.report())
+        gathered = self.comm.gather((self.receiver.report(), self.losses()))
         consumed = self.comm.reduce(consumed)
-        over, news = False, ({}, [])  # without a study (benches): nothing to follow
+        over, news = False, ({}, [], {})  # without a study (benches): nothing to follow
         if self.study is not None:
             assert self.handshake is not None and self.status is not None
             if self.handshake.error is not None:
                 raise self.handshake.error
             for sim, reason in self.handshake.take_failures():
                 self.study.fail(sim, reason)
+            reports = [report for report, _ in gathered]
+            self.study.learn([losses for _, losses in gathered if losses is not None])
             self.study.tick(reports)
+            self.on_generations(self.study.take_generations())
             self.status.update(time.monotonic(), self.study, reports, consumed, training)
             over, news = self.study.over, self.study.take_news()
         was_over = self.over
@@ -113,6 +119,11 @@ class Bookkeeping:
             self.receiver.stop()
             self.receiver.buffer.close()
         self.next_sync = time.monotonic() + self.interval
+
+    def open(self, consumed: int, training: dict[str, Any] | None = None) -> None:
+        """The first two rounds: the first simulations' parameters go to the ranks, then they are launched."""
+        self.sync(consumed, training)
+        self.sync(consumed, training)
 
     def beat(self) -> None:
         """Rank 0 tells ``melissa-launcher`` that the ranks got through a collective round."""
@@ -150,7 +161,10 @@ class Loop:
 
         self.consumed = lambda: summary.samples
         self.training = trainer.status
-        self.bookkeeping.sync(self.consumed(), self.training())  # the simulations start while begin() runs
+        if trainer.losses is not None:
+            self.bookkeeping.losses = trainer.losses.take
+        self.bookkeeping.on_generations = trainer.log_generations
+        self.bookkeeping.open(self.consumed(), self.training())  # the simulations start while begin() runs
         start = time.monotonic()  # the first validation counts, as it always did
         trainer.begin()
         self.stop.install()  # a signal before is an exit: there is nothing to checkpoint yet
@@ -179,6 +193,7 @@ class Loop:
             drained += len(samples)
 
         self.consumed = lambda: drained
+        self.bookkeeping.open(0)
         return self._rounds(next_samples, count, stall_timeout=None)
 
     def _rounds(self, next_batch: Callable[[float], Any], step: Callable[[Any], None],

@@ -27,9 +27,7 @@ The config names the file and the class (``training.module``,
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import inspect
-import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Sequence
@@ -38,6 +36,7 @@ import torch
 from torch import nn
 
 from melissa_dl.errors import ConfigError
+from melissa_dl.plugins import load_class
 from melissa_dl.sample import Sample
 
 
@@ -81,26 +80,7 @@ class TrainingModule(nn.Module, ABC):
 
 def load_module_class(path: Path, class_name: str) -> type[TrainingModule]:
     """Import the user's file and return its TrainingModule subclass."""
-    if not path.is_file():
-        raise ConfigError(f"training.module: no file {path}")
-    name = f"melissa_user_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # so that cloudpickle and dataclasses find it
-    sys.path.insert(0, str(path.parent))  # its own helpers, next to it, import as usual
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:  # the user's code: whatever it raises is this config's error
-        raise ConfigError(f"training.module: importing {path} failed: {type(error).__name__}: {error}") from error
-    cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, TrainingModule)):
-        defined = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, TrainingModule)
-                   and v is not TrainingModule]
-        close = difflib.get_close_matches(class_name, defined, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else f" (it defines {', '.join(defined) or 'none'})"
-        raise ConfigError(f"training.class_name: {path.name} defines no TrainingModule subclass '{class_name}'{hint}")
-    return cls
+    return load_class(path, class_name, TrainingModule, "training")
 
 
 def check_options(cls: type[TrainingModule], options: dict[str, Any]) -> None:

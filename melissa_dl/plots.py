@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only: no display on a compute node
 
@@ -130,4 +131,25 @@ def simulations(times: list[float], unit: str, history: list[dict[str, Any]]) ->
              ylim=(0, history[0]["simulations"]["total"]))
     axes.grid(True, alpha=0.3)
     axes.legend(loc="upper left")
+    return figure
+
+
+def generation(number: int, bred_fraction: float, names: list[str], drawn: np.ndarray, bred: np.ndarray,
+               known: np.ndarray, statistics: np.ndarray) -> Figure:
+    """Where a generation's simulations were put (crosses: bred, plus signs: from the base sampler) among the
+    simulations whose loss statistic was known then (dots, coloured by it); one parameter: against the
+    statistic."""
+    figure, ax = plt.subplots(figsize=(4.8, 3.6), constrained_layout=True)
+    one = len(names) == 1
+    if len(known):
+        dots = ax.scatter(known[:, 0], statistics if one else known[:, 1], c=statistics, cmap="viridis", s=14)
+        figure.colorbar(dots, ax=ax, label="loss statistic")
+    for chosen, marker, label in ((bred, "x", "bred"), (~bred, "+", "base")):
+        if chosen.any():
+            y = np.zeros(chosen.sum()) if one else drawn[chosen, 1]
+            ax.scatter(drawn[chosen, 0], y, marker=marker, c="red" if label == "bred" else "black", s=30,
+                       label=label)
+    ax.set(xlabel=names[0], ylabel="loss statistic" if one else names[1],
+           title=f"generation {number}: {bred_fraction:.0%} bred")
+    ax.legend(loc="best", fontsize="small")
     return figure

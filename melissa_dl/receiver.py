@@ -130,9 +130,12 @@ class Receiver(ServerSocketThread):
             "rejected": merge_rejections([s["rejected"] for s in streams]) if first else {},
         })
 
-    def follow(self, attempts: dict[int, int], finished: list[int]) -> None:
-        """Rank 0's news: newer attempts (their predecessors' frames are refused) and finished simulations."""
+    def follow(self, attempts: dict[int, int], finished: list[int], parameters: dict[int, np.ndarray]) -> None:
+        """Rank 0's news: newer attempts (their predecessors' frames are refused), finished simulations, and the
+        parameters of the simulations about to be launched."""
         with self._lock:
+            for sim, row in parameters.items():
+                self.spec.parameters[sim] = row
             for sim, attempt in attempts.items():
                 self._assembler.start_attempt(sim, attempt)
             for sim in finished:

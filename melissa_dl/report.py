@@ -44,7 +44,7 @@ def final_report(
         "stopped_early": study.gave_up or None,
         "per_simulation": [
             {"id": s.id, "state": s.state.value, "attempts": s.attempts, "samples": s.received, "reason": s.reason,
-             "log": s.log or None, "output": s.output or None}
+             "log": s.log or None, "output": s.output or None, **study.describe(s.id)}
             for s in study.simulations
         ],
         **(extra or {}),

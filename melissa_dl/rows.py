@@ -6,7 +6,9 @@ every later serving of the sample (a FIRO or a Reservoir serves it several
 times) copies rows instead of calling ``process`` and stacking again. Every
 sample must process to the same structure of arrays, tensors or numbers with
 the same shapes and dtypes; the first one fixes them. The rows are a second
-copy of what the buffer holds (the samples themselves stay, for checkpoints).
+copy of what the buffer holds (the samples themselves stay, for checkpoints),
+and each row also keeps its sample's ``(simulation, step)``, so that a batch
+knows whose samples it holds (the losses per sample, ``melissa_dl.learning``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class Rows:
         self._capacity = capacity
         self._spec: TreeSpec | None = None
         self._columns: list[torch.Tensor] = []
+        self._ids = torch.empty((capacity, 2), dtype=torch.int64)
         self._free: list[int] = []
         self._used = 0  # rows ever handed out; below it, the free ones are in _free
         self._structure: Callable[[list[torch.Tensor]], Any] = tuple
@@ -64,23 +67,27 @@ class Rows:
             row, self._used = self._used, self._used + 1
         for column, tensor in zip(self._columns, tensors):
             column[row] = tensor
+        self._ids[row, 0], self._ids[row, 1] = sample.simulation_id, sample.time_step
         return row
 
     def release(self, rows: list[int]) -> None:
         self._free += rows
 
-    def gather(self, rows: list[int]) -> Any:
-        """The batch of these rows, in their order, structured as ``process`` returns one sample."""
+    def gather(self, rows: list[int]) -> tuple[Any, np.ndarray]:
+        """The batch of these rows, in their order, structured as ``process`` returns one sample, and the
+        ``[n, 2]`` ``(simulation, step)`` of each."""
         assert self._spec is not None
         if len(rows) != len(self._index_np):
             self._index_np = np.empty(len(rows), dtype=np.int64)
             self._index = torch.from_numpy(self._index_np)
         self._index_np[:] = rows  # refilled in place: index_select is done with it before the next batch
-        return self._structure([column.index_select(0, self._index) for column in self._columns])
+        return (self._structure([column.index_select(0, self._index) for column in self._columns]),
+                self._ids.index_select(0, self._index).numpy())
 
     def _grow(self) -> None:
         self._capacity *= 2
         self._columns = [torch.cat([column, torch.empty_like(column)]) for column in self._columns]
+        self._ids = torch.cat([self._ids, torch.empty_like(self._ids)])
 
 
 def _structure(spec: TreeSpec) -> Callable[[list[torch.Tensor]], Any]:

@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
-from launcher import Launcher, make_scheduler
+from launcher import Launcher, Sampler, make_scheduler
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
 from melissa_dl.checkpoint import Version, next_version
@@ -103,7 +104,9 @@ class Server:
         self.stop = GracefulStop()
         self.lock: Any = None  # rank 0's lock of the output folder, held until the process ends
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.parameters = config.study.parameter_table()
+        study = config.study
+        # each simulation's parameters, drawn by rank 0's sampler as the study goes (``Receiver.follow``)
+        self.parameters = np.full((study.simulations, len(study.parameters)), np.nan)
         self.token: bytes = comm.bcast(secrets.token_bytes(32) if self.rank == 0 else None)
         self.security: Security = comm.bcast(  # CURVE keys drawn once, by rank 0
             Security.generate(config.server.security, self.token, config.launcher.client_timeout)
@@ -132,7 +135,9 @@ class Server:
         try:  # before any simulation starts: a wrong module or class is a configuration error
             if failure is not None:
                 raise ConfigError(failure)
-            trainer = self._make_trainer(version)
+            # every rank: a sampler that learns makes every trainer record its losses per sample
+            sampler = self.config.study.make_sampler(self.config.base_dir, self.config.launcher.job_limit)
+            trainer = self._make_trainer(version, sampler.learns)
             if version is not None:
                 assert trainer is not None
                 if self.export_model:
@@ -152,7 +157,7 @@ class Server:
         handshake = launcher = study = None
         try:
             if self.rank == 0:
-                handshake, launcher, study = self._open_study(endpoints, version)
+                handshake, launcher, study = self._open_study(endpoints, version, sampler)
             status = self._status_board(start) if self.rank == 0 else None
             bookkeeping = Bookkeeping(self.comm, self.receiver, self.config.server.control_interval,
                                       self.config.output_path / HEARTBEAT, study, handshake, status)
@@ -188,12 +193,12 @@ class Server:
             return None, str(error)
         return version, None
 
-    def _make_trainer(self, version: Version | None) -> Trainer | None:
+    def _make_trainer(self, version: Version | None, learning: bool) -> Trainer | None:
         """The trainer of the ``training`` section (none without one), restored from ``version``."""
         if self.config.training is None:
             return None
         trainer = Trainer(self.config.training, self.config.base_dir, self.config.output_path, self.comm,
-                          self.receiver.scalars)
+                          self.receiver.scalars, learning)
         self._add_parts(version, Part(DENSE, trainer.dense, shared=True), Part(TRAINER, trainer))
         return trainer
 
@@ -210,28 +215,35 @@ class Server:
             logger.info("model of checkpoint %s written to %s", version.path, model)
         return 0
 
-    def _open_study(self, endpoints: list[str], version: Version | None) -> tuple[HandshakeServer, Launcher, Study]:
+    def _open_study(self, endpoints: list[str], version: Version | None,
+                    sampler: Sampler) -> tuple[HandshakeServer, Launcher, Study]:
         """Rank 0: the handshake socket, the launcher and the study, restored from ``version``."""
         handshake = HandshakeServer.from_config(self.config, self.token, endpoints, self.bind_address, self.security)
         server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
         logger.info("study of %d simulations, handshake at %s, %d server ranks",
                     self.config.study.simulations, server_endpoint, self.size)
         launcher = make_launcher(self.config)
+        options = self.config.study
         study = Study(
-            self.config.study.simulations,
+            options.simulations,
             self.size,
             launcher,
-            lambda sim, attempt: simulation_environment(self.config.launcher, server_endpoint, self.token, self.security,
-                                                        sim, attempt, self.parameters[sim]),
+            sampler,
+            lambda sim, attempt, parameters: simulation_environment(
+                self.config.launcher, server_endpoint, self.token, self.security, sim, attempt, parameters,
+                options.parameter_names),
             handshake.expect,
             self.config.launcher.max_retries,
             self.config.launcher.simulation_timeout,
             self.config.launcher.job_limit,
+            options.parameter_names,
+            options.loss_statistic,
+            options.plotted(),
         )
         self._add_parts(version, Part(STUDY, Group(simulations=study, handshake_rejected=handshake.rejections),
                                       shared=True))
         launcher.start_thread()
-        study.start()  # what a restored study left unfinished, or everything
+        study.start()  # what a restored study left unfinished
         return handshake, launcher, study
 
     def _train(self, trainer: Trainer, bookkeeping: Bookkeeping) -> Loop | None:

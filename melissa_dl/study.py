@@ -19,9 +19,21 @@ simulation succeeds among the first to end (the first wave of ``job_limit``,
 at least ``GIVE_UP_AFTER``), the study launches nothing more: the rest would
 fail the same way.
 
+Parameters are asked of the study's sampler (:mod:`launcher.samplers`) as
+the study goes, keeping one wave (``job_limit`` simulations) drawn ahead of
+the running ones, so that only simulations not yet started get what a
+learning sampler learnt. A simulation is launched only in the round after
+its parameters were drawn: by then every rank knows them, so no frame can
+arrive at a rank that does not know what to attach to it. When the sampler
+learns, each done simulation's loss statistic is told to it once every step
+it sent has its loss (:mod:`melissa_dl.learning`); a failed one is told
+None. Should the sampler wait for statistics while nothing runs, the done
+simulations are told what they have, so that the study never stalls.
+
 The ranks follow the study through :meth:`Study.take_news`: each new attempt
-(so that they refuse the frames of the one it replaced) and each simulation
-that ended (so that they free what its unfinished steps hold).
+(so that they refuse the frames of the one it replaced), each simulation
+that ended (so that they free what its unfinished steps hold) and the
+parameters drawn since the last round.
 """
 from __future__ import annotations
 
@@ -34,10 +46,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from launcher import NOT_RUNNABLE, Launcher
+from launcher import NOT_RUNNABLE, Launcher, Sampler
 from melissa_dl.assembly import Progress
 from melissa_dl.handshake import DETERMINISTIC
 from melissa_dl import client
+from melissa_dl.learning import Records, SimulationLosses
 from melissa_dl.receiver import ReceiverReport
 from melissa_dl.security import Security
 
@@ -50,6 +63,19 @@ EXIT_GRACE = 5.0  # seconds a simulation that exited 0 has for its finalize mess
 REPEATED_REFUSALS = DETERMINISTIC | {"non_finite", "time_step", "undeclared"}  # kinds a relaunch sends again
 GIVE_UP_AFTER = 3  # failed simulations, and no success, before the study stops (at least the first wave's)
 CLIENT_ERROR = "ClientError"  # in the last line of an attempt's output: a mistake in the simulation's use of the API
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A generation drawn by a sampler that breeds, and what was known when it was drawn (its picture)."""
+
+    number: int
+    bred_fraction: float
+    names: list[str]  # of the one or two parameters pictured
+    drawn: np.ndarray  # [members, 1 or 2]: its simulations' parameters
+    bred: np.ndarray  # [members]: which of them were bred
+    known: np.ndarray  # [n, 1 or 2]: the simulations with a statistic then
+    statistics: np.ndarray  # [n]: theirs
 
 
 class State(str, Enum):
@@ -72,6 +98,8 @@ class Simulation:
     log: str = ""  # that attempt's log file
     output: str = ""  # the end of that log: the simulation's own error, usually
     refused: tuple[str, str] | None = None  # kind and message of the running attempt's first refused frame
+    steps: int = 0  # steps it sent, once done: what its loss statistic waits for
+    statistic: float | None = None  # its loss statistic, once told to the sampler
     progress: list[Progress] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -104,13 +132,27 @@ class Study:
         simulations: int,
         server_size: int,
         launcher: Launcher,
-        environment: Callable[[int, int], dict[str, str]],
+        sampler: Sampler,
+        environment: Callable[[int, int, np.ndarray], dict[str, str]],
         expect: Callable[[int, int | None], None],
         max_retries: int,
         timeout: float,
-        first_wave: int = 1 << 32,
+        job_limit: int,
+        names: Sequence[str] = (),
+        statistic: str = "mean",
+        plotted: Sequence[int] = (0, 1),
     ) -> None:
         self.simulations = [Simulation(s, server_size) for s in range(simulations)]
+        self.sampler = sampler
+        self.parameters = np.full((simulations, sampler.low.size), np.nan)
+        self.names = list(names)
+        self.losses = SimulationLosses(statistic)
+        self._job_limit = job_limit
+        self._unsent: list[int] = []  # parameters drawn, for the ranks in the next news
+        self._sent: list[int] = []  # parameters the ranks got in the last news: launched at the next tick
+        self._untold: set[int] = set()  # done, statistic not yet told to a sampler that learns
+        self._plotted = [i for i in plotted if i < sampler.low.size]
+        self._pictured = 0  # generations taken by take_generations
         self._running: dict[int, Simulation] = {}
         self._counts = dict.fromkeys(State, 0) | {State.QUEUED: simulations}
         self._launcher = launcher
@@ -118,32 +160,44 @@ class Study:
         self._expect = expect
         self._max_retries = max_retries
         self._timeout = timeout
-        self._give_up_after = min(max(first_wave, GIVE_UP_AFTER), simulations)
+        self._give_up_after = min(max(job_limit, GIVE_UP_AFTER), simulations)
         self.gave_up = ""  # why the study stopped before every simulation ran, if it did
         self._attempts_started: dict[int, int] = {}
         self._ended: list[int] = []
 
     def start(self) -> None:
-        """Launch every simulation that is not done or failed (after ``load_state_dict``: the unfinished ones)."""
-        for sim in self.simulations:
-            if sim.state not in (State.DONE, State.FAILED):
-                self._launch(sim)
+        """After ``load_state_dict``: the unfinished simulations whose parameters were drawn run again, once the
+        ranks have their parameters (the next news)."""
+        self._unsent = [s.id for s in self.simulations[: self.sampler.drawn] if s.state not in (State.DONE, State.FAILED)]
 
-    def load_state_dict(self, state: Sequence[dict[str, Any]]) -> None:
-        """Before ``start``, after a restart: each simulation's attempts and failures, and which ones ended."""
-        for sim, saved in zip(self.simulations, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Before ``start``, after a restart: each simulation's attempts and failures, and which ones ended; the
+        sampler, the parameters drawn and what was learnt."""
+        self.sampler.load_state_dict(state["sampler"])
+        self._pictured = len(self.sampler.generations())  # on TensorBoard before the restart
+        self.parameters[:] = state["parameters"]
+        self.losses.load_state_dict(state["losses"])
+        for sim, saved in zip(self.simulations, state["simulations"]):
             sim.attempts, sim.failures = saved.get("attempts", 0), saved.get("failures", 0)
             sim.reason, sim.log, sim.output = saved.get("reason", ""), saved.get("log", ""), saved.get("output", "")
             if saved.get("state") in (State.DONE, State.FAILED):
                 self._set_state(sim, State(saved["state"]))
+            sim.steps, sim.statistic = saved.get("steps", 0), self.losses.final.get(sim.id)
+            if sim.state is State.DONE and self.sampler.learns and sim.id not in self.losses.final:
+                self._untold.add(sim.id)
 
-    def state_dict(self) -> list[dict[str, Any]]:
-        """What a restart needs: done and failed simulations stay so, the others run again.
+    def state_dict(self) -> dict[str, Any]:
+        """What a restart needs: done and failed simulations stay so, the others run again; the sampler and what
+        it was told.
 
         A queued attempt never ran, so it is not counted: the restart submits it again under its number.
         """
-        return [{"state": s.state.value, "attempts": s.attempts - (s.state is State.QUEUED), "failures": s.failures,
-                 "reason": s.reason, "log": s.log, "output": s.output} for s in self.simulations]
+        return {"simulations": [{"state": s.state.value, "attempts": s.attempts - (s.state is State.QUEUED and
+                                                                                   s.attempts > 0),
+                                 "failures": s.failures, "reason": s.reason, "log": s.log, "output": s.output,
+                                 "steps": s.steps} for s in self.simulations],
+                "sampler": self.sampler.state_dict(), "parameters": self.parameters.copy(),
+                "losses": self.losses.state_dict()}
 
     def _set_state(self, sim: Simulation, state: State) -> None:
         self._counts[sim.state] -= 1
@@ -163,19 +217,80 @@ class Study:
         sim.refused = None
         self._expect(sim.id, sim.attempts)
         self._attempts_started[sim.id] = sim.attempts
-        self._launcher.submit(sim.id, sim.attempts, self._environment(sim.id, sim.attempts))
+        self._launcher.submit(sim.id, sim.attempts, self._environment(sim.id, sim.attempts, self.parameters[sim.id]))
         sim.attempts += 1
 
     def _end(self, sim: Simulation, state: State) -> None:
         self._set_state(sim, state)
         self._expect(sim.id, None)
         self._ended.append(sim.id)
+        if state is State.DONE:
+            sim.steps = sim.received
+            if self.sampler.learns:
+                self._untold.add(sim.id)
+        else:
+            self.losses.forget(sim.id)  # nothing of a failed simulation is a parent
+            self.sampler.tell(sim.id, None)
 
-    def take_news(self) -> tuple[dict[int, int], list[int]]:
-        """Attempts started and simulations ended since the last call, for every rank's receiver."""
-        news = self._attempts_started, self._ended
-        self._attempts_started, self._ended = {}, []
+    def take_news(self) -> tuple[dict[int, int], list[int], dict[int, np.ndarray]]:
+        """Attempts started, simulations ended and parameters drawn since the last call, for every rank's
+        receiver."""
+        news = self._attempts_started, self._ended, {s: self.parameters[s] for s in self._unsent}
+        self._sent += self._unsent
+        self._attempts_started, self._ended, self._unsent = {}, [], []
         return news
+
+    def learn(self, records: Sequence[Records]) -> None:
+        """The ranks' losses per sample since the last round."""
+        for part in records:
+            self.losses.add(part)
+
+    def _tell_finished(self, all_now: bool = False) -> None:
+        """Tell the sampler the statistic of every done simulation whose steps all have their loss (``all_now``:
+        of every done one, with what it has)."""
+        for sid in sorted(self._untold):
+            sim = self.simulations[sid]
+            if all_now or self.losses.seen(sid) >= sim.steps:
+                sim.statistic = self.losses.reduce(sid)
+                self.sampler.tell(sid, sim.statistic)
+                self._untold.discard(sid)
+
+    def _draw(self) -> None:
+        """Keep one wave of simulations drawn ahead of the running ones."""
+        if self.gave_up:
+            return
+        ahead = len(self._launcher.queued()) + len(self._unsent) + len(self._sent)
+        want = 2 * self._job_limit - len(self._launcher.running()) - ahead
+        if want <= 0:
+            return
+        rows = self.sampler.ask(want)
+        if not len(rows) and not ahead and not self._launcher.running() and self._untold:
+            self._tell_finished(all_now=True)  # nothing runs that could complete what it waits for
+            rows = self.sampler.ask(want)
+        first = self.sampler.drawn - len(rows)
+        self.parameters[first : self.sampler.drawn] = rows
+        self._unsent += range(first, self.sampler.drawn)
+
+    def take_generations(self) -> list[Generation]:
+        """The generations drawn since the last call, for TensorBoard."""
+        generations = self.sampler.generations()
+        new = [g for g in sorted(generations) if g >= self._pictured]
+        self._pictured += len(new)
+        known = np.array([s for s, value in self.losses.final.items() if value is not None], dtype=np.int64)
+        columns = self._plotted
+        return [Generation(g, generations[g][1], [self.names[i] if self.names else str(i) for i in columns],
+                           self.parameters[list(generations[g][0])][:, columns],
+                           np.array([self.sampler.describe(s).get("parent") is not None for s in generations[g][0]]),
+                           self.parameters[known][:, columns],
+                           np.array([self.losses.final[s] for s in known], dtype=np.float64))
+                for g in new]
+
+    def describe(self, simulation: int) -> dict[str, Any]:
+        """What the report says of how a simulation's parameters were chosen, and what training made of it."""
+        row = self.parameters[simulation]
+        named = None if np.isnan(row).any() else dict(zip(self.names or map(str, range(row.size)), row.tolist()))
+        return {"parameters": named, **self.sampler.describe(simulation),
+                "statistic": self.simulations[simulation].statistic}
 
     def fail(self, simulation_id: int, reason: str) -> None:
         """Fail a running simulation now: a relaunch would meet the same ``reason``."""
@@ -188,14 +303,11 @@ class Study:
     def tick(self, reports: Sequence[ReceiverReport], now: float | None = None) -> None:
         """Merge the ranks' reports, reap jobs and decide each running simulation's fate."""
         now = time.monotonic() if now is None else now
-        backpressure = any(r.blocked for r in reports)
-        for rank, report in enumerate(reports):
-            for sid, progress in report.progress.items():
-                self.simulations[sid].progress[rank] = progress
-            for sid in report.active:
-                self.simulations[sid].last_activity = now
-            for sid, refused in report.refused.items():
-                self.simulations[sid].refused = self.simulations[sid].refused or refused  # the first says most
+        for sid in self._sent:  # every rank knows their parameters since the last round
+            if self.simulations[sid].state is State.QUEUED:  # not given up on meanwhile
+                self._launch(self.simulations[sid])
+        self._sent = []
+        backpressure = self._merge(reports, now)
         ended = self._launcher.poll()
         for sid, code in ended:
             self.simulations[sid].exit_code = code
@@ -231,7 +343,20 @@ class Study:
             elif now - sim.last_activity > self._timeout:  # type: ignore[operator]
                 self._launcher.kill(sim.id)
                 self._failed(sim, f"no data for {self._timeout:g} s")
+        self._tell_finished()
+        self._draw()
         self._give_up_if_hopeless()
+
+    def _merge(self, reports: Sequence[ReceiverReport], now: float) -> bool:
+        """What each rank received of each simulation; whether a rank's buffer made it wait."""
+        for rank, report in enumerate(reports):
+            for sid, progress in report.progress.items():
+                self.simulations[sid].progress[rank] = progress
+            for sid in report.active:
+                self.simulations[sid].last_activity = now
+            for sid, refused in report.refused.items():
+                self.simulations[sid].refused = self.simulations[sid].refused or refused  # the first says most
+        return any(r.blocked for r in reports)
 
     def _failed(self, sim: Simulation, cause: str, retry: bool = True) -> None:
         """An attempt failed for ``cause``: relaunch it, unless retries are spent, the study gave up, or a relaunch
@@ -281,7 +406,7 @@ class Study:
 
 
 def simulation_environment(options: LauncherConfig, endpoint: str, token: bytes, security: Security, simulation: int,
-                           attempt: int, parameters: np.ndarray) -> dict[str, str]:
+                           attempt: int, parameters: np.ndarray, names: Sequence[str] = ()) -> dict[str, str]:
     """What an attempt of ``simulation`` finds in its environment: where the server is, who it is, its parameters."""
     return {
         **options.env,
@@ -290,6 +415,7 @@ def simulation_environment(options: LauncherConfig, endpoint: str, token: bytes,
         client.ENV_SIMULATION_ID: str(simulation),
         client.ENV_ATTEMPT: str(attempt),
         client.ENV_PARAMETERS: json.dumps(parameters.tolist()),
+        client.ENV_PARAMETER_NAMES: json.dumps(list(names)),
         client.ENV_CLIENT_TIMEOUT: str(options.client_timeout),
         client.ENV_SEND_QUEUE_BYTES: str(options.send_queue_bytes),
         **security.client_environment(),

@@ -2,9 +2,15 @@
 
 The trainer knows nothing of where batches come from or when checkpoints are
 taken (``loop.py`` decides both); it offers its state as two checkpoint parts:
-itself (this rank's embedding shards, RNG states and counters) and ``dense``
-(the module without its sharded tables, and the optimizer: identical on
-every rank, so rank 0 alone writes it).
+itself (this rank's embedding shards, RNG states, counters and the losses
+per sample not yet sent to rank 0) and ``dense`` (the module without its
+sharded tables, and the optimizer: identical on every rank, so rank 0 alone
+writes it).
+
+When the study's sampler learns (``study.sampler`` ``adaptive``), every step
+records each sample's loss with its ``(simulation, step)``
+(:mod:`melissa_dl.learning`): ``training_step`` returns one loss per sample
+(their mean is trained on), or the module defines ``sample_losses``.
 """
 from __future__ import annotations
 
@@ -23,20 +29,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from mpi4py import MPI
-from torch.utils._pytree import tree_leaves
 
 from melissa_dl.collectives import GradientAverager, make_collectives
 from melissa_dl.config import TrainingConfig
-from melissa_dl.dataset import collate
+from melissa_dl.dataset import Batch, collate
 from melissa_dl.embedding import ShardedEmbedding, set_default_collectives, shard_range
 from melissa_dl.errors import ConfigError
 from melissa_dl.files import write_atomic
+from melissa_dl.learning import LossLog
 from melissa_dl.module import TrainingModule, load_module_class
 from melissa_dl.mpi import Comm
 from melissa_dl.snapshots import BackgroundCopy, copy_to_cpu
 
 if TYPE_CHECKING:
     from melissa_dl.recovery import OldRanks
+    from melissa_dl.study import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +103,7 @@ class Trainer:
     """
 
     def __init__(self, options: TrainingConfig, base_dir: Path, output: Path, comm: Comm,
-                 scalars: Callable[[], dict[str, float]] = dict) -> None:
+                 scalars: Callable[[], dict[str, float]] = dict, learning: bool = False) -> None:
         self.options = options
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -124,6 +131,8 @@ class Trainer:
         self.rows_updated = 0  # embedding rows this rank updated since the last TensorBoard point
         self.last_loss: float | None = None  # this rank's training loss at the last TensorBoard point
         self._last_log = (time.monotonic(), 0)  # time, batches
+        self.losses = LossLog() if learning else None  # per sample, for a sampler that learns
+        self._generations: list[Generation] = []  # to picture once the writer is open
 
     def begin(self) -> None:
         """Take this rank's share of the held-out samples (here, once the study runs: a module may solve them,
@@ -138,6 +147,7 @@ class Trainer:
         # purge_step: a resumed run replaces what a dead one logged after its checkpoint (taken after batch b's points)
         self.writer = SummaryWriter(str(self.output / "tensorboard" / f"rank{self.rank}"),
                                     purge_step=self.summary.batches + 1)
+        self.log_generations([])  # those drawn before it opened
         if self.summary.batches == 0:  # a resumed run validates where an uninterrupted one would
             self.validate()
 
@@ -145,10 +155,17 @@ class Trainer:
         self.writer.close()
         self.collectives.close()
 
-    def step(self, batch: Any) -> None:
+    def step(self, batch: Batch) -> None:
         self.module.train()
         self.averager.zero_grad()
-        loss = self.module.training_step(to_device(batch, self.device))
+        data = to_device(batch.data, self.device)
+        loss = self.module.training_step(data)
+        if loss.ndim:  # one loss per sample
+            if self.losses is not None:
+                self.losses.record(batch.ids, loss.detach().cpu().numpy())
+            loss = loss.mean()
+        elif self.losses is not None:
+            self.losses.record(batch.ids, self._sample_losses(data))
         with self.averager.overlapping():
             loss.backward()
         self.averager.average()
@@ -159,11 +176,21 @@ class Trainer:
         for table in self.tables.values():
             self.rows_updated += table.apply_gradients()
         self.summary.batches += 1
-        self.summary.samples += len(tree_leaves(batch)[0])
+        self.summary.samples += len(batch)
         if self.summary.batches % self.options.log_interval == 0:
             self.log_scalars(loss.detach().item())
         if self.summary.batches % self.options.nb_batches_update == 0:
             self.validate()
+
+    def _sample_losses(self, data: Any) -> np.ndarray:
+        """The module's ``sample_losses``, for one whose ``training_step`` returns the batch's mean."""
+        hook = getattr(self.module, "sample_losses", None)
+        if hook is None:
+            raise ConfigError(f"study.sampler: the sampler learns from each sample's loss, but "
+                              f"{self.options.class_name}.training_step returns one loss per batch; return one per "
+                              "sample (the server trains on their mean) or define sample_losses(batch)")
+        with torch.no_grad():
+            return hook(data).detach().cpu().numpy()
 
     def log_scalars(self, loss: float) -> None:
         now = time.monotonic()
@@ -180,6 +207,19 @@ class Trainer:
         self.rows_updated = 0
         self.last_loss = loss
         self._last_log = (now, step)
+
+    def log_generations(self, generations: list[Generation]) -> None:
+        """Rank 0: each generation's bred fraction and picture (``plots.generation``), on TensorBoard."""
+        self._generations += generations
+        if self.writer is None:
+            return
+        from melissa_dl.plots import generation
+
+        for g in self._generations:
+            self.writer.add_scalar("sampling/bred_fraction", g.bred_fraction, g.number)
+            self.writer.add_figure("sampling/generations", generation(g.number, g.bred_fraction, g.names, g.drawn,
+                                                                     g.bred, g.known, g.statistics), g.number)
+        self._generations = []
 
     def status(self) -> dict[str, Any]:
         """Where training stands, for the study's status: batches, the last losses logged."""
@@ -201,7 +241,7 @@ class Trainer:
         for i in range(0, len(self.validation_set), chunk):
             samples = self.validation_set[i : i + chunk]
             batch = to_device(collate([self.module.process(s) for s in samples]), self.device)
-            totals += (float(self.module.validation_step(batch)) * len(samples), len(samples))
+            totals += (float(self.module.validation_step(batch).mean()) * len(samples), len(samples))
         self.comm.Allreduce(MPI.IN_PLACE, totals)
         if totals[1] == 0:
             return
@@ -246,7 +286,8 @@ class Trainer:
         tables = {name: {"shard": module[f"{name}.shard"], "extra": module[f"{name}._extra_state"]}
                   for name in self.tables}
         return {"tables": self.copy_later("tables", tables), "rng": rng_states(),
-                "summary": copy.deepcopy(self.summary)}
+                "summary": copy.deepcopy(self.summary),
+                "losses": self.losses.state_dict() if self.losses is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from this rank's part of a checkpoint of as many ranks."""
@@ -254,10 +295,13 @@ class Trainer:
             table.load_rows([state["tables"][name]])
         set_rng_states(state["rng"])
         self.summary = state["summary"]
+        if self.losses is not None and state.get("losses") is not None:
+            self.losses.load_state_dict(state["losses"])
 
     def load_resharded(self, old: OldRanks) -> None:
         """Continue from a checkpoint of another number of ranks: each table's rows from the old shards that
-        overlap this rank's range, the samples trained regrouped so that their sum stays right."""
+        overlap this rank's range, the samples trained and the unsent losses regrouped so that their sums stay
+        right."""
         own = self.rank if self.rank < old.size else 0
         sources = {own} | {
             rank for table in self.tables.values() for rank in range(old.size)
@@ -269,6 +313,11 @@ class Trainer:
         set_rng_states(states[own]["rng"])
         self.summary = states[own]["summary"]
         self.summary.samples = sum(n for rank, n in enumerate(old.meta["samples"]) if rank % self.size == self.rank)
+        if self.losses is not None:  # the old ranks' unsent losses, regrouped as the samples are
+            for rank in range(self.rank, old.size, self.size):
+                records = (states[rank] if rank in states else old.read(rank)).get("losses")
+                if records is not None and records["records"] is not None:
+                    self.losses.record(*records["records"])
 
 
 class Dense:

@@ -70,7 +70,8 @@ class Trial:
 
 def try_simulation(config: Config, parameters: list[float] | None = None, timeout: float | None = None) -> Trial:
     """Run simulation 0 of ``config`` (with ``parameters`` if given) against a local one-rank server."""
-    table = config.study.parameter_table()[:1] if parameters is None else np.array([parameters], dtype=np.float64)
+    table = (config.study.make_sampler(config.base_dir, 1).ask(1) if parameters is None  # the study's first
+             else np.array([parameters], dtype=np.float64))
     token = secrets.token_bytes(32)
     security = Security.generate(config.server.security, token, config.launcher.client_timeout)
     buffer = make_buffer("fifo", capacity_samples=1024, capacity_bytes=None, watermark=1, seed=0)
@@ -84,7 +85,8 @@ def try_simulation(config: Config, parameters: list[float] | None = None, timeou
     try:
         server = f"tcp://{HOST}:{handshake.start_and_bind()}"
         handshake.expect(0, 0)
-        launcher.submit(0, 0, simulation_environment(config.launcher, server, token, security, 0, 0, table[0]))
+        launcher.submit(0, 0, simulation_environment(config.launcher, server, token, security, 0, 0, table[0],
+                                                                 config.study.parameter_names))
         _follow(trial, launcher, receiver, handshake, timeout or config.launcher.simulation_timeout)
         trial.log = launcher.log_path(0, 0)
         _judge(trial, config, receiver, launcher.output_tail(0, 0))

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if max_batches is None and args.seconds is None and args.total_seconds is None:
         max_batches = DEFAULT_BATCHES
 
-    parameters = config.study.parameter_table()
+    parameters = config.study.parameter_table(config.base_dir)
     if args.generation_cpus:
         os.sched_setaffinity(0, args.generation_cpus)
     t0 = time.monotonic()

@@ -56,3 +56,12 @@ class Tiny(TrainingModule):
             Sample(s, t, np.array([0.5, 0.5]), {"field": np.full((4, 8), s * 1000 + t, np.float32)})
             for s in range(2) for t in range(5)
         ]
+
+
+class Hardness(Tiny):
+    """Tiny, with each sample's loss, as an adaptive sampler sees it, its simulation's first parameter squared:
+    the same whatever the model and whenever it is trained, so that what the sampler draws can be compared
+    between a study run in one go and one killed and resumed."""
+
+    def sample_losses(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return batch[0][:, 0] ** 2

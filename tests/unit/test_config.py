@@ -160,7 +160,8 @@ def test_missing_required_key(path: tuple, expected: str) -> None:
     "path, value, expected",
     [
         (("buffer", "kind"), "lifo", 'buffer.kind: expected one of "fifo", "firo", "reservoir", got "lifo"'),
-        (("study", "sampler"), "halton", 'study.sampler: expected one of "uniform", "sobol", "list", got "halton"'),
+        (("study", "sampler"), "random", 'study.sampler: expected one of "uniform", "sobol", "halton", "lhs", "list", '
+                                         '"adaptive", "custom", got "random"'),
         (("launcher", "scheduler"), "pbs", 'launcher.scheduler: expected one of "local", "mpirun", "slurm", got "pbs"'),
     ],
 )

@@ -45,10 +45,12 @@ def test_kept_rows_give_the_batches_that_processing_each_serving_gives(kind: str
         kept.put(sample(i))
         plain.put(sample(i))
     for _ in range(2):  # 6 of the 8 samples: a FIFO serves each once
-        expected = collate([process(s) for s in plain.get_batch(3)])
+        served = plain.get_batch(3)
+        expected = collate([process(s) for s in served])
         batch = dataset.next_batch()
-        assert batch["x"].dtype == torch.float32 and batch["y"][0].dtype == torch.float32
-        for got, want in zip(torch.utils._pytree.tree_leaves(batch), torch.utils._pytree.tree_leaves(expected)):
+        assert batch.ids.tolist() == [[s.simulation_id, s.time_step] for s in served]
+        assert batch.data["x"].dtype == torch.float32 and batch.data["y"][0].dtype == torch.float32
+        for got, want in zip(torch.utils._pytree.tree_leaves(batch.data), torch.utils._pytree.tree_leaves(expected)):
             torch.testing.assert_close(got, want)
     assert set(process.calls) == set(range(8))
 
@@ -72,7 +74,9 @@ def test_rows_are_reused_after_samples_leave_and_the_end_is_signalled() -> None:
     for round_ in range(5):  # 10 samples through 2 rows
         fifo.put(sample(2 * round_))
         fifo.put(sample(2 * round_ + 1))
-        assert dataset.next_batch()["y"][1].tolist() == [2 * round_, 2 * round_ + 1]
+        batch = dataset.next_batch()
+        assert batch.data["y"][1].tolist() == [2 * round_, 2 * round_ + 1]
+        assert batch.ids.tolist() == [[0, 2 * round_], [0, 2 * round_ + 1]]
     assert fifo._rows is not None and fifo._rows._used == 2  # noqa: SLF001: the storage never grew
     assert dataset.next_batch(timeout=0.01) is None
     fifo.close()
@@ -89,7 +93,7 @@ def test_samples_held_or_restored_before_are_processed_when_rows_are_kept() -> N
     restored.put(sample(9))
     restored.load_state_dict(old.state_dict())
     restored.close()
-    assert sorted(dataset.next_batch()["y"][1].tolist()) == [0, 1, 2]
+    assert sorted(dataset.next_batch().data["y"][1].tolist()) == [0, 1, 2]
     assert process.calls == Counter({9: 1, 0: 1, 1: 1, 2: 1})
 
 
@@ -112,7 +116,7 @@ def test_batches_keep_the_structure_of_one_output_whatever_their_size(process: C
     fifo.close()
     for want in ([0, 1, 2], [3, 4]):  # the last batch is short: the index is rebuilt for it
         expected = collate([process(sample(i)) for i in want])
-        batch = dataset.next_batch()
+        batch = dataset.next_batch().data
         assert type(batch) is type(expected)
         for got, exp in zip(torch.utils._pytree.tree_leaves(batch), torch.utils._pytree.tree_leaves(expected)):
             torch.testing.assert_close(got, exp)

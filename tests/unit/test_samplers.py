@@ -1,58 +1,183 @@
-"""Parameter tables: shape, bounds, determinism across ranks, spread, explicit lists."""
+"""Samplers: bounds, determinism, space filling, restore mid-study, and the adaptive sampler's breeding."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy.stats import qmc
 
-from launcher.samplers import draw_parameters
+from launcher.samplers import SPACE_FILLING, AdaptiveSampler, Breeding, Sampler, make_sampler
 
 pytestmark = pytest.mark.timeout(60)
 
 LOW = [-1.0, 0.0, 10.0]
 HIGH = [1.0, 0.5, 20.0]
+KINDS = sorted(SPACE_FILLING)
 
 
-@pytest.mark.parametrize("sampler", ["uniform", "sobol"])
-def test_random_samplers_have_shape_dtype_and_bounds(sampler: str) -> None:
-    table = draw_parameters(sampler, 50, LOW, HIGH, seed=3)
-    assert table.shape == (50, 3)
-    assert table.dtype == np.float64
+def draw(kind: str, count: int, low: list[float] = LOW, high: list[float] = HIGH, seed: int = 0) -> np.ndarray:
+    return make_sampler(kind, low, high, seed, count).ask(count)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_space_filling_samplers_have_shape_dtype_and_bounds(kind: str) -> None:
+    table = draw(kind, 50, seed=3)
+    assert table.shape == (50, 3) and table.dtype == np.float64
     assert np.all(table >= LOW) and np.all(table <= HIGH)
     assert len(np.unique(table[:, 0])) == 50
 
 
-@pytest.mark.parametrize("sampler", ["uniform", "sobol"])
-def test_same_seed_same_table_other_seed_other_table(sampler: str) -> None:
-    first = draw_parameters(sampler, 16, LOW, HIGH, seed=7)
-    np.testing.assert_array_equal(first, draw_parameters(sampler, 16, LOW, HIGH, seed=7))
-    assert not np.array_equal(first, draw_parameters(sampler, 16, LOW, HIGH, seed=8))
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_seed_same_table_other_seed_other_table(kind: str) -> None:
+    first = draw(kind, 16, seed=7)
+    np.testing.assert_array_equal(first, draw(kind, 16, seed=7))
+    assert not np.array_equal(first, draw(kind, 16, seed=8))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_asking_in_chunks_or_resuming_from_a_state_draws_the_same(kind: str) -> None:
+    whole = draw(kind, 20, seed=4)
+    sampler = make_sampler(kind, LOW, HIGH, 4, 20)
+    head = sampler.ask(3)
+    resumed = make_sampler(kind, LOW, HIGH, 4, 20)
+    resumed.load_state_dict(sampler.state_dict())
+    np.testing.assert_array_equal(np.vstack([head, sampler.ask(5), sampler.ask(12)]), whole)
+    np.testing.assert_array_equal(resumed.ask(17), whole[3:])
+    assert sampler.ask(1).shape == (0, 3)  # the study's end
 
 
 def test_uniform_is_numpy_default_rng() -> None:
-    expected = np.random.default_rng(5).uniform(LOW, HIGH, size=(4, 3))
-    np.testing.assert_array_equal(draw_parameters("uniform", 4, LOW, HIGH, seed=5), expected)
+    np.testing.assert_array_equal(draw("uniform", 4, seed=5), np.random.default_rng(5).uniform(LOW, HIGH, size=(4, 3)))
 
 
-def test_equal_bounds_fix_a_parameter() -> None:
-    table = draw_parameters("sobol", 8, [2.0, 0.0], [2.0, 1.0], seed=0)
-    assert np.all(table[:, 0] == 2.0)
+@pytest.mark.parametrize("kind", KINDS)
+def test_equal_bounds_fix_a_parameter(kind: str) -> None:
+    assert np.all(draw(kind, 8, [2.0, 0.0], [2.0, 1.0])[:, 0] == 2.0)
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_sobol_puts_one_point_per_interval(seed: int) -> None:
-    points = np.sort(draw_parameters("sobol", 8, [0.0], [1.0], seed)[:, 0])
+def test_sobol_puts_one_point_per_interval_and_per_grid_cell(seed: int) -> None:
+    points = np.sort(draw("sobol", 8, [0.0], [1.0], seed)[:, 0])
     np.testing.assert_array_equal(np.floor(points * 8), np.arange(8))
+    cells = {(int(x * 4), int(y + 2.0)) for x, y in draw("sobol", 16, [0.0, -2.0], [1.0, 2.0], seed)}
+    assert len(cells) == 16
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_sobol_puts_one_point_per_grid_cell_in_2d(seed: int) -> None:
-    points = draw_parameters("sobol", 16, [0.0, -2.0], [1.0, 2.0], seed)
-    cells = {(int(x * 4), int(y + 2.0)) for x, y in points}
-    assert len(cells) == 16
+def test_lhs_puts_one_simulation_in_each_slice_of_every_parameter(seed: int) -> None:
+    unit = (draw("lhs", 24, seed=seed) - LOW) / (np.array(HIGH) - LOW)
+    for column in unit.T:
+        np.testing.assert_array_equal(np.sort(np.floor(column * 24)), np.arange(24))
+
+
+@pytest.mark.parametrize("kind", ["sobol", "halton", "lhs"])
+def test_low_discrepancy_kinds_fill_the_box_more_evenly_than_random_points(kind: str) -> None:
+    def discrepancy(table: np.ndarray) -> float:
+        return float(qmc.discrepancy((table - LOW) / (np.array(HIGH) - LOW)))
+
+    random = np.median([discrepancy(draw("uniform", 64, seed=s)) for s in range(5)])
+    assert np.median([discrepancy(draw(kind, 64, seed=s)) for s in range(5)]) < random / 2
 
 
 def test_list_passes_values_through() -> None:
     values = [[1.0, 2.0], [3.0, 4.0], [5, 6]]
-    table = draw_parameters("list", 3, [0.0, 0.0], [9.0, 9.0], seed=0, values=values)
+    table = make_sampler("list", [0.0, 0.0], [9.0, 9.0], 0, 3, values=values).ask(3)
     assert table.dtype == np.float64
     np.testing.assert_array_equal(table, np.array(values, dtype=np.float64))
+
+
+class Corners(Sampler):
+    """A user's sampler: the low corner, then the high one, and so on."""
+
+    def __init__(self, low: list[float], high: list[float], seed: int, simulations: int, flip: bool = False) -> None:
+        super().__init__(low, high, seed, simulations)
+        self.flip = flip
+
+    def _draw(self, count: int) -> np.ndarray:
+        return np.array([self.high if (i % 2 == 1) != self.flip else self.low for i in range(self.drawn, self.drawn + count)])
+
+
+def test_a_custom_sampler_is_built_with_its_options() -> None:
+    table = make_sampler("custom", [0.0], [1.0], 0, 4, custom=Corners, options={"flip": True}).ask(4)
+    np.testing.assert_array_equal(table[:, 0], [1.0, 0.0, 1.0, 0.0])
+
+
+# -- adaptive -------------------------------------------------------------------
+
+def breeding(**changes: object) -> Breeding:
+    settings = dict(population=4, breed_after=8, lag=2, window=6, sigma=[0.05, 0.05], start=0.5, end=1.0,
+                    breakpoint=3, base="halton")
+    return Breeding(**{**settings, **changes})  # type: ignore[arg-type]
+
+
+def test_generations_follow_the_ids_and_wait_for_their_candidates() -> None:
+    sampler = AdaptiveSampler([0.0, 0.0], [1.0, 1.0], 1, 30, breeding())
+    assert [sampler.generation(s) for s in (0, 7, 8, 11, 12, 16)] == [0, 0, 1, 1, 2, 3]
+    assert list(sampler.candidates(1)) == [0, 1, 2, 3, 4, 5] and list(sampler.candidates(3)) == [8, 9, 10, 11, 12, 13]
+    assert sampler.ask(20).shape == (8, 2)  # generation 0, from the base; generation 1 waits
+    for s in range(5):
+        sampler.tell(s, 1.0)
+    assert sampler.ask(20).shape == (0, 2)  # simulation 5 not told yet
+    sampler.tell(5, None)  # failed: told, never a parent
+    assert sampler.ask(6).shape == (4, 2)  # generation 1; generation 2 waits for its candidates 6 and 7
+    assert sampler.drawn == 12
+    assert [sampler.bred_fraction(g) for g in (0, 1, 2, 3, 9)] == [0.0, 0.5, 0.75, 1.0, 1.0]
+    assert sampler.generations() == {0: (range(0, 8), 0.0), 1: (range(8, 12), 0.5)}
+
+
+def test_parents_are_chosen_in_proportion_to_their_statistic_and_children_stay_near_them() -> None:
+    b = breeding(population=4000, breed_after=4, lag=0, window=4, sigma=[0.01, 0.01], start=1.0, end=1.0)
+    sampler = AdaptiveSampler([0.0, 0.0], [1.0, 1.0], 2, 4004, b)
+    parents = sampler.ask(4)
+    for s, statistic in enumerate([0.0, 1.0, 3.0, None]):  # a known loss map: 0 never, 1 a quarter, 2 the rest
+        sampler.tell(s, statistic)
+    children = sampler.ask(4000)
+    chosen = np.array([sampler.describe(s)["parent"] for s in range(4, 4004)])
+    counts = np.bincount(chosen, minlength=4)
+    assert counts[0] == 0 and counts[3] == 0
+    assert abs(counts[2] / counts[1] - 3.0) < 0.35
+    offsets = children - parents[chosen]
+    assert np.all(np.abs(offsets) < 0.06)  # 6 sigma
+    inner = np.all((parents[chosen] > 0.05) & (parents[chosen] < 0.95), axis=1)  # no clipping near the walls
+    np.testing.assert_allclose(offsets[inner].std(axis=0), [0.01, 0.01], rtol=0.1)
+    assert {sampler.describe(s)["generation"] for s in range(4, 4004)} == {1}
+
+
+def test_a_child_out_of_bounds_is_drawn_again_closer_then_clipped_never_outside() -> None:
+    b = breeding(population=500, breed_after=1, lag=0, window=1, sigma=[0.5, 0.5], start=1.0, end=1.0)
+    sampler = AdaptiveSampler([0.0, 0.0], [1.0, 1.0], 3, 501, b)
+    sampler._base = make_sampler("list", [0.0, 0.0], [1.0, 1.0], 0, 1, values=[[0.0, 1.0]])  # a corner parent
+    sampler.ask(1)
+    sampler.tell(0, 1.0)
+    children = sampler.ask(500)
+    assert np.all((children >= 0.0) & (children <= 1.0))
+    assert len(np.unique(children[:, 0])) > 400  # shrunk mutations, mostly not clipped to the corner
+
+
+def test_with_every_candidate_failed_a_generation_comes_from_the_base() -> None:
+    sampler = AdaptiveSampler([0.0], [1.0], 4, 12, breeding())
+    sampler.ask(8)
+    for s in range(6):
+        sampler.tell(s, None)
+    sampler.ask(4)
+    assert all(sampler.describe(s)["parent"] is None for s in range(8, 12))
+    assert sampler.generations()[1] == (range(8, 12), 0.0)
+
+
+def test_an_adaptive_sampler_resumed_from_its_state_draws_what_the_uninterrupted_one_draws() -> None:
+    def run(stop_at: int | None) -> np.ndarray:
+        sampler = AdaptiveSampler([0.0, -1.0], [1.0, 1.0], 5, 40, breeding())
+        rows: list[np.ndarray] = []
+        while sampler.drawn < 40:
+            if stop_at is not None and sampler.drawn >= stop_at:
+                state, stop_at = sampler.state_dict(), None
+                sampler = AdaptiveSampler([0.0, -1.0], [1.0, 1.0], 5, 40, breeding())
+                sampler.load_state_dict(state)
+            first = sampler.drawn
+            rows.append(sampler.ask(3))
+            for s in range(max(0, first - 4), sampler.drawn):  # tell as simulations finish, a little behind
+                sampler.tell(s, float(np.sin(7 * s) ** 2))
+        return np.vstack(rows)
+
+    uninterrupted = run(None)
+    for stop in (5, 13, 22):
+        np.testing.assert_array_equal(run(stop), uninterrupted)

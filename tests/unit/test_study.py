@@ -4,9 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import pytest
 
-from launcher import NOT_RUNNABLE, START_FAILED
+from launcher import NOT_RUNNABLE, START_FAILED, make_sampler
 from melissa_dl.assembly import Progress
 from melissa_dl.receiver import ReceiverReport
 from melissa_dl.report import final_report
@@ -72,23 +73,35 @@ class FakeLauncher:
         return [attempt for s, attempt, _ in self.submitted if s == simulation_id]
 
 
+def restored_state(simulations: list[dict], total: int) -> dict:
+    """A checkpoint's study part in which every simulation was drawn, from each one's saved fields."""
+    return {"simulations": simulations, "sampler": {"drawn": total, "rng": np.random.default_rng(0).bit_generator.state},
+            "parameters": np.zeros((total, 1)), "losses": {"steps": {}, "final": {}}}
+
+
 class Harness:
-    def __init__(self, simulations: int = 2, max_retries: int = 2, restored: list[dict] | None = None,
-                 first_wave: int = 1 << 32) -> None:
+    """The study on a fake launcher, ticked as the bookkeeping rounds do: each tick's news are taken after it."""
+
+    def __init__(self, simulations: int = 2, max_retries: int = 2, restored: list[dict] | dict | None = None,
+                 job_limit: int = 1 << 20) -> None:
         self.launcher = FakeLauncher()
         self.expected: list[tuple[int, int | None]] = []
         self.study = Study(
-            simulations, RANKS, self.launcher,  # type: ignore[arg-type]
-            environment=lambda sim, attempt: {"SIM": str(sim), "ATTEMPT": str(attempt)},
+            simulations, RANKS, self.launcher, make_sampler("uniform", [0.0], [1.0], 0, simulations),  # type: ignore[arg-type]
+            environment=lambda sim, attempt, parameters: {"SIM": str(sim), "ATTEMPT": str(attempt)},
             expect=lambda sim, attempt: self.expected.append((sim, attempt)),
-            max_retries=max_retries, timeout=TIMEOUT, first_wave=first_wave,
+            max_retries=max_retries, timeout=TIMEOUT, job_limit=job_limit,
         )
         if restored is not None:
-            self.study.load_state_dict(restored)
+            self.study.load_state_dict(restored if isinstance(restored, dict)
+                                       else restored_state(restored + [{}] * (simulations - len(restored)), simulations))
         self.study.start()
+        self.tick(0.0)  # the parameters drawn, then sent to the ranks
+        self.tick(0.0)  # and the simulations launched
 
     def tick(self, now: float, *reports: ReceiverReport) -> None:
         self.study.tick(list(reports) or [ReceiverReport() for _ in range(RANKS)], now=now)
+        self.news = self.study.take_news()
 
     def state(self, sim: int) -> State:
         return self.study.simulations[sim].state
@@ -123,6 +136,23 @@ def h() -> Harness:
     return Harness()
 
 
+def test_start_submits_every_simulation_as_attempt_0_once_the_ranks_have_its_parameters() -> None:
+    launcher = FakeLauncher()
+    study = Study(2, RANKS, launcher, make_sampler("uniform", [0.0, 5.0], [1.0, 6.0], 0, 2),  # type: ignore[arg-type]
+                  environment=lambda sim, attempt, parameters: {"P": str(parameters.tolist())},
+                  expect=lambda sim, attempt: None, max_retries=1, timeout=TIMEOUT, job_limit=4)
+    study.start()
+    study.tick([ReceiverReport()] * RANKS, now=0.0)
+    attempts, ended, parameters = study.take_news()
+    drawn = make_sampler("uniform", [0.0, 5.0], [1.0, 6.0], 0, 2).ask(2)
+    assert (attempts, ended, launcher.submitted) == ({}, [], []) and sorted(parameters) == [0, 1]
+    np.testing.assert_array_equal(np.stack([parameters[0], parameters[1]]), drawn)
+    study.tick([ReceiverReport()] * RANKS, now=0.2)  # the round after: every rank has them
+    assert study.take_news()[0] == {0: 0, 1: 0}
+    assert [(sim, env["P"]) for sim, _, env in launcher.submitted] == [(0, str(drawn[0].tolist())),
+                                                                       (1, str(drawn[1].tolist()))]
+
+
 def test_start_submits_every_simulation_as_attempt_0(h: Harness) -> None:
     assert h.launcher.submitted == [(0, 0, {"SIM": "0", "ATTEMPT": "0"}), (1, 0, {"SIM": "1", "ATTEMPT": "0"})]
     assert h.expected == [(0, 0), (1, 0)]
@@ -150,7 +180,7 @@ def test_done_needs_every_rank_to_hold_every_announced_step(h: Harness) -> None:
     h.tick(3.0, *reports({0: [None, (3, 3)]}))  # rank 0's last report still holds
     assert h.state(0) is State.DONE and h.study.simulations[0].received == 6
     assert h.expected[-1] == (0, None)
-    assert h.study.take_news() == ({0: 0, 1: 0}, [0])
+    assert h.news == ({}, [0], {})  # the ranks free what it holds
     assert h.study.counts() == {"queued": 1, "running": 0, "done": 1, "failed": 0}
     assert h.launcher.killed == [] and h.launcher.attempts(0) == [0]
 
@@ -303,7 +333,7 @@ def test_a_restored_study_relaunches_only_what_was_not_finished() -> None:
     h.tick(1.0)
     h.tick(2.0, *reports({0: [(5, 5), (5, 5)]}))
     saved = h.study.state_dict()
-    assert [s["state"] for s in saved] == ["done", "queued", "running"]
+    assert [s["state"] for s in saved["simulations"]] == ["done", "queued", "running"]
     restored = Harness(simulations=3, max_retries=1, restored=saved)
     assert [(sim, attempt) for sim, attempt, _ in restored.launcher.submitted] == [(1, 1), (2, 1)]
     assert restored.expected == [(1, 1), (2, 1)]
@@ -322,7 +352,7 @@ def test_a_deterministic_refusal_fails_the_simulation_at_once_without_retry(h: H
     sim = h.study.simulations[0]
     assert (sim.state, sim.failures, h.launcher.killed) == (State.FAILED, 1, [0])
     assert "float64[4]" in sim.reason and h.expected[-1] == (0, None)
-    assert h.study.take_news() == ({}, [0])
+    assert h.study.take_news() == ({}, [0], {})
     h.study.fail(0, "again")  # a second refusal of the same attempt changes nothing
     h.tick(TIMEOUT * 3, *reports(active=[1]))
     assert h.launcher.attempts(0) == [0] and sim.reason.startswith("handshake:") and h.state(1) is State.RUNNING
@@ -386,7 +416,7 @@ def test_a_client_usage_error_is_not_retried(h: Harness) -> None:
 
 def test_a_study_whose_first_simulations_all_fail_stops(caplog: pytest.LogCaptureFixture) -> None:
     """Instead of running every simulation to failure and writing an untrained model (issue 13, item 2)."""
-    h = Harness(simulations=6, max_retries=0, first_wave=2)
+    h = Harness(simulations=6, max_retries=0, job_limit=2)
     h.running(0.0, 0, 1, 2, 3)
     for sim in (0, 1):
         h.launcher.exit(sim, 1)
@@ -406,7 +436,7 @@ def test_a_study_whose_first_simulations_all_fail_stops(caplog: pytest.LogCaptur
 
 
 def test_one_success_keeps_the_study_going() -> None:
-    h = Harness(simulations=6, max_retries=0, first_wave=1)
+    h = Harness(simulations=6, max_retries=0, job_limit=4)
     h.running(0.0, 0, 1, 2, 3)
     h.tick(0.5, *reports({0: [(2, 2), (2, 2)]}))
     for sim in (1, 2, 3):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from launcher.samplers import draw_parameters
+from launcher.samplers import make_sampler
 from melissa_dl.module import TrainingModule, load_module_class
 from melissa_dl.sample import Sample
 
@@ -116,7 +116,7 @@ def test_predict_is_in_kelvin_on_the_grid() -> None:
 def test_a_few_hundred_steps_cut_the_held_out_loss_tenfold() -> None:
     torch.manual_seed(0)
     module = HeatSurrogate()
-    train = simulate(draw_parameters("sobol", 16, [100.0] * 5, [500.0] * 5, seed=2026), steps=100)
+    train = simulate(make_sampler("sobol", [100.0] * 5, [500.0] * 5, 2026, 16).ask(16), steps=100)
     held_out = list(module.validation_samples())
     optimizer = module.configure_optimizer()
     rng = np.random.default_rng(0)
@@ -150,7 +150,7 @@ def test_validation_samples_are_reproducible_whole_held_out_simulations() -> Non
 
     held_out = module.validation_parameters()
     assert np.all((held_out >= 100) & (held_out <= 500))
-    study = draw_parameters("sobol", 64, [100.0] * 5, [500.0] * 5, seed=2026)
+    study = make_sampler("sobol", [100.0] * 5, [500.0] * 5, 2026, 64).ask(64)
     assert not np.any(np.all(np.isclose(held_out[:, None, :], study[None, :, :]), axis=-1))
     other = HeatSurrogate(steps=20, validation_simulations=3, validation_seed=8).validation_parameters()
     assert not np.allclose(held_out, other)

@@ -1,0 +1,93 @@
+"""Adaptive sampling in whole studies: what it draws, and the same draws after a kill -9 and a restart on another K.
+
+The module's loss per sample (``Hardness.sample_losses``) is its simulation's
+first parameter squared, whatever the model: the parameters an adaptive
+sampler draws then depend on nothing that timing could change, so a study
+killed and resumed must draw exactly what one run in one go draws.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import HERE, TOY_SIM, run_server, server_command, start, study_config, wait_for
+from melissa_dl.checkpoint import latest_valid
+from melissa_dl.serialization import loads
+
+pytestmark = pytest.mark.timeout(300)
+
+SIMULATIONS = 16
+
+
+def adaptive_config(output: Path) -> dict[str, Any]:
+    return study_config(
+        output, [sys.executable, TOY_SIM, "--steps", "6", "--step-delay", "0.1"],
+        study={"simulations": SIMULATIONS, "time_steps": 6, "sampler": "adaptive", "seed": 5,
+               "adaptive": {"population": 2, "breed_after": 4, "lag": 2, "window": 6, "sigma": 0.05,
+                            "start": 0.5, "end": 1.0, "breakpoint": 3}},
+        buffer={"kind": "reservoir", "capacity_samples": 1000},
+        launcher={"job_limit": 2},
+        training={"module": str(HERE / "tiny_module.py"), "class_name": "Hardness", "batch_size": 4,
+                  "checkpoint_interval": 2, "nb_batches_update": 1000, "log_interval": 1, "device": "cpu",
+                  "seed": 3},
+    )
+
+
+def draws(report: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [(s["parameters"], s["generation"], s["parent"]) for s in report["per_simulation"]]
+
+
+def drawn_in_checkpoint(output: Path) -> int:
+    """Simulations whose parameters the newest committed checkpoint's sampler had drawn."""
+    version = latest_valid(output / "checkpoints")
+    return 0 if version is None else loads(version.read(0, "study.pt"))["simulations"]["sampler"]["drawn"]
+
+
+def test_an_adaptive_study_breeds_where_the_loss_is_high_and_reports_it(tmp_path: Path) -> None:
+    output = tmp_path / "output"
+    run = run_server(tmp_path, adaptive_config(output), ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None and run.report["simulations"]["done"] == SIMULATIONS
+    sims = run.report["per_simulation"]
+    assert all(s["statistic"] == pytest.approx(s["parameters"]["a"] ** 2) for s in sims)
+    assert [s["generation"] for s in sims] == [0] * 4 + [g for g in range(1, 7) for _ in range(2)]
+    bred = [s for s in sims if s["parent"] is not None]
+    assert len(bred) >= 6 and all(s["generation"] >= 1 for s in bred)
+    for s in bred:  # each child is a small mutation of a parent from before its generation's lag
+        parent = sims[s["parent"]]
+        assert parent["id"] < s["id"] - 2 and abs(parent["parameters"]["a"] - s["parameters"]["a"]) < 0.3
+    base = [s["parameters"]["a"] for s in sims if s["parent"] is None]
+    assert sum(s["parameters"]["a"] for s in bred) / len(bred) > sum(base) / len(base)  # toward high a**2
+
+
+@pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1)])
+def test_an_adaptive_study_killed_and_resumed_on_another_k_draws_what_one_run_in_one_go_draws(
+    tmp_path: Path, before: int, after: int
+) -> None:
+    (tmp_path / "whole").mkdir()
+    whole = run_server(tmp_path / "whole", adaptive_config(tmp_path / "whole" / "output"), ranks=before)
+    assert whole.code == 0 and whole.report is not None, whole.log
+
+    output = tmp_path / "output"
+    config = adaptive_config(output)
+    server = start(server_command(tmp_path, config, before))
+    wait_for(lambda: 8 <= drawn_in_checkpoint(output) < SIMULATIONS, server)  # a bred generation drawn, not all
+    last = before - 1
+    pid = int(re.search(rf"server rank {last} of {before}, pid (\d+)",
+                        (output / "logs" / f"rank{last}.log").read_text()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    log, _ = server.communicate(timeout=60)
+    assert server.returncode != 0, log
+    assert not (output / "report.json").exists()
+
+    resumed = run_server(tmp_path, config, ranks=after)
+    assert resumed.code == 0, resumed.log
+    assert "resuming from checkpoint" in resumed.log
+    assert resumed.report is not None and resumed.report["simulations"]["done"] == SIMULATIONS
+    assert draws(resumed.report) == draws(whole.report)
