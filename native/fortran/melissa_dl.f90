@@ -3,7 +3,9 @@
 !     use mpi_f08
 !     use melissa_dl
 !     real(real64), allocatable :: p(:)
+!     real(real64) :: initial
 !     ierr = melissa_dl_parameters(p)                          ! this simulation's parameter set
+!     ierr = melissa_dl_parameter("initial", initial)          ! one of them, by its name in the study
 !     ierr = melissa_dl_init("temperature", MELISSA_DL_FLOAT32, size(u), MPI_COMM_WORLD)
 !     do t = 0, steps - 1
 !        ierr = melissa_dl_send("temperature", t, u)           ! u: real(real32), any rank
@@ -30,8 +32,8 @@ module melissa_dl
                                 MELISSA_DL_ERR_UNREACHABLE = 8, MELISSA_DL_ERR_PROTOCOL = 9, &
                                 MELISSA_DL_ERR_MPI = 10, MELISSA_DL_ERR_SYSTEM = 11
 
-  public :: melissa_dl_version, melissa_dl_simulation, melissa_dl_parameters, melissa_dl_init, &
-            melissa_dl_send, melissa_dl_finalize, melissa_dl_error_message
+  public :: melissa_dl_version, melissa_dl_simulation, melissa_dl_parameters, melissa_dl_parameter, &
+            melissa_dl_init, melissa_dl_send, melissa_dl_finalize, melissa_dl_error_message
 
   interface melissa_dl_init
     module procedure init_f08, init_handle
@@ -64,6 +66,13 @@ module melissa_dl
       type(c_ptr), value :: values
       integer(c_int), value :: capacity
       integer(c_int), intent(out) :: count
+      integer(c_int) :: status
+    end function
+
+    function c_parameter(name, value) bind(C, name="melissa_dl_parameter") result(status)
+      import :: c_char, c_double, c_int
+      character(kind=c_char), intent(in) :: name(*)
+      real(c_double), intent(out) :: value
       integer(c_int) :: status
     end function
 
@@ -154,6 +163,13 @@ contains
     if (status /= MELISSA_DL_OK) return
     allocate(values(capacity))
     status = c_parameters(c_loc(values), capacity, count)
+  end function
+
+  ! This simulation's parameter called name (a name of study.parameters).
+  integer function melissa_dl_parameter(name, value) result(status)
+    character(*), intent(in) :: name
+    real(c_double), intent(out) :: value
+    status = c_parameter(c_string(name), value)
   end function
 
   ! Declare a field: name, dtype, elements this rank sends per step, communicator.

@@ -4,12 +4,14 @@
  * same wire protocol. A simulation started by the server's launcher finds
  * everything it needs in its environment (MELISSA_SERVER, MELISSA_TOKEN,
  * MELISSA_SIMULATION_ID, MELISSA_ATTEMPT, MELISSA_PARAMETERS,
- * MELISSA_CLIENT_TIMEOUT, MELISSA_SEND_QUEUE_BYTES, and the security level
- * MELISSA_SECURITY with, for "curve", MELISSA_CURVE_SERVER_KEY,
- * MELISSA_CURVE_PUBLIC_KEY and MELISSA_CURVE_SECRET_KEY):
+ * MELISSA_PARAMETER_NAMES, MELISSA_CLIENT_TIMEOUT, MELISSA_SEND_QUEUE_BYTES,
+ * and the security level MELISSA_SECURITY with, for "curve",
+ * MELISSA_CURVE_SERVER_KEY, MELISSA_CURVE_PUBLIC_KEY and
+ * MELISSA_CURVE_SECRET_KEY):
  *
- *     double p[5]; int n;
+ *     double p[5], initial; int n;
  *     melissa_dl_parameters(p, 5, &n);                       // this simulation's parameter set
+ *     melissa_dl_parameter("initial", &initial);             // one of them, by its name in the study
  *     melissa_dl_init("temperature", MELISSA_DL_FLOAT32, local_count, MPI_COMM_WORLD);
  *     for (int t = 0; t < steps; t++)
  *         melissa_dl_send_float("temperature", t, field, local_count);
@@ -78,6 +80,13 @@ MELISSA_DL_API int melissa_dl_simulation(int *simulation_id, int *attempt);
  * values is NULL, the parameters in values[0 .. *count - 1]
  * (MELISSA_DL_ERR_ARGUMENT if capacity < *count). */
 MELISSA_DL_API int melissa_dl_parameters(double *values, int capacity, int *count);
+
+/* This simulation's parameter called name (a name of study.parameters, from
+ * MELISSA_PARAMETER_NAMES) in *value; *value is unchanged on failure
+ * (MELISSA_DL_ERR_ARGUMENT for a name the study does not have,
+ * MELISSA_DL_ERR_ENVIRONMENT if a launcher older than the names left
+ * MELISSA_PARAMETER_NAMES unset: use melissa_dl_parameters then). */
+MELISSA_DL_API int melissa_dl_parameter(const char *name, double *value);
 
 /* Declare a field: its name in the study, its dtype and the number of
  * elements this rank sends per step. All fields share one communicator

@@ -668,6 +668,24 @@ int melissa_dl_simulation(int *simulation_id, int *attempt) {
     return MELISSA_DL_OK;
 }
 
+/* The variable ``name``, a JSON list of ``type`` items (``what``: "numbers"), in *list;
+ * *list is empty, to free or not, on failure. */
+static int env_list(const char *name, json_type type, const char *what, json_value *list) {
+    const char *text;
+    *list = (json_value){0};
+    int code = require(name, &text);
+    if (code != MELISSA_DL_OK)
+        return code;
+    bool ok = mdl_json_parse(text, strlen(text), list) && list->type == JSON_ARRAY && list->size <= INT32_MAX;
+    for (size_t i = 0; ok && i < list->size; i++)
+        ok = list->items[i].type == type;
+    if (!ok) {
+        mdl_json_free(list);
+        return fail(MELISSA_DL_ERR_ENVIRONMENT, "%s='%s' is not a JSON list of %s", name, text, what);
+    }
+    return MELISSA_DL_OK;
+}
+
 int melissa_dl_parameters(double *values, int capacity, int *count) {
     const char *text;
     int code = require("MELISSA_PARAMETERS", &text);
@@ -676,19 +694,56 @@ int melissa_dl_parameters(double *values, int capacity, int *count) {
     if (count == NULL)
         return fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_parameters: count is NULL");
     json_value list;
-    bool ok = mdl_json_parse(text, strlen(text), &list) && list.type == JSON_ARRAY && list.size <= INT32_MAX;
-    for (size_t i = 0; ok && i < list.size; i++)
-        ok = list.items[i].type == JSON_NUMBER;
-    if (ok) {
-        *count = (int)list.size;
-        if (values != NULL && capacity < *count)
-            code = fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_parameters: %d parameters, room for %d", *count, capacity);
-        for (int i = 0; code == MELISSA_DL_OK && values != NULL && i < *count; i++)
-            values[i] = list.items[i].number;
-    }
+    code = env_list("MELISSA_PARAMETERS", JSON_NUMBER, "numbers", &list);
+    if (code != MELISSA_DL_OK)
+        return code;
+    *count = (int)list.size;
+    if (values != NULL && capacity < *count)
+        code = fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_parameters: %d parameters, room for %d", *count, capacity);
+    for (int i = 0; code == MELISSA_DL_OK && values != NULL && i < *count; i++)
+        values[i] = list.items[i].number;
     mdl_json_free(&list);
-    if (!ok)
-        return fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_PARAMETERS='%s' is not a JSON list of numbers", text);
+    return code;
+}
+
+int melissa_dl_parameter(const char *name, double *value) {
+    if (name == NULL || value == NULL)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_parameter: %s is NULL", name == NULL ? "name" : "value");
+    if (getenv("MELISSA_PARAMETER_NAMES") == NULL)
+        return fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_PARAMETER_NAMES is not set: start this simulation through "
+                    "melissa-server's launcher (an older one passes the parameters without their names: read them "
+                    "by position with melissa_dl_parameters)");
+    json_value names, values;
+    int code = env_list("MELISSA_PARAMETER_NAMES", JSON_STRING, "strings", &names);
+    if (code == MELISSA_DL_OK)
+        code = env_list("MELISSA_PARAMETERS", JSON_NUMBER, "numbers", &values);
+    if (code != MELISSA_DL_OK) {
+        mdl_json_free(&names);
+        return code;
+    }
+    if (names.size != values.size)
+        code = fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_PARAMETER_NAMES='%s' and MELISSA_PARAMETERS='%s' differ "
+                    "in length (%zu and %zu)", getenv("MELISSA_PARAMETER_NAMES"), getenv("MELISSA_PARAMETERS"),
+                    names.size, values.size);
+    size_t i = 0;
+    while (code == MELISSA_DL_OK && i < names.size && strcmp(names.items[i].string, name) != 0)
+        i++;
+    if (code == MELISSA_DL_OK && i < names.size) {
+        *value = values.items[i].number;
+    } else if (code == MELISSA_DL_OK) {
+        strbuf known = {0};
+        for (size_t j = 0; j < names.size; j++)
+            sb_printf(&known, "%s%s", j ? ", " : "", names.items[j].string);
+        if (names.size == 0)
+            fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_parameter: no parameter '%s' (the study has none)", name);
+        else
+            fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_parameter: no parameter '%s' (the study's: %s)", name,
+                 known.failed ? "?" : known.data);
+        free(known.data);
+        code = MELISSA_DL_ERR_ARGUMENT;
+    }
+    mdl_json_free(&names);
+    mdl_json_free(&values);
     return code;
 }
 

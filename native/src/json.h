@@ -1,5 +1,6 @@
-/* The little JSON the client needs: parse the handshake reply and
- * MELISSA_PARAMETERS (and number variables) into a tree. */
+/* The little JSON the client needs: parse the handshake reply,
+ * MELISSA_PARAMETERS and MELISSA_PARAMETER_NAMES (and number variables) into
+ * a tree. */
 #ifndef MELISSA_DL_JSON_H
 #define MELISSA_DL_JSON_H
 

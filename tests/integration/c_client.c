@@ -2,7 +2,9 @@
  *
  * Streams --steps steps of the float32 field "field" (or --field NAME),
  * --count elements per rank, of value 1000 s + t + rank / 2 (as toy_sim.py
- * does). With --errors,
+ * does). With --parameter NAME (repeated), every rank first reads its
+ * parameters by position and each NAME's by name, and rank 0 prints them
+ * ("parameters: <values>", "parameter NAME: <value>"). With --errors,
  * the first attempt of simulation 0 first makes every mistake a C user can
  * make, and prints for each "<case>: <code> <message>", then behaves.
  */
@@ -14,6 +16,9 @@
 
 static int steps = 10, count = 32;
 static const char *field_name = "field";
+enum { MAX_NAMES = 16 };
+static const char *parameter_names[MAX_NAMES];
+static int nnames = 0;
 
 static void report(const char *name, int status) {
     printf("%s: %d %s\n", name, status, status == MELISSA_DL_OK ? "" : melissa_dl_error_message());
@@ -38,11 +43,59 @@ static void handshake(const char *name, const char *variable, const char *value,
     free(saved);
 }
 
+/* Look up this simulation's parameters by position, then by the names of
+ * --parameter, and print them if ``print``. */
+static int print_parameters(int print) {
+    double values[MAX_NAMES];
+    int n, status = melissa_dl_parameters(values, MAX_NAMES, &n);
+    if (status != MELISSA_DL_OK)
+        return status;
+    if (print) {
+        printf("parameters:");
+        for (int i = 0; i < n; i++)
+            printf(" %.17g", values[i]);
+        printf("\n");
+    }
+    for (int i = 0; status == MELISSA_DL_OK && i < nnames; i++) {
+        double value;
+        status = melissa_dl_parameter(parameter_names[i], &value);
+        if (status == MELISSA_DL_OK && print)
+            printf("parameter %s: %.17g\n", parameter_names[i], value);
+    }
+    fflush(stdout);
+    return status;
+}
+
+/* Look up the parameter ``name`` with ``variable`` set to ``value`` (unset if
+ * ``value`` is NULL; left alone if ``variable`` is), and report it. */
+static void lookup(const char *case_name, const char *name, const char *variable, const char *value) {
+    char *saved = variable && getenv(variable) ? strdup(getenv(variable)) : NULL;
+    if (variable != NULL && value != NULL)
+        setenv(variable, value, 1);
+    else if (variable != NULL)
+        unsetenv(variable);
+    double found;
+    report(case_name, melissa_dl_parameter(name, &found));
+    if (saved != NULL)
+        setenv(variable, saved, 1);
+    free(saved);
+}
+
+/* Mistakes of melissa_dl_parameter (the study's parameters are "a" and "b"). */
+static void parameter_mistakes(void) {
+    lookup("unknown parameter", "x", NULL, NULL);
+    lookup("NULL parameter name", NULL, NULL, NULL);
+    lookup("no parameter names", "a", "MELISSA_PARAMETER_NAMES", NULL);
+    lookup("names not strings", "a", "MELISSA_PARAMETER_NAMES", "[\"a\", 2]");
+    lookup("fewer names than values", "a", "MELISSA_PARAMETER_NAMES", "[\"a\"]");
+}
+
 /* Mistakes before the simulation's own declaration; nothing is declared after them. */
 static void handshake_mistakes(const float *data) {
     int protocol;
     const char *version = melissa_dl_version(&protocol);
     printf("version: %s protocol %d\n", version, protocol);
+    parameter_mistakes();
     char *id = strdup(getenv("MELISSA_SIMULATION_ID"));
     unsetenv("MELISSA_SIMULATION_ID");
     report("no simulation id", melissa_dl_init("field", MELISSA_DL_FLOAT32, (size_t)count, MPI_COMM_WORLD));
@@ -76,10 +129,13 @@ int main(int argc, char **argv) {
             count = atoi(argv[++i]);
         else if (strcmp(argv[i], "--field") == 0 && i + 1 < argc)
             field_name = argv[++i];
+        else if (strcmp(argv[i], "--parameter") == 0 && i + 1 < argc && nnames < MAX_NAMES)
+            parameter_names[nnames++] = argv[++i];
         else if (strcmp(argv[i], "--errors") == 0)
             errors = 1;
         else {
-            fprintf(stderr, "usage: %s [--steps N] [--count N] [--field NAME] [--errors]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--steps N] [--count N] [--field NAME] [--parameter NAME]... [--errors]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -88,6 +144,8 @@ int main(int argc, char **argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     float *data = calloc((size_t)count, sizeof *data);
     int status = melissa_dl_simulation(&simulation, &attempt);
+    if (status == MELISSA_DL_OK && nnames > 0)
+        status = print_parameters(rank == 0);
     int mistakes = errors && status == MELISSA_DL_OK && simulation == 0 && attempt == 0;
     if (mistakes)
         handshake_mistakes(data);

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import re
 import runpy
 import signal
@@ -79,14 +80,30 @@ def lines(log: Path) -> list[tuple[str, str]]:
     return [tuple(line.split(": ", 1)) for line in log.read_text().splitlines()]
 
 
+def is_parameter(line: tuple[str, str]) -> bool:
+    return line[0] == "parameters" or line[0].startswith("parameter ")
+
+
+def parameters_said(said: list[tuple[str, str]]) -> tuple[list[float], dict[str, float]]:
+    """What a client printed of its parameters: by position ("parameters: <values>") and by name
+    ("parameter NAME: <value>")."""
+    by_position = [float(value) for key, values in said if key == "parameters" for value in values.split()]
+    by_name = {key.removeprefix("parameter "): float(value) for key, value in said if key.startswith("parameter ")}
+    return by_position, by_name
+
+
 def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(tmp_path: Path, output: Path,
                                                                          native: Path) -> None:
-    config = study_config(output, [str(native / "c_client"), "--errors"])
+    config = study_config(output, [str(native / "c_client"), "--errors", "--parameter", "a", "--parameter", "b"])
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
     assert run.report is not None
     assert_every_step_once(run.report, 4, 10)
     assert [s["attempts"] for s in run.report["per_simulation"]] == [1, 1, 1, 1]
+    sampled = {s["id"]: s["parameters"] for s in run.report["per_simulation"]}
+    for s in range(4):  # by name (MELISSA_PARAMETER_NAMES) as by position (MELISSA_PARAMETERS)
+        by_position, by_name = parameters_said(lines(output / "simulations" / f"simulation{s}.attempt0.log"))
+        assert by_name == dict(zip(["a", "b"], by_position)) == sampled[s]
     assert run.report["rejected"] == {"handshake_auth": 1, "handshake_unknown_simulation": 1}
     refused_token = ("simulation 0: tcp://127.0.0.1:PORT: credentials refused (ZAP status 400): this simulation's "
                      "credentials (MELISSA_SECURITY=token) are not the server's (a stale environment, or another "
@@ -95,8 +112,17 @@ def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(tmp_path
     unreachable = "no handshake answer from tcp://127.0.0.1:9 within 0.5 s"
     log = output / "simulations" / "simulation0.attempt0.log"
     log.write_text(re.sub(r"tcp://127\.0\.0\.1:\d{3,}", "tcp://127.0.0.1:PORT", log.read_text()))
-    assert lines(log) == [
+    values = json.dumps(list(sampled[0].values()))  # MELISSA_PARAMETERS, as the launcher writes it
+    assert [line for line in lines(log) if not is_parameter(line)] == [
         ("version", f"{VERSION} protocol {PROTOCOL_VERSION}"),
+        ("unknown parameter", "2 melissa_dl_parameter: no parameter 'x' (the study's: a, b)"),
+        ("NULL parameter name", "2 melissa_dl_parameter: name is NULL"),
+        ("no parameter names", "1 MELISSA_PARAMETER_NAMES is not set: start this simulation through melissa-server's "
+         "launcher (an older one passes the parameters without their names: read them by position with "
+         "melissa_dl_parameters)"),
+        ("names not strings", '1 MELISSA_PARAMETER_NAMES=\'["a", 2]\' is not a JSON list of strings'),
+        ("fewer names than values",
+         f"1 MELISSA_PARAMETER_NAMES='[\"a\"]' and MELISSA_PARAMETERS='{values}' differ in length (1 and 2)"),
         ("no simulation id", "1 MELISSA_SIMULATION_ID is not set: start this simulation through melissa-server's launcher"),
         ("send before init", "3 field 'field': no field is declared: call melissa_dl_init first"),
         ("finalize before init", "3 nothing to finalize: no field is declared"),
@@ -122,7 +148,7 @@ def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(tmp_path
 
 def test_the_fortran_module_with_use_mpi_handles_and_float64(tmp_path: Path, output: Path, native: Path) -> None:
     values = [[0.25, 2.0], [0.5, 1.5], [0.75, 1.0]]
-    config = study_config(output, [str(native / "f_client"), "6"],
+    config = study_config(output, [str(native / "f_client"), "6", "a", "b"],
                           study={"simulations": 3, "time_steps": 6, "sampler": "list", "parameter_values": values},
                           launcher={"scheduler": "mpirun", "client_ranks": 2})
     config["training"] = recording(tmp_path / "samples")
@@ -132,10 +158,14 @@ def test_the_fortran_module_with_use_mpi_handles_and_float64(tmp_path: Path, out
     assert_every_step_once(run.report, 3, 6)
     assert run.report["rejected"] == {}
     for s in range(3):
-        said = dict(lines(output / "simulations" / f"simulation{s}.attempt0.log"))
+        log = lines(output / "simulations" / f"simulation{s}.attempt0.log")
+        said = dict(log)
         assert said["version"] == f"{VERSION} protocol {PROTOCOL_VERSION}"
         assert said["simulation"] == f"{s} attempt 0"
-        assert [float(v) for v in said["parameters"].split()] == values[s]
+        by_position, by_name = parameters_said(log)
+        assert by_position == values[s]
+        assert by_name == dict(zip(["a", "b"], by_position))
+        assert said["unknown parameter"] == "2 melissa_dl_parameter: no parameter 'x' (the study's: a, b)"
         assert said["undeclared field"] == "4 field 'pressure' was not declared (declared: 'field')"
         assert said["wrong count"] == "6 field 'field': got 4 elements, declared 6"
         for t in range(6):
