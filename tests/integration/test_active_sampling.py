@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import HERE, TOY_SIM, run_server, server_command, start, study_config, wait_for
 from melissa_dl.checkpoint import latest_valid
@@ -64,6 +65,12 @@ def test_an_adaptive_study_breeds_where_the_loss_is_high_and_reports_it(tmp_path
         assert parent["id"] < s["id"] - 2 and abs(parent["parameters"]["a"] - s["parameters"]["a"]) < 0.3
     base = [s["parameters"]["a"] for s in sims if s["parent"] is None]
     assert sum(s["parameters"]["a"] for s in bred) / len(bred) > sum(base) / len(base)  # toward high a**2
+    events = EventAccumulator(str(output / "tensorboard" / "rank0"), size_guidance={"images": 0})
+    events.Reload()
+    fractions = {e.step: e.value for e in events.Scalars("sampling/bred_fraction")}
+    assert fractions == {g: pytest.approx(sum(s["parent"] is not None for s in sims if s["generation"] == g) /
+                                          sum(s["generation"] == g for s in sims)) for g in range(7)}
+    assert [e.step for e in events.Images("sampling/generations")] == list(range(7))
 
 
 @pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1)])
