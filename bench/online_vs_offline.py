@@ -80,14 +80,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from studies import ROOT, environment, mpirun, p99, per_sample_errors  # bench/ is the script's folder
+
 EXAMPLE = ROOT / "examples" / "heat_pde"
 PICTURE = ROOT / "bench" / "online_vs_offline.png"
 sys.path.insert(0, str(EXAMPLE))  # the surrogate imports solver.py from its folder
-
-from torch.utils.data import default_collate  # noqa: E402
 
 from melissa_dl.module import load_module_class  # noqa: E402
 from melissa_dl.plots import read_losses  # noqa: E402
@@ -166,17 +164,6 @@ def module_options(args: argparse.Namespace, experiment: Experiment) -> dict[str
             "validation_cache": str(args.validation_cache)}
 
 
-def environment() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def mpirun() -> str:
-    local = Path(sys.executable).parent / "mpirun"
-    return str(local) if local.exists() else "mpirun"
-
-
 def cpus(cores: list[int]) -> str:
     return ",".join(map(str, cores))
 
@@ -237,15 +224,6 @@ def run_offline(config: Path, args: argparse.Namespace, experiment: Experiment) 
     return run, model
 
 
-def per_sample_errors(module: Any, model: Path, held_out: list[Any]) -> np.ndarray:
-    """The final model's mean squared error on each held-out sample (normalised units)."""
-    module.load_state_dict(torch.load(model, weights_only=True))
-    module.eval()
-    x, y = default_collate([module.process(s) for s in held_out])
-    with torch.no_grad():
-        return ((module(x) - y) ** 2).mean(dim=1).numpy()
-
-
 def time_to(curve: list[tuple[float, float]], target: float) -> float:
     """Seconds from launch until the validation loss first reached ``target`` (inf if never)."""
     return next((t for t, loss in curve if loss <= target), math.inf)
@@ -296,10 +274,6 @@ def draw(results: dict[str, list[tuple[Run, Run]]]) -> None:
         ax.legend()
     figure.savefig(PICTURE, dpi=110)
     print(f"curves: {PICTURE}")
-
-
-def p99(errors: np.ndarray) -> float:
-    return float(np.quantile(errors, 0.99))
 
 
 def summarise(args: argparse.Namespace, experiment: Experiment, pairs: list[tuple[Run, Run]]) -> list[str]:

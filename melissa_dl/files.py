@@ -12,14 +12,18 @@ what a killed server left half-written is removed at the next start
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import tempfile
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+import numpy as np
 
 from melissa_dl.errors import ConfigError, OutputUnwritable
 
@@ -142,3 +146,24 @@ def remove_temporaries(folder: Path) -> None:
     for temporary in folder.glob(".*.tmp"):
         with suppress(FileNotFoundError):
             temporary.unlink()
+
+
+def solved_once(folder: Path | None, key: Any, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """``compute()``, kept in ``folder`` under a name hashed from ``key`` (JSON) and read back by later calls.
+
+    For held-out sets that take seconds to solve and that every run of a
+    benchmark needs: the file is written whole or not at all, under a
+    temporary name of its own, since runs sharing the folder may start
+    together. ``folder`` None computes every time.
+    """
+    if folder is None:
+        return compute()
+    path = folder / f"solved-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.npy"
+    if path.is_file():
+        return np.load(path)
+    array = compute()
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as temporary:
+        np.save(temporary, array)
+    os.replace(temporary.name, path)
+    return array

@@ -27,8 +27,10 @@ its parameters were drawn: by then every rank knows them, so no frame can
 arrive at a rank that does not know what to attach to it. When the sampler
 learns, each done simulation's loss statistic is told to it once every step
 it sent has its loss (:mod:`melissa_dl.learning`); a failed one is told
-None. Should the sampler wait for statistics while nothing runs, the done
-simulations are told what they have, so that the study never stalls.
+None. Should the sampler wait for statistics while nothing runs and no new
+loss has come for ``LEARNING_GRACE`` seconds (training cannot go on: a rank
+below its buffer's watermark, say), the done simulations are told what they
+have, so that the study never stalls.
 
 The ranks follow the study through :meth:`Study.take_news`: each new attempt
 (so that they refuse the frames of the one it replaced), each simulation
@@ -61,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_GRACE = 5.0  # seconds a simulation that exited 0 has for its finalize messages to be counted
 REPEATED_REFUSALS = DETERMINISTIC | {"non_finite", "time_step", "undeclared"}  # kinds a relaunch sends again
+LEARNING_GRACE = 5.0  # seconds without a new loss, nothing running, before a waiting sampler gets partial statistics
 GIVE_UP_AFTER = 3  # failed simulations, and no success, before the study stops (at least the first wave's)
 CLIENT_ERROR = "ClientError"  # in the last line of an attempt's output: a mistake in the simulation's use of the API
 
@@ -151,6 +154,8 @@ class Study:
         self._unsent: list[int] = []  # parameters drawn, for the ranks in the next news
         self._sent: list[int] = []  # parameters the ranks got in the last news: launched at the next tick
         self._untold: set[int] = set()  # done, statistic not yet told to a sampler that learns
+        self._learning = False  # losses came since the last tick
+        self._learnt_at = -float("inf")  # when losses last came (the first tick, before any)
         self._plotted = [i for i in plotted if i < sampler.low.size]
         self._pictured = 0  # generations taken by take_generations
         self._running: dict[int, Simulation] = {}
@@ -243,6 +248,7 @@ class Study:
     def learn(self, records: Sequence[Records]) -> None:
         """The ranks' losses per sample since the last round."""
         for part in records:
+            self._learning |= len(part[0]) > 0
             self.losses.add(part)
 
     def _tell_finished(self, all_now: bool = False) -> None:
@@ -255,7 +261,12 @@ class Study:
                 self.sampler.tell(sid, sim.statistic)
                 self._untold.discard(sid)
 
-    def _draw(self) -> None:
+    def conclude(self) -> None:
+        """Training is over: the done simulations not yet told get the statistic of the steps it trained on (for
+        the report; the last ones may not have had all their steps trained on)."""
+        self._tell_finished(all_now=True)
+
+    def _draw(self, now: float) -> None:
         """Keep one wave of simulations drawn ahead of the running ones."""
         if self.gave_up:
             return
@@ -264,8 +275,9 @@ class Study:
         if want <= 0:
             return
         rows = self.sampler.ask(want)
-        if not len(rows) and not ahead and not self._launcher.running() and self._untold:
-            self._tell_finished(all_now=True)  # nothing runs that could complete what it waits for
+        if (not len(rows) and not ahead and not self._launcher.running() and self._untold
+                and now - self._learnt_at >= LEARNING_GRACE):
+            self._tell_finished(all_now=True)  # neither simulations nor training can complete what it waits for
             rows = self.sampler.ask(want)
         first = self.sampler.drawn - len(rows)
         self.parameters[first : self.sampler.drawn] = rows
@@ -343,8 +355,10 @@ class Study:
             elif now - sim.last_activity > self._timeout:  # type: ignore[operator]
                 self._launcher.kill(sim.id)
                 self._failed(sim, f"no data for {self._timeout:g} s")
+        if self._learning or self._learnt_at == -float("inf"):
+            self._learnt_at, self._learning = now, False
         self._tell_finished()
-        self._draw()
+        self._draw(now)
         self._give_up_if_hopeless()
 
     def _merge(self, reports: Sequence[ReceiverReport], now: float) -> bool:

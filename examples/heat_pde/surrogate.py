@@ -33,10 +33,6 @@ thousand; 3e-3 is noisier still. ReLU plateaus 3x higher than GELU.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,6 +41,7 @@ import torch
 from torch import nn
 
 from melissa_dl import Sample, TrainingModule
+from melissa_dl.files import solved_once
 from solver import DEFAULT_DT, HeatSolver  # solver.py sits next to this file
 
 FIELD = "temperature"
@@ -155,27 +152,8 @@ class HeatSurrogate(TrainingModule):
         simulation of the study.
         """
         parameters = self.validation_parameters()
-        cached = self._validation_file(parameters)
-        if cached is not None and cached.is_file():
-            fields = np.load(cached)
-        else:
-            fields = np.stack([np.stack([solver.step() for _ in range(self.steps)]) for solver in (
-                HeatSolver(p, self.nx, self.ny, self.dt, refine=self.refine) for p in parameters)])
-            if cached is not None:
-                _save_atomic(cached, fields)
+        problem = [self.nx, self.ny, self.steps, self.dt, self.refine, parameters.tolist()]
+        fields = solved_once(self.validation_cache, problem, lambda: np.stack([
+            np.stack([solver.step() for _ in range(self.steps)])
+            for solver in (HeatSolver(p, self.nx, self.ny, self.dt, refine=self.refine) for p in parameters)]))
         return [Sample(-1 - i, t, p, {FIELD: fields[i, t]}) for i, p in enumerate(parameters) for t in range(self.steps)]
-
-    def _validation_file(self, parameters: np.ndarray) -> Path | None:
-        """The cache file of these held-out simulations, named by everything their fields depend on."""
-        if self.validation_cache is None:
-            return None
-        problem = json.dumps([self.nx, self.ny, self.steps, self.dt, self.refine, parameters.tolist()])
-        return self.validation_cache / f"held-out-{hashlib.sha256(problem.encode()).hexdigest()[:16]}.npy"
-
-
-def _save_atomic(path: Path, array: np.ndarray) -> None:
-    """Write ``path`` whole or not at all: runs that share the cache may start together."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as temporary:
-        np.save(temporary, array)
-    os.replace(temporary.name, path)

@@ -7,11 +7,12 @@ from typing import Iterable
 import numpy as np
 import pytest
 
-from launcher import NOT_RUNNABLE, START_FAILED, make_sampler
+from launcher import NOT_RUNNABLE, START_FAILED, Sampler, make_sampler
+from launcher.samplers import Breeding
 from melissa_dl.assembly import Progress
 from melissa_dl.receiver import ReceiverReport
 from melissa_dl.report import final_report
-from melissa_dl.study import EXIT_GRACE, GIVE_UP_AFTER, State, Study
+from melissa_dl.study import EXIT_GRACE, GIVE_UP_AFTER, LEARNING_GRACE, State, Study
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,11 +84,12 @@ class Harness:
     """The study on a fake launcher, ticked as the bookkeeping rounds do: each tick's news are taken after it."""
 
     def __init__(self, simulations: int = 2, max_retries: int = 2, restored: list[dict] | dict | None = None,
-                 job_limit: int = 1 << 20) -> None:
+                 job_limit: int = 1 << 20, sampler: Sampler | None = None) -> None:
         self.launcher = FakeLauncher()
         self.expected: list[tuple[int, int | None]] = []
         self.study = Study(
-            simulations, RANKS, self.launcher, make_sampler("uniform", [0.0], [1.0], 0, simulations),  # type: ignore[arg-type]
+            simulations, RANKS, self.launcher,  # type: ignore[arg-type]
+            sampler or make_sampler("uniform", [0.0], [1.0], 0, simulations),
             environment=lambda sim, attempt, parameters: {"SIM": str(sim), "ATTEMPT": str(attempt)},
             expect=lambda sim, attempt: self.expected.append((sim, attempt)),
             max_retries=max_retries, timeout=TIMEOUT, job_limit=job_limit,
@@ -461,3 +463,41 @@ def test_counts_follow_every_transition_of_a_large_study() -> None:
     h.tick(3.0)
     assert h.study.counts() == recounted() == {"queued": 995, "running": 1, "done": 2, "failed": 2}
     assert not h.study.over
+
+
+def waiting_study() -> Harness:
+    """Two simulations drawn, done with 3 steps each; the next generation waits for their statistics."""
+    breeding = Breeding(population=2, breed_after=2, lag=0, window=2, sigma=[0.1], start=1.0, end=1.0, breakpoint=1)
+    h = Harness(simulations=4, sampler=make_sampler("adaptive", [0.0], [1.0], 0, 4, breeding=breeding))
+    h.running(0.0, 0, 1)
+    for sim in (0, 1):
+        h.launcher.exit(sim, 0)
+    h.tick(1.0, *reports({0: [(2, 2), (1, 1)], 1: [(2, 2), (1, 1)]}))
+    assert h.state(0) is State.DONE and h.state(1) is State.DONE and h.study.sampler.drawn == 2
+    return h
+
+
+def losses(sim: int, steps: range, loss: float) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([[sim, t] for t in steps]), np.full(len(steps), loss)
+
+
+def test_a_learning_sampler_is_told_a_simulation_once_every_step_has_its_loss() -> None:
+    h = waiting_study()
+    h.study.learn([losses(0, range(3), 2.0), losses(1, range(2), 1.0)])
+    h.tick(2.0)
+    assert h.study.simulations[0].statistic == 2.0 and h.study.simulations[1].statistic is None
+    assert h.study.sampler.drawn == 2  # simulation 1 has a step untrained: the generation waits
+    h.study.learn([losses(1, range(2, 3), 4.0)])
+    h.tick(3.0)
+    assert h.study.simulations[1].statistic == pytest.approx(2.0) and h.study.sampler.drawn == 4
+
+
+def test_a_waiting_sampler_gets_partial_statistics_only_when_training_has_stopped_bringing_losses() -> None:
+    h = waiting_study()
+    h.study.learn([losses(0, range(1), 2.0)])
+    h.tick(2.0)
+    h.tick(2.0 + LEARNING_GRACE - 0.1)  # nothing runs, but training may still bring the rest
+    assert h.study.sampler.drawn == 2 and h.study.simulations[0].statistic is None
+    h.tick(2.0 + LEARNING_GRACE)
+    assert h.study.sampler.drawn == 4  # what they have: simulation 0 one step, simulation 1 none
+    assert h.study.simulations[0].statistic == 2.0 and h.study.simulations[1].statistic is None

@@ -159,7 +159,7 @@ def test_validation_samples_are_reproducible_whole_held_out_simulations() -> Non
 def test_a_validation_cache_is_solved_once_then_read_back_per_problem(tmp_path: Path) -> None:
     options = {"steps": 5, "validation_simulations": 2, "validation_cache": str(tmp_path)}
     solved = HeatSurrogate(**options).validation_samples()
-    [cached] = tmp_path.glob("held-out-*.npy")
+    [cached] = tmp_path.glob("solved-*.npy")
     np.save(cached, np.load(cached) + 1)  # from now on, what a run gets is what the file holds
     again = HeatSurrogate(**options).validation_samples()
     for a, b in zip(solved, again, strict=True):
@@ -168,4 +168,4 @@ def test_a_validation_cache_is_solved_once_then_read_back_per_problem(tmp_path: 
     for a, b in zip(solved, uncached, strict=True):
         np.testing.assert_array_equal(a.fields["temperature"], b.fields["temperature"])
     HeatSurrogate(**options, refine=2).validation_samples()  # another problem: another file
-    assert len(list(tmp_path.glob("held-out-*.npy"))) == 2 and not list(tmp_path.glob("*.tmp"))
+    assert len(list(tmp_path.glob("solved-*.npy"))) == 2 and not list(tmp_path.glob("*.tmp"))
