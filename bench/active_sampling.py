@@ -98,7 +98,8 @@ def module_options(args: argparse.Namespace, config: dict[str, Any]) -> dict[str
 def run_study(args: argparse.Namespace, sampler: str, seed: int, folder: Path, module: Any,
               held_out: list[Any]) -> Run:
     config = config_for(args, sampler, seed, folder)
-    command = ["taskset", "-c", cpus(SERVER_CORES), mpirun(), "-n", str(args.ranks), sys.executable, "-m", "melissa_dl", "--fresh", str(config)]
+    command = ["taskset", "-c", cpus(SERVER_CORES), mpirun(), "-n", str(args.ranks), sys.executable, "-m",
+               "melissa_dl", "--fresh", str(config)]
     start = time.perf_counter()
     with open(config.with_suffix(".log"), "w") as log:
         code = subprocess.run(command, env=environment(), stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
@@ -109,7 +110,8 @@ def run_study(args: argparse.Namespace, sampler: str, seed: int, folder: Path, m
     report = json.loads((output / "report.json").read_text())
     sims = report["per_simulation"]
     run = Run(sampler, seed, wall, report["training"]["batches"],
-              np.array([[s["parameters"]["c"], s["parameters"]["nu"]] for s in sims]), per_sample_errors(module, output / "model.pt", held_out))
+              np.array([[s["parameters"]["c"], s["parameters"]["nu"]] for s in sims]),
+              per_sample_errors(module, output / "model.pt", held_out))
     hard = float(np.mean(run.parameters[:, 1] < hard_viscosity(module)))
     print(f"  seed {seed} {sampler:8s}: {len(sims)} simulations ({hard:.0%} in the hard slab), {run.batches} batches "
           f"in {wall:.1f} s; held-out error mean {run.metric('mean'):.3g}, p99 {run.metric('p99'):.3g}, "
@@ -173,14 +175,15 @@ def summarise(args: argparse.Namespace, runs: list[Run], module: Any) -> list[st
             ratios = [by[reference, s].metric(metric) / by["adaptive", s].metric(metric) for s in seeds]
             per_seed = ",".join(f"{r:.2f}" for r in ratios)
             goal = f" target={target}" if reference == "uniform" else ""
-            lines.append(f"RESULT {prefix}_{metric} ratio={statistics.median(ratios):.3f}{goal} per_seed={per_seed} {tail}")
+            lines.append(f"RESULT {prefix}_{metric} ratio={statistics.median(ratios):.3f}{goal} "
+                         f"per_seed={per_seed} {tail}")
     return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--ranks", type=int, default=1, help="K, the server's ranks")
+    parser.add_argument("--ranks", type=int, default=1, help="K, the server's ranks (all on the server's core)")
     parser.add_argument("--validation-simulations", type=int, default=128)
     parser.add_argument("--samplers", nargs="+", choices=SAMPLERS, default=list(SAMPLERS))
     args = parser.parse_args()
