@@ -11,7 +11,12 @@ in real data). Both sides do the whole lookup + backward + update of one batch:
   upstream gradient of a sum loss, ones, summed per id with ``index_add_``),
   then ``opt.step(unique, grads)``;
 - baseline: ``nn.Embedding`` forward on the 4096 ids, backward of ``out.sum()``
-  (a sparse COO gradient), ``torch.optim.SparseAdam.step()``.
+  (a sparse COO gradient), ``torch.optim.SparseAdam.step()``;
+- second baseline, when ``fbgemm-gpu-cpu`` is installed (``pip install -e
+  '.[bench]'``; skipped, and said so, when it is not): FBGEMM's CPU
+  table-batched embedding with its fused exact row-wise Adagrad, forward on the
+  same ids (bags of one id) and backward of ``out.sum()``, which updates the
+  table inside backward. It is compared with ``rowadagrad``, the same update.
 
 rows/s counts batch ids per second on both sides (the ratio is the same as per
 unique row, since both see the same batches). The memory-bandwidth bound of
@@ -80,6 +85,33 @@ def baseline_pass(emb: nn.Embedding, opt: torch.optim.Optimizer, ids: list[torch
         opt.step()
 
 
+def make_fbgemm(rows: int, dim: int) -> Callable[[torch.Tensor], None] | None:
+    """FBGEMM's CPU embedding with fused exact row-wise Adagrad (lookup, backward and update of one batch), or
+    None when ``fbgemm-gpu-cpu`` is not installed."""
+    try:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen)
+    except ImportError:
+        return None
+    table = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR["rowadagrad"], pooling_mode=PoolingMode.SUM)
+    offsets: dict[int, torch.Tensor] = {}
+
+    def step(batch: torch.Tensor) -> None:
+        bags = offsets.setdefault(len(batch), torch.arange(len(batch) + 1))  # one id per bag: a plain lookup
+        table(batch, bags).sum().backward()
+
+    return step
+
+
+def fbgemm_pass(step: Callable[[torch.Tensor], None], ids: list[torch.Tensor]) -> None:
+    for batch in ids:
+        step(batch)
+
+
 def breakdown(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor], ones: torch.Tensor) -> str:
     """Microseconds per batch of each phase of our side, timed one phase at a time.
 
@@ -136,6 +168,9 @@ def main() -> None:
         if isinstance(tensor, torch.Tensor) and tensor.dim():
             tensor.zero_()  # pre-fault
     ones = torch.ones(args.batch, args.dim)
+    fbgemm = make_fbgemm(args.rows, args.dim)
+    print("FBGEMM baseline: " + ("fbgemm-gpu-cpu, exact row-wise Adagrad" if fbgemm else
+                                 "skipped (fbgemm-gpu-cpu is not installed: pip install -e '.[bench]')"))
 
     results: list[str] = []
     for d, dist in enumerate(("uniform", "zipf")):
@@ -146,14 +181,26 @@ def main() -> None:
             ours_pass(opts[name], weight, ids[:2], ones)
         baseline_pass(emb, base_opt, ids[:2])
         base_t: list[float] = []
+        fbgemm_t: list[float] = []
         ours_t: dict[str, list[float]] = {n: [] for n in OPTIMIZERS}
+        if fbgemm:
+            fbgemm_pass(fbgemm, ids[:2])
         for _ in range(args.repeat):  # interleaved, so drifts hit both sides
             base_t.append(timed(lambda: baseline_pass(emb, base_opt, ids)))
+            if fbgemm:
+                fbgemm_t.append(timed(lambda: fbgemm_pass(fbgemm, ids)))
             for name in OPTIMIZERS:
                 ours_t[name].append(timed(lambda: ours_pass(opts[name], weight, ids, ones)))
         n_ids = args.batch * len(ids)
         base_rate = n_ids / statistics.median(base_t)
         print(f"  baseline Embedding+SparseAdam: {base_rate:12.0f} rows/s (includes its lookup and backward)")
+        if fbgemm:
+            fbgemm_rate = n_ids / statistics.median(fbgemm_t)
+            print(f"  FBGEMM row-wise Adagrad:       {fbgemm_rate:12.0f} rows/s (includes its lookup and backward)")
+            ratio = statistics.median(f / o for f, o in zip(fbgemm_t, ours_t["rowadagrad"]))
+            results.append(f"RESULT sparse_rowadagrad_vs_fbgemm_{dist} ratio={ratio:.2f} "
+                           f"rows_per_s={n_ids / statistics.median(ours_t['rowadagrad']):.0f} "
+                           f"fbgemm_rows_per_s={fbgemm_rate:.0f}")
         for name in OPTIMIZERS:
             rate = n_ids / statistics.median(ours_t[name])
             ratio = statistics.median(b / o for b, o in zip(base_t, ours_t[name]))
