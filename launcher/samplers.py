@@ -247,7 +247,9 @@ class AdaptiveSampler(Sampler):
         b = self.breeding
         if generation == 0:
             return 0.0
-        return b.start + (b.end - b.start) * min(1.0, (generation - 1) / max(1, b.breakpoint - 1))
+        if generation >= b.breakpoint:
+            return b.end
+        return b.start + (b.end - b.start) * (generation - 1) / (b.breakpoint - 1)
 
     def _draw(self, count: int) -> np.ndarray:
         end = self.drawn + count

@@ -72,10 +72,12 @@ class AdaptiveConfig:
     population: int | None = option(None, minimum=1,
         doc="Simulations per generation (default: `launcher.job_limit`).")
     breed_after: int | None = option(None, minimum=1,
-        doc="Simulations drawn from the base before the first bred generation (default: 2 populations).")
+        doc="Simulations drawn from the base before the first bred generation (default: 2 populations, at least "
+        "the lag and a population).")
     lag: int | None = option(None, minimum=0,
         doc="Simulations just before a generation that are not its parents (still running, or their samples not "
-        "yet trained); a generation waits until all its candidates' statistics are in (default: 1 population).")
+        "yet trained); a generation waits until all its candidates' statistics are in (default: 1 population, "
+        "at least 2 x `launcher.job_limit`).")
     window: int | None = option(None, minimum=1,
         doc="Candidate parents: the last `window` simulations before the lag (default: 4 populations).")
     sigma: float | list[float] = option(0.1, doc="Standard deviation of a child's mutation, as a fraction of each "
@@ -89,10 +91,12 @@ class AdaptiveConfig:
     def breeding(self, job_limit: int, dimensions: int) -> Breeding:
         """The sampler's settings, defaults resolved."""
         population = self.population or job_limit
+        # a lag below the 2 x job_limit simulations the study keeps drawn or running would wait at every generation
+        lag = max(population, 2 * job_limit) if self.lag is None else self.lag
         sigma = self.sigma if isinstance(self.sigma, list) else [self.sigma] * dimensions
-        return Breeding(population=population, breed_after=self.breed_after or 2 * population,
-                        lag=population if self.lag is None else self.lag, window=self.window or 4 * population,
-                        sigma=sigma, start=self.start, end=self.end, breakpoint=self.breakpoint, base=self.base)
+        return Breeding(population=population, breed_after=self.breed_after or max(2 * population, lag + population),
+                        lag=lag, window=self.window or 4 * population, sigma=sigma, start=self.start, end=self.end,
+                        breakpoint=self.breakpoint, base=self.base)
 
     def check(self, dimensions: int) -> None:
         for name in ("start", "end"):

@@ -179,7 +179,7 @@ class Study:
         """Before ``start``, after a restart: each simulation's attempts and failures, and which ones ended; the
         sampler, the parameters drawn and what was learnt."""
         self.sampler.load_state_dict(state["sampler"])
-        self._pictured = len(self.sampler.generations())  # on TensorBoard before the restart
+        self._pictured = sum(r.stop <= self.sampler.drawn for r, _ in self.sampler.generations().values())  # pictured
         self.parameters[:] = state["parameters"]
         self.losses.load_state_dict(state["losses"])
         for sim, saved in zip(self.simulations, state["simulations"]):
@@ -284,9 +284,11 @@ class Study:
         self._unsent += range(first, self.sampler.drawn)
 
     def take_generations(self) -> list[Generation]:
-        """The generations drawn since the last call, for TensorBoard."""
+        """The generations drawn whole since the last call, for TensorBoard (a sampler breeds a whole
+        generation at once, but the study asks only for the simulations it is about to run)."""
         generations = self.sampler.generations()
-        new = [g for g in sorted(generations) if g >= self._pictured]
+        new = [g for g in sorted(generations)
+               if g >= self._pictured and generations[g][0].stop <= self.sampler.drawn]
         self._pictured += len(new)
         known = np.array([s for s, value in self.losses.final.items() if value is not None], dtype=np.int64)
         columns = self._plotted

@@ -1,8 +1,9 @@
 """Burgers simulation instrumented with the melissa_dl client.
 
-The launcher sets the parameters (``c`` and ``nu`` by name; ``a`` too if the
-study varies it, else ``--amplitude``) and the server's endpoint in the
-environment; this script solves the equation and sends ``u`` after every step.
+The launcher sets the parameters (``c`` and ``nu``, read by name) and the
+server's endpoint in the environment; the amplitude ``a`` of the initial wave
+is ``--amplitude``. This script solves the equation and sends ``u`` after
+every step.
 """
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ def main() -> None:
     parser.add_argument("--nx", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--refine", type=int, default=1, help="solve on a grid this many times finer, send nx cells")
-    parser.add_argument("--amplitude", type=float, default=1.0, help="a, when the study does not vary it")
+    parser.add_argument("--amplitude", type=float, default=1.0, help="a, the initial wave's amplitude")
     args = parser.parse_args()
     with Client({"u": (np.float32, (args.nx,))}) as client:
         p = client.named_parameters
-        solver = BurgersSolver(p.get("a", args.amplitude), p["c"], p["nu"], args.nx, args.steps, refine=args.refine)
+        solver = BurgersSolver(args.amplitude, p["c"], p["nu"], args.nx, args.steps, refine=args.refine)
         for t in range(args.steps):
             client.send("u", t, solver.step())
 

@@ -35,7 +35,7 @@ class BurgersSurrogate(TrainingModule):
 
     def __init__(self, hidden: int = 256, depth: int = 3, lr: float = 1e-3, nx: int = 256, steps: int = 32,
                  refine: int = 1, amplitude: float = 1.0, c: Sequence[float] = (-0.5, 0.5),
-                 nu: Sequence[float] = (1e-3, 0.1), scale: float = 0.5, validation_simulations: int = 64,
+                 nu: Sequence[float] = (1e-3, 0.2), scale: float = 0.5, validation_simulations: int = 64,
                  validation_seed: int = 1, validation_cache: str | None = None) -> None:
         """``nx``, ``steps``, ``refine`` and ``amplitude`` must match the simulation's command line,
         ``c`` and ``nu`` the study's bounds."""

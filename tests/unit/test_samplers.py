@@ -121,6 +121,8 @@ def test_generations_follow_the_ids_and_wait_for_their_candidates() -> None:
     assert sampler.ask(6).shape == (4, 2)  # generation 1; generation 2 waits for its candidates 6 and 7
     assert sampler.drawn == 12
     assert [sampler.bred_fraction(g) for g in (0, 1, 2, 3, 9)] == [0.0, 0.5, 0.75, 1.0, 1.0]
+    at_once = AdaptiveSampler([0.0], [1.0], 1, 30, breeding(sigma=[0.05], breakpoint=1))
+    assert [at_once.bred_fraction(g) for g in (0, 1, 2)] == [0.0, 1.0, 1.0]  # end from generation breakpoint on
     assert sampler.generations() == {0: (range(0, 8), 0.0), 1: (range(8, 12), 0.5)}
 
 

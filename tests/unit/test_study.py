@@ -501,3 +501,19 @@ def test_a_waiting_sampler_gets_partial_statistics_only_when_training_has_stoppe
     h.tick(2.0 + LEARNING_GRACE)
     assert h.study.sampler.drawn == 4  # what they have: simulation 0 one step, simulation 1 none
     assert h.study.simulations[0].statistic == 2.0 and h.study.simulations[1].statistic is None
+
+
+def test_a_generation_is_pictured_once_the_study_has_drawn_all_of_it() -> None:
+    breeding = Breeding(population=2, breed_after=4, lag=0, window=4, sigma=[0.1], start=1.0, end=1.0, breakpoint=1)
+    h = Harness(simulations=6, job_limit=1, sampler=make_sampler("adaptive", [0.0], [1.0], 0, 6, breeding=breeding))
+    assert h.study.sampler.drawn == 2 and h.study.take_generations() == []  # generation 0 is simulations 0-3
+    for sim in (0, 1):  # each done frees a slot: one more is drawn
+        h.running(float(sim), sim)
+        h.launcher.exit(sim, 0)
+        h.tick(sim + 0.5, *reports({sim: [(2, 2), (1, 1)]}))
+        if h.study.sampler.drawn < 4:
+            assert h.study.take_generations() == []
+    assert h.study.sampler.drawn == 4
+    [generation] = h.study.take_generations()
+    assert generation.number == 0 and not np.isnan(generation.drawn).any() and len(generation.drawn) == 4
+    assert h.study.take_generations() == []
