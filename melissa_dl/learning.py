@@ -32,17 +32,15 @@ class LossLog:
 
     def take(self) -> Records | None:
         """Everything recorded since the last take, in training order; None if nothing."""
-        if not self._ids:
-            return None
-        records = np.concatenate(self._ids), np.concatenate(self._losses)
+        records = self._joined()
         self._ids, self._losses = [], []
         return records
 
+    def _joined(self) -> Records | None:
+        return (np.concatenate(self._ids), np.concatenate(self._losses)) if self._ids else None
+
     def state_dict(self) -> dict[str, Any]:
-        records = self.take()
-        if records is not None:
-            self.record(*records)  # taking is only for the snapshot: the next round still sends them
-        return {"records": records}
+        return {"records": self._joined()}  # not taken: the next round still sends them
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._ids, self._losses = [], []

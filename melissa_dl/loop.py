@@ -44,7 +44,7 @@ from melissa_dl.errors import TrainingStalled
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.learning import Records
 from melissa_dl.mpi import Comm, GracefulStop
-from melissa_dl.receiver import Receiver
+from melissa_dl.receiver import Receiver, ReceiverReport
 from melissa_dl.recovery import Checkpointer
 from melissa_dl.progress import StatusBoard
 from melissa_dl.sample import Sample
@@ -96,7 +96,7 @@ class Bookkeeping:
         it and ``training`` stand, and tells the ranks which attempts are current, which simulations finished,
         and whether the study is over."""
         self.receiver.check()
-        gathered = self.comm.gather((self.receiver.report(), self.losses()))
+        reports = self.gather()
         consumed = self.comm.reduce(consumed)
         over, news = False, ({}, [], {})  # without a study (benches): nothing to follow
         if self.study is not None:
@@ -105,8 +105,6 @@ class Bookkeeping:
                 raise self.handshake.error
             for sim, reason in self.handshake.take_failures():
                 self.study.fail(sim, reason)
-            reports = [report for report, _ in gathered]
-            self.study.learn([losses for _, losses in gathered if losses is not None])
             self.study.tick(reports)
             self.on_generations(self.study.take_generations())
             self.status.update(time.monotonic(), self.study, reports, consumed, training)
@@ -119,6 +117,16 @@ class Bookkeeping:
             self.receiver.stop()
             self.receiver.buffer.close()
         self.next_sync = time.monotonic() + self.interval
+
+    def gather(self) -> list[ReceiverReport]:
+        """Collective: every rank's receiver report, on rank 0 (elsewhere an empty list), whose study learns the
+        losses per sample that came with them."""
+        gathered = self.comm.gather((self.receiver.report(), self.losses()))
+        if gathered is None:
+            return []
+        if self.study is not None:
+            self.study.learn([losses for _, losses in gathered if losses is not None])
+        return [report for report, _ in gathered]
 
     def open(self, consumed: int, training: dict[str, Any] | None = None) -> None:
         """The first two rounds: the first simulations' parameters go to the ranks, then they are launched."""

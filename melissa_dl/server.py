@@ -273,7 +273,7 @@ class Server:
         between its steps: the final validation, checkpoint and plots are the server at work, not hung."""
         study, handshake, status = bookkeeping.study, bookkeeping.handshake, bookkeeping.status
         bookkeeping.beat()
-        gathered = self.comm.gather((self.receiver.report(), bookkeeping.losses()))
+        reports = bookkeeping.gather()
         consumed = self.comm.reduce(consumed)
         extra = {}
         succeeded = self.comm.bcast(study.counts()["done"] > 0 if study is not None else None)
@@ -287,8 +287,6 @@ class Server:
         code = 0
         if self.rank == 0:
             assert study is not None and handshake is not None and status is not None
-            reports = [report for report, _ in gathered]
-            study.learn([losses for _, losses in gathered if losses is not None])
             study.conclude()
             status.finish(study, reports, consumed, trainer.status() if trainer is not None else None)
             report = final_report(study, reports, handshake.rejections.counts(), consumed, duration,

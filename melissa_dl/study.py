@@ -148,14 +148,14 @@ class Study:
         self.simulations = [Simulation(s, server_size) for s in range(simulations)]
         self.sampler = sampler
         self.parameters = np.full((simulations, sampler.low.size), np.nan)
-        self.names = list(names)
+        self.names = list(names) or [str(i) for i in range(sampler.low.size)]
         self.losses = SimulationLosses(statistic)
         self._job_limit = job_limit
         self._unsent: list[int] = []  # parameters drawn, for the ranks in the next news
         self._sent: list[int] = []  # parameters the ranks got in the last news: launched at the next tick
         self._untold: set[int] = set()  # done, statistic not yet told to a sampler that learns
-        self._learning = False  # losses came since the last tick
-        self._learnt_at = -float("inf")  # when losses last came (the first tick, before any)
+        self._learning = True  # losses came since the last tick (at first: the grace counts from the first tick)
+        self._learnt_at = 0.0  # when losses last came
         self._plotted = [i for i in plotted if i < sampler.low.size]
         self._pictured = 0  # generations taken by take_generations
         self._running: dict[int, Simulation] = {}
@@ -292,7 +292,7 @@ class Study:
         self._pictured += len(new)
         known = np.array([s for s, value in self.losses.final.items() if value is not None], dtype=np.int64)
         columns = self._plotted
-        return [Generation(g, generations[g][1], [self.names[i] if self.names else str(i) for i in columns],
+        return [Generation(g, generations[g][1], [self.names[i] for i in columns],
                            self.parameters[list(generations[g][0])][:, columns],
                            np.array([self.sampler.describe(s).get("parent") is not None for s in generations[g][0]]),
                            self.parameters[known][:, columns],
@@ -302,7 +302,7 @@ class Study:
     def describe(self, simulation: int) -> dict[str, Any]:
         """What the report says of how a simulation's parameters were chosen, and what training made of it."""
         row = self.parameters[simulation]
-        named = None if np.isnan(row).any() else dict(zip(self.names or map(str, range(row.size)), row.tolist()))
+        named = None if np.isnan(row).any() else dict(zip(self.names, row.tolist()))
         return {"parameters": named, **self.sampler.describe(simulation),
                 "statistic": self.simulations[simulation].statistic}
 
@@ -357,7 +357,7 @@ class Study:
             elif now - sim.last_activity > self._timeout:  # type: ignore[operator]
                 self._launcher.kill(sim.id)
                 self._failed(sim, f"no data for {self._timeout:g} s")
-        if self._learning or self._learnt_at == -float("inf"):
+        if self._learning:
             self._learnt_at, self._learning = now, False
         self._tell_finished()
         self._draw(now)
