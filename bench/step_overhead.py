@@ -20,11 +20,13 @@ A side's per-step time is the wall time between its first and last step after
 ``--warmup`` steps, divided by the steps in between (the server's ranks step
 together; the plain figure is the mean over ranks). Sides alternate
 ``--repeat`` times; the ratio is the median of the per-pair ratios. To explain
-the gap, the same run times the pieces alone on the model: backward, the
-gradient all-reduce (``GradientAverager.average``), forming a batch from a
-buffer (``StreamDataset.next_batch``; the plain side's ``index_select`` is
-not subtracted) and one round's flag exchange (``Loop``'s all-reduce of five
-counters).
+the gap, the same run times the pieces alone on the model: backward, the optimizer's
+step on whole parameters (the plain side's), the server's dense step after
+backward (``Trainer.parallel``: the gradients' reductions, its optimizer step
+and, when it steps in shards, the gathering of the parameters), forming a
+batch from a buffer (``StreamDataset.next_batch``; the plain side's
+``index_select`` is not subtracted) and one round's flag exchange (``Loop``'s
+all-reduce of five counters).
 
     mpirun -n 2 python bench/step_overhead.py [--models small,large] [--steps 200] [--repeat 5]
 """
@@ -170,33 +172,43 @@ def timed(function: Callable[[], Any], repeat: int = 30) -> float:
 
 
 def pieces(config: Config, comm: MPI.Intracomm, samples: list[Sample]) -> dict[str, float]:
-    """Backward, gradient all-reduce, forming a batch from a buffer and one round's flag exchange, each alone,
-    in ms (max over ranks)."""
+    """Each alone, in ms (max over ranks): backward; the optimizer's step on whole parameters (the plain side's);
+    the server's dense step after backward (``Trainer.parallel``: its reductions, its optimizer step and, sharded,
+    its gathering); forming a batch from a buffer; one round's flag exchange."""
     trainer = Trainer(config.training, config.base_dir, config.output_path, comm)
-    module, batch = trainer.module, config.training.batch_size
+    module, parallel, batch = trainer.module, trainer.parallel, config.training.batch_size
     data = [torch.from_numpy(np.stack([module.process(s)[i] for s in samples[:batch]])) for i in (0, 1)]
     buffer = make_buffer("fifo", capacity_samples=None, capacity_bytes=None, watermark=0, seed=0)
     dataset = StreamDataset(buffer, module.process, batch, Surrogate.deterministic_process)
     for i in range(batch * 31):
         buffer.put(samples[i % len(samples)])
     buffer.close()
+    times: dict[str, list[float]] = {"backward": [], "optimizer": [], "dense_step": []}
 
-    def backward() -> None:
-        trainer.averager.zero_grad()
+    def step(name: str) -> None:
+        parallel.zero_grad()
         loss = module.training_step(data)
+        comm.Barrier()
         start = time.perf_counter()
-        loss.backward()
-        times.append(time.perf_counter() - start)
+        if name == "dense_step":
+            parallel.backward(loss)
+            parallel.step()
+        else:
+            loss.backward()
+            times["backward"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            trainer.optimizer.step()  # the whole optimizer, as the plain side's
+        times[name].append(time.perf_counter() - start)
 
-    times: list[float] = []
-    timed(backward)
-    comm.Barrier()
+    for _ in range(30):
+        step("optimizer")
+        step("dense_step")
     flags = np.zeros(5, dtype=np.int64)
-    result = {"backward": statistics.median(times),
-              "allreduce": timed(lambda: (comm.Barrier(), trainer.averager.average())) - timed(comm.Barrier),
-              "batch": timed(dataset.next_batch),
-              "flags": timed(lambda: (comm.Barrier(), comm.Iallreduce(MPI.IN_PLACE, flags).Wait()))
-              - timed(comm.Barrier)}
+    result = {name: statistics.median(seconds) for name, seconds in times.items()}
+    result["dense_step"] -= result["backward"]
+    result.update(batch=timed(dataset.next_batch),
+                  flags=timed(lambda: (comm.Barrier(), comm.Iallreduce(MPI.IN_PLACE, flags).Wait()))
+                  - timed(comm.Barrier))
     return {name: comm.allreduce(seconds, op=MPI.MAX) * 1e3 for name, seconds in result.items()}
 
 

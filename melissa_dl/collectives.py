@@ -52,6 +52,16 @@ class Collectives(ABC):
         the order of these reductions must be the same on every rank. Read ``tensor`` after ``wait()``."""
 
     @abstractmethod
+    def start_reduce_scatter_sum(self, tensor: torch.Tensor, counts: list[int], out: torch.Tensor) -> Started:
+        """Start summing ``tensor`` (contiguous, 1-D) over ranks into ``out``: only this rank's piece, the
+        ``counts[rank]`` elements after the pieces of the ranks before it. Started as the reductions are."""
+
+    @abstractmethod
+    def start_allgather_(self, tensor: torch.Tensor, counts: list[int]) -> Started:
+        """Start filling ``tensor`` (contiguous, 1-D) with every rank's piece of it, rank ``r``'s being the
+        ``counts[r]`` elements after those of the ranks before it. Started as the reductions are."""
+
+    @abstractmethod
     def alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Send ``send_counts[r]`` rows of ``send`` (in rank order) to rank ``r``.
 
@@ -92,14 +102,15 @@ class _MpiStarted:
 
 
 class _TorchStarted:
-    def __init__(self, work: Any) -> None:
-        self.work = work
+    def __init__(self, *works: Any) -> None:
+        self.works = works
 
     def test(self) -> bool:
-        return bool(self.work.is_completed())
+        return all(work.is_completed() for work in self.works)
 
     def wait(self) -> None:
-        self.work.wait()
+        for work in self.works:
+            work.wait()
 
 
 class _Done:
@@ -128,6 +139,22 @@ class MpiCollectives(Collectives):
             self.allreduce_sum_(tensor)
             return _Done()
         return _MpiStarted(self._reductions.Iallreduce(MPI.IN_PLACE, tensor.detach().numpy(), op=MPI.SUM))
+
+    def start_reduce_scatter_sum(self, tensor: torch.Tensor, counts: list[int], out: torch.Tensor) -> Started:
+        _check_contiguous(tensor)
+        if tensor.dtype == torch.bfloat16:  # as in allreduce_sum_
+            wide = out.float()
+            self.comm.Reduce_scatter(tensor.detach().float().numpy(), wide.numpy(), recvcounts=counts, op=MPI.SUM)
+            out.detach().copy_(wide)
+            return _Done()
+        return _MpiStarted(self._reductions.Ireduce_scatter(tensor.detach().numpy(), out.detach().numpy(),
+                                                            recvcounts=counts, op=MPI.SUM))
+
+    def start_allgather_(self, tensor: torch.Tensor, counts: list[int]) -> Started:
+        _check_contiguous(tensor)
+        size = tensor.element_size()
+        return _MpiStarted(self._reductions.Iallgatherv(
+            MPI.IN_PLACE, [_bytes(tensor.detach()), ([c * size for c in counts], None), MPI.BYTE]))
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         _check_contiguous(tensor)
@@ -177,6 +204,17 @@ class TorchCollectives(Collectives):
     def start_allreduce_sum_(self, tensor: torch.Tensor) -> Started:
         _check_contiguous(tensor)
         return _TorchStarted(dist.all_reduce(tensor.detach(), op=dist.ReduceOp.SUM, async_op=True))
+
+    def start_reduce_scatter_sum(self, tensor: torch.Tensor, counts: list[int], out: torch.Tensor) -> Started:
+        _check_contiguous(tensor)
+        return _TorchStarted(dist.reduce_scatter(out.detach(), list(tensor.detach().split(counts)),
+                                                 op=dist.ReduceOp.SUM, async_op=True))
+
+    def start_allgather_(self, tensor: torch.Tensor, counts: list[int]) -> Started:
+        """One broadcast per rank's piece: gloo's all-gather takes only pieces of one size."""
+        _check_contiguous(tensor)
+        return _TorchStarted(*(dist.broadcast(piece, src=r, async_op=True)
+                               for r, piece in enumerate(tensor.detach().split(counts)) if piece.numel()))
 
     def alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         self._check_alltoallv(send, send_counts)
@@ -272,7 +310,7 @@ class GradientAverager:
             started.test()
 
     def _start(self, p: nn.Parameter) -> None:
-        grad = _dense_grad(p)
+        grad = dense_grad(p)
         grad.div_(self.collectives.size)
         self._started.append(self.collectives.start_allreduce_sum_(grad))
 
@@ -282,13 +320,13 @@ class GradientAverager:
         if size > 1:
             for p in self.large[len(self._started):]:
                 self._start(p)
-        reduced = [] if size > 1 else [_dense_grad(p) for p in self.large]
+        reduced = [] if size > 1 else [dense_grad(p) for p in self.large]
         for flat, params, views in self.packs:
             for p, view in zip(params, views):
                 if p.grad is None:
                     view.zero_()
                 else:
-                    view.copy_(_dense_grad(p))
+                    view.copy_(dense_grad(p))
                 p.grad = view
             reduced.append(flat)
         if size > 1:
@@ -300,7 +338,7 @@ class GradientAverager:
         self._started = []
 
 
-def _dense_grad(p: nn.Parameter) -> torch.Tensor:
+def dense_grad(p: nn.Parameter) -> torch.Tensor:
     """``p.grad``, made zeros if missing and contiguous if not."""
     grad = p.grad
     if grad is not None and grad.layout != torch.strided:

@@ -7,7 +7,7 @@ nothing else of them. Files of one version (stored by ``checkpoint.py``)::
     rank<r>/stream.pt    the rank's buffer and ledger, taken together (``Receiver``), and its
                          refusal and duplicate counts
     rank<r>/trainer.pt   its embedding shards with row ranges and optimizer state, RNG states, counters (``Trainer``)
-    rank0/dense.pt       the dense module and its optimizer (``Trainer.dense``: identical on every rank)
+    rank0/dense.pt       the dense module and its optimizer over whole parameters (``Trainer.dense``)
     rank0/study.pt       every simulation's state, attempts and failures; the hellos refused
     rank0/config.json    the resolved configuration
 
@@ -98,8 +98,10 @@ class Reshardable(Stateful, Protocol):
 class Part:
     """One named part of a checkpoint: the file ``rank<r>/<name>.pt``.
 
-    ``shared``: the same on every rank that holds it (or held by rank 0
-    alone), so rank 0 writes it and every holder reads that copy.
+    ``shared``: one for every rank that holds it (or held by rank 0 alone),
+    so rank 0 writes it and every holder reads that copy. Every holder still
+    takes its ``state_dict`` (a sharded one is gathered: a collective), which
+    may return None off rank 0.
     """
 
     name: str
@@ -130,7 +132,7 @@ class Checkpointer:
         self.root = checkpoint_root(config)
         self.comm = comm
         self.rank = comm.Get_rank()
-        self.parts = [part for part in parts if self.rank == 0 or not part.shared]
+        self.parts = parts
         self.keep = config.training.keep_checkpoints
         self.digest = config.digest()
         self.module_digest = module_digest(config) if self.rank == 0 else ""
@@ -147,6 +149,7 @@ class Checkpointer:
         them in the background (every rank, at the same batch)."""
         version, self.next_version = self.next_version, self.next_version + 1
         states = {part.name: part.state.state_dict() for part in self.parts}
+        states = {part.name: states[part.name] for part in self.parts if self.rank == 0 or not part.shared}
         self._writer.submit(lambda: self._write(version, batch, samples, states))
 
     def _write(self, version: int, batch: int, samples: int, states: dict[str, Any]) -> None:

@@ -4,8 +4,8 @@ The trainer knows nothing of where batches come from or when checkpoints are
 taken (``loop.py`` decides both); it offers its state as two checkpoint parts:
 itself (this rank's embedding shards, RNG states, counters and the losses
 per sample not yet sent to rank 0) and ``dense`` (the module without its
-sharded tables, and the optimizer: identical on every rank, so rank 0 alone
-writes it).
+sharded tables, and the optimizer's state over whole parameters: one for all
+ranks, which rank 0 writes; :mod:`melissa_dl.data_parallel`).
 
 When the study's sampler learns (``study.sampler`` ``adaptive``), every step
 records each sample's loss with its ``(simulation, step)``
@@ -30,8 +30,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from melissa_dl.collectives import GradientAverager, make_collectives
+from melissa_dl.collectives import make_collectives
 from melissa_dl.config import TrainingConfig
+from melissa_dl.data_parallel import make_data_parallel
 from melissa_dl.dataset import Batch, collate
 from melissa_dl.embedding import ShardedEmbedding, set_default_collectives, shard_range
 from melissa_dl.errors import ConfigError
@@ -120,7 +121,7 @@ class Trainer:
         self.module.to(self.device)
         self.tables = {name: m for name, m in self.module.named_modules() if isinstance(m, ShardedEmbedding)}
         self.optimizer = self.module.configure_optimizer()
-        self.averager = GradientAverager(self.module.parameters(), self.collectives)
+        self.parallel = make_data_parallel(self.module, self.optimizer, self.collectives)
         self.validation_set: list[Any] = []  # this rank's share of the held-out samples, from begin()
         self.output = output
         self.writer: Any = None  # opened by begin(), after a restore has set the step to continue from
@@ -157,7 +158,7 @@ class Trainer:
 
     def step(self, batch: Batch) -> None:
         self.module.train()
-        self.averager.zero_grad()
+        self.parallel.zero_grad()
         data = to_device(batch.data, self.device)
         loss = self.module.training_step(data)
         if loss.ndim:  # one loss per sample
@@ -166,13 +167,11 @@ class Trainer:
             loss = loss.mean()
         elif self.losses is not None:
             self.losses.record(batch.ids, self._sample_losses(data))
-        with self.averager.overlapping():
-            loss.backward()
-        self.averager.average()
+        self.parallel.backward(loss)
         for pending in self.copies:  # a checkpoint's copy of what the optimizers are about to change
             pending.wait()
         self.copies.clear()
-        self.optimizer.step()
+        self.parallel.step()
         for table in self.tables.values():
             self.rows_updated += table.apply_gradients()
         self.summary.batches += 1
@@ -326,10 +325,14 @@ class Dense:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
-    def state_dict(self) -> dict[str, Any]:
-        """The parameters and the optimizer state are copied in the background (only optimizer steps change
-        them), the module's other buffers now (a forward may change them)."""
+    def state_dict(self) -> dict[str, Any] | None:
+        """On rank 0 (None elsewhere; every rank calls it, as a sharded optimizer's state is gathered): the
+        parameters and the optimizer's own state are copied in the background (only optimizer steps change them),
+        the module's other buffers now (a forward may change them)."""
         trainer = self.trainer
+        optimizer = trainer.parallel.state_dict()
+        if trainer.rank != 0:
+            return None
         module = trainer.module.state_dict()
         for name in trainer.tables:
             del module[f"{name}.shard"], module[f"{name}._extra_state"]
@@ -337,7 +340,8 @@ class Dense:
         buffers = copy_to_cpu({k: v for k, v in module.items() if k not in parameters})
         dense = {**{k: v for k, v in module.items() if k in parameters}, **buffers}  # parameters first, as before
         return {"module": trainer.copy_later("module", dense),
-                "optimizer": trainer.copy_later("optimizer", trainer.optimizer.state_dict())}
+                "optimizer": optimizer if trainer.parallel.state_is_copy
+                else trainer.copy_later("optimizer", optimizer)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         trainer = self.trainer
@@ -348,7 +352,7 @@ class Dense:
             raise ConfigError(f"training.class_name: the checkpoint's module does not match "
                               f"{trainer.options.class_name} (missing {missing[:3]}, unexpected {unexpected[:3]}); "
                               "start over with --fresh")
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.parallel.load_state_dict(state["optimizer"])
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:

@@ -50,6 +50,7 @@ def test_training_logs_every_scalar_on_every_rank_and_saves_the_model(tmp_path: 
     assert (output / "config.json").exists()
     log = (output / "logs" / "rank0.log").read_text()  # a library's INFO lines stay out (issue 13, item 5)
     assert "chatty_library: a WARNING it should" in log and "an INFO line" not in log
+    assert "optimizer Adam sharded: each of the 2 ranks steps 1/2 of every parameter" in log
     pictures = [output / name for name in (INTAKE, BUFFERS, SIMULATIONS, LOSS)]
     assert all(path.stat().st_size > 0 for path in pictures) and f"plots: {', '.join(map(str, pictures))}" in run.log
 

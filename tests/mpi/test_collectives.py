@@ -77,6 +77,34 @@ def test_allreduce_sum_in_place(coll: Collectives, dtype: torch.dtype) -> None:
     assert torch.equal(tensor, torch.arange(12, dtype=dtype).reshape(3, 4) * factor)
 
 
+def _pieces(size: int) -> list[int]:
+    """Uneven pieces, the last rank's empty."""
+    return [r + 2 for r in range(size - 1)] + [0 if size > 1 else 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_reduce_scatter_leaves_each_rank_the_sum_of_its_piece(coll: Collectives, dtype: torch.dtype) -> None:
+    counts = _pieces(coll.size)
+    tensor = torch.arange(sum(counts), dtype=dtype) * (coll.rank + 1)
+    out = torch.full((counts[coll.rank],), -1.0, dtype=dtype)
+    coll.start_reduce_scatter_sum(tensor, counts, out).wait()
+    start = sum(counts[: coll.rank])
+    factor = sum(r + 1 for r in range(coll.size))
+    assert torch.equal(out, torch.arange(start, start + counts[coll.rank], dtype=dtype) * factor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_allgather_fills_every_rank_with_every_piece_in_place(coll: Collectives, dtype: torch.dtype) -> None:
+    counts = _pieces(coll.size)
+    tensor = torch.full((sum(counts),), -1).to(dtype)
+    start = sum(counts[: coll.rank])
+    tensor[start : start + counts[coll.rank]] = coll.rank
+    pointer = tensor.data_ptr()
+    coll.start_allgather_(tensor, counts).wait()
+    assert tensor.data_ptr() == pointer
+    assert torch.equal(tensor, torch.cat([torch.full((c,), r) for r, c in enumerate(counts)]).to(dtype))
+
+
 def test_allreduce_refuses_non_contiguous(coll: Collectives) -> None:
     with pytest.raises(ValueError, match="contiguous"):
         coll.allreduce_sum_(torch.zeros(4, 4).t())
