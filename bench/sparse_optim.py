@@ -5,11 +5,11 @@ uniform, and Zipf (numpy ``zipf(a=1.2)``, folded into the table and sent
 through a fixed random permutation so hot ids are scattered over the table as
 in real data). Both sides do the whole lookup + backward + update of one batch:
 
-- ours (each of sgd, adagrad, rowadagrad, adam): ``torch.unique(ids,
-  return_inverse=True)``, the lookup ``weight.index_select`` of the unique
-  rows, the gradient per unique row as the embedding's backward gives it (the
-  upstream gradient of a sum loss, ones, summed per id with ``index_add_``),
-  then ``opt.step(unique, grads)``;
+- ours (each of sgd, adagrad, rowadagrad, adam), with ``ShardedEmbedding``'s
+  own functions: ``unique_ids(ids)`` (the dedup), the lookup
+  ``weight.index_select`` of the unique rows, the gradient per unique row as
+  the embedding's backward gives it (``sum_rows`` of the upstream gradient of
+  a sum loss, ones), then ``opt.step(unique, grads)``;
 - baseline: ``nn.Embedding`` forward on the 4096 ids, backward of ``out.sum()``
   (a sparse COO gradient), ``torch.optim.SparseAdam.step()``;
 - second baseline, when ``fbgemm-gpu-cpu`` is installed (``pip install -e
@@ -26,7 +26,10 @@ row and of its state); ``bound_share`` is measured rows/s over that bound. All
 state is pre-faulted (zero-filled) so the first touch of a page is not timed.
 Sides alternate within each repetition; each figure is the median of
 ``--repeat`` repetitions and the ratio the median of per-repetition ratios.
-Also prints a per-phase breakdown (us per batch) of our side.
+Also prints a per-phase breakdown (us per batch) of our side, with what the
+torch path would take where the compiled loops run (``torch_unique``,
+``torch_sum``: ``index_add_`` into zeros, ``torch_step``: the optimizer's
+torch ops).
 
     python bench/sparse_optim.py [--rows 1000000] [--dim 64] [--batch 4096] [--batches 60] [--repeat 7] [--threads 1]
 """
@@ -41,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from melissa_dl.embedding import sum_rows, unique_ids
 from melissa_dl.sparse_optim import SparseOptimizer, make_sparse_optimizer
 
 OPTIMIZERS = ("sgd", "adagrad", "rowadagrad", "adam")
@@ -72,10 +76,9 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeat: int = 5) -> float:
 
 def ours_pass(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor], ones: torch.Tensor) -> None:
     for batch in ids:
-        unique, inverse = torch.unique(batch, return_inverse=True)
+        unique, inverse = unique_ids(batch)
         weight.index_select(0, unique)  # the lookup
-        grads = weight.new_zeros(len(unique), weight.shape[1]).index_add_(0, inverse, ones)
-        opt.step(unique, grads)
+        opt.step(unique, sum_rows(ones, inverse, len(unique)))
 
 
 def baseline_pass(emb: nn.Embedding, opt: torch.optim.Optimizer, ids: list[torch.Tensor]) -> None:
@@ -113,13 +116,10 @@ def fbgemm_pass(step: Callable[[torch.Tensor], None], ids: list[torch.Tensor]) -
 
 
 def breakdown(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor], ones: torch.Tensor) -> str:
-    """Microseconds per batch of each phase of our side, timed one phase at a time.
-
-    ``np_unique`` is ``numpy.unique(return_inverse=True)`` for comparison: numpy
-    sorts with SIMD, ``torch.unique`` with branchy comparisons.
-    """
-    uniq = [torch.unique(b, return_inverse=True) for b in ids]
-    grads = [weight.new_zeros(len(u), weight.shape[1]).index_add_(0, inv, ones) for u, inv in uniq]
+    """Microseconds per batch of each phase of our side, timed one phase at a time, and of the torch path's
+    phases where ours differ."""
+    uniq = [unique_ids(b) for b in ids]
+    grads = [sum_rows(ones, inv, len(u)) for u, inv in uniq]
 
     def each(fn: Callable[[int], object]) -> Callable[[], None]:
         def run() -> None:
@@ -128,11 +128,13 @@ def breakdown(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor
         return run
 
     phases = {
-        "unique": each(lambda i: torch.unique(ids[i], return_inverse=True)),
+        "unique": each(lambda i: unique_ids(ids[i])),
         "lookup": each(lambda i: weight.index_select(0, uniq[i][0])),
-        "grad": each(lambda i: weight.new_zeros(len(uniq[i][0]), weight.shape[1]).index_add_(0, uniq[i][1], ones)),
+        "sum": each(lambda i: sum_rows(ones, uniq[i][1], len(uniq[i][0]))),
         "step": each(lambda i: opt.step(uniq[i][0], grads[i])),
-        "np_unique": each(lambda i: np.unique(ids[i].numpy(), return_inverse=True)),
+        "torch_unique": each(lambda i: torch.unique(ids[i], return_inverse=True)),
+        "torch_sum": each(lambda i: weight.new_zeros(len(uniq[i][0]), weight.shape[1]).index_add_(0, uniq[i][1], ones)),
+        "torch_step": each(lambda i: opt._update(weight, uniq[i][0], grads[i])),  # the optimizer's torch ops
     }
     return " ".join(f"{k}={statistics.median(timed(f) for _ in range(3)) / len(ids) * 1e6:.0f}"
                     for k, f in phases.items())

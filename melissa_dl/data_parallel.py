@@ -8,7 +8,7 @@ Picked once per run by ``make_data_parallel``:
   all-gather). The bytes moved are those of an all-reduce; the optimizer's
   work and state per rank are 1/K of them, and the replicas are identical by
   construction. On 2 ranks sharing 2 cores it took the server's step of a
-  10 MB MLP with Adam from 1.18x to about 1.0x a single process's
+  10 MB MLP with Adam from 1.18-1.19x a single process's to 1.01-1.03x
   (``bench/step_overhead.py``). It needs an optimizer that treats each
   element alone (the torch ones in ``ELEMENTWISE``, exactly those classes),
   whose parameters are dense modules' contiguous tensors of one dimension or

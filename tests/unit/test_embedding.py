@@ -5,13 +5,23 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from kernel_paths import row_path  # noqa: F401 (a fixture, used through pytestmark)
 from torch import nn
 
 from melissa_dl import embedding as embedding_module
-from melissa_dl.embedding import ShardedEmbedding, row_owners, set_default_collectives, shard_range
+from melissa_dl.embedding import (
+    ShardedEmbedding,
+    row_owners,
+    set_default_collectives,
+    shard_range,
+    sum_rows,
+    unique_ids,
+)
 from melissa_dl.sparse_optim import make_sparse_optimizer
 
 LR = 0.1
+
+pytestmark = pytest.mark.usefixtures("row_path")
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +74,21 @@ def test_shard_range_examples_and_invalid_arguments() -> None:
     for args in [(10, 0, 0), (10, 2, 2), (10, 2, -1), (-1, 2, 0)]:
         with pytest.raises(ValueError):
             shard_range(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dtype) -> None:
+    ids = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(0))
+    for batch in (ids, ids[:0]):
+        unique, inverse = unique_ids(batch)
+        expected_unique, expected_inverse = torch.unique(batch, sorted=True, return_inverse=True)
+        assert torch.equal(unique, expected_unique) and torch.equal(inverse, expected_inverse)
+        assert unique.dtype == inverse.dtype == torch.int64
+        grads = torch.randn(len(batch), 4, generator=torch.Generator().manual_seed(1)).to(dtype)
+        summed = sum_rows(grads, inverse, len(unique))
+        expected = grads.new_zeros(len(unique), 4).index_add_(0, inverse, grads)
+        assert summed.dtype == dtype
+        torch.testing.assert_close(summed, expected)
 
 
 def test_single_process_matches_nn_embedding_with_sgd() -> None:

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from kernel_paths import row_path  # noqa: F401 (a fixture, used through pytestmark)
 from torch import nn
 
 from melissa_dl.errors import ConfigError
@@ -17,7 +18,8 @@ from melissa_dl.sparse_optim import (
     make_sparse_optimizer,
 )
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:Sparse invariant checks")]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:Sparse invariant checks"),
+              pytest.mark.usefixtures("row_path")]
 
 ROWS, DIM = 50, 8
 # Repeated, overlapping, empty and disjoint row sets; row 40..49 is never touched.
