@@ -58,12 +58,13 @@ def row_owners(rows: torch.Tensor, num_rows: int, size: int) -> torch.Tensor:
 
 
 def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.unique(ids, sorted=True, return_inverse=True)`` of 1-D int64 ids; through numpy on CPU, whose
-    sort is 2x faster on a batch of 4096 ids (``bench/sparse_optim.py``)."""
-    if ids.device.type != "cpu" or not ids.numel():  # numpy's empty result has stride 0, which views refuse
+    """``torch.unique(ids, sorted=True, return_inverse=True)`` of 1-D int64 ids; on CPU by a compiled pass after
+    numpy's argsort where it can (``row_kernels.Kernels.unique``), 2-3x faster on a batch of 4096 ids
+    (``bench/sparse_optim.py``)."""
+    kernels = row_kernels.load() if ids.device.type == "cpu" and ids.is_contiguous() else None
+    if kernels is None or not ids.numel():
         return torch.unique(ids, sorted=True, return_inverse=True)
-    unique, inverse = np.unique(ids.numpy(), return_inverse=True)
-    return torch.from_numpy(unique), torch.from_numpy(inverse.astype(np.int64, copy=False))
+    return kernels.unique(ids)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -18,7 +18,6 @@ on GPUs and for float16 or bfloat16 tables.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import numpy as np
@@ -60,52 +59,72 @@ def _adagrad(weight: np.ndarray, total: np.ndarray, rows: np.ndarray, grads: np.
         for j in range(w.shape[0]):
             g = grads[i, j]
             acc[j] += g * g
-            w[j] -= lr * (g / (math.sqrt(acc[j]) + eps))
+            w[j] -= lr * (g / (np.sqrt(acc[j]) + eps))
 
 
 def _row_adagrad(weight: np.ndarray, total: np.ndarray, rows: np.ndarray, grads: np.ndarray, lr: Any,
-                 eps: Any) -> None:
+                 eps: Any, inv_dim: Any) -> None:
     dim = weight.shape[1]
     for i in range(rows.shape[0]):
         r = rows[i]
-        square = grads[i, 0] * 0  # of the table's dtype
+        square = inv_dim - inv_dim  # 0 of the table's dtype
         for j in range(dim):
             square += grads[i, j] * grads[i, j]
-        total[r] += square / dim
-        scale = -lr / (math.sqrt(total[r]) + eps)
+        total[r] += square * inv_dim
+        scale = -lr / (np.sqrt(total[r]) + eps)
         w = weight[r]
         for j in range(dim):
             w[j] += grads[i, j] * scale
 
 
-def _adam(weight: np.ndarray, moments: np.ndarray, rows: np.ndarray, grads: np.ndarray, beta1: Any, beta2: Any,
-          step_size: Any, eps: Any) -> None:
+def _adam(weight: np.ndarray, moments: np.ndarray, rows: np.ndarray, grads: np.ndarray, one_minus_beta1: Any,
+          beta2: Any, one_minus_beta2: Any, step_size: Any, eps: Any) -> None:
     for i in range(rows.shape[0]):
         r = rows[i]
         w, m, v = weight[r], moments[r, 0], moments[r, 1]
         for j in range(w.shape[0]):
             g = grads[i, j]
-            m[j] += (1 - beta1) * (g - m[j])
-            v[j] = v[j] * beta2 + (1 - beta2) * (g * g)
-            w[j] -= step_size * (m[j] / (math.sqrt(v[j]) + eps))
+            m[j] += one_minus_beta1 * (g - m[j])
+            v[j] = v[j] * beta2 + one_minus_beta2 * (g * g)
+            w[j] -= step_size * (m[j] / (np.sqrt(v[j]) + eps))
 
 
-def _sum_rows(grads: np.ndarray, inverse: np.ndarray, out: np.ndarray) -> None:
-    """``out[inverse[i]] += grads[i]`` (``out`` zero-filled here)."""
-    out[:] = 0
+def _sum_rows(grads: np.ndarray, inverse: np.ndarray, out: np.ndarray, seen: np.ndarray) -> None:
+    """``out[inverse[i]] += grads[i]`` into an uninitialised ``out``: a row's first gradient is copied, the
+    next ones added (no zero-filling pass)."""
+    seen[:] = False
     for i in range(inverse.shape[0]):
-        o = out[inverse[i]]
-        for j in range(o.shape[0]):
-            o[j] += grads[i, j]
+        k = inverse[i]
+        o = out[k]
+        if seen[k]:
+            for j in range(o.shape[0]):
+                o[j] += grads[i, j]
+        else:
+            seen[k] = True
+            for j in range(o.shape[0]):
+                o[j] = grads[i, j]
+
+
+def _unique(ids: np.ndarray, order: np.ndarray, unique: np.ndarray, inverse: np.ndarray) -> int:
+    """The distinct ``ids`` in ascending order (``order`` sorts them), and where each id went; how many."""
+    count = 0
+    for k in range(order.shape[0]):
+        i = order[k]
+        if count == 0 or ids[i] != unique[count - 1]:
+            unique[count] = ids[i]
+            count += 1
+        inverse[i] = count - 1
+    return count
 
 
 class Kernels:
-    """The loops above, compiled, on tensors: hyperparameters in the table's dtype, so that the arithmetic is
-    the torch path's."""
+    """The loops above, compiled, on tensors: every constant in the table's dtype, as torch casts them, so that
+    the arithmetic is the torch path's and stays in SIMD lanes of that dtype (a Python int or float in a loop
+    would promote it to float64)."""
 
     def __init__(self, compile_: Any) -> None:
-        self._sgd, self._adagrad, self._row_adagrad, self._adam, self._sum_rows = (
-            compile_(f) for f in (_sgd, _adagrad, _row_adagrad, _adam, _sum_rows))
+        self._sgd, self._adagrad, self._row_adagrad, self._adam, self._sum_rows, self._unique = (
+            compile_(f) for f in (_sgd, _adagrad, _row_adagrad, _adam, _sum_rows, _unique))
 
     def sgd(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         self._sgd(*_arrays(weight, rows, grads), *_scalars(weight, lr))
@@ -116,17 +135,26 @@ class Kernels:
 
     def row_adagrad(self, weight: torch.Tensor, total: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor,
                     lr: float, eps: float) -> None:
-        self._row_adagrad(*_arrays(weight, total, rows, grads), *_scalars(weight, lr, eps))
+        self._row_adagrad(*_arrays(weight, total, rows, grads), *_scalars(weight, lr, eps, 1 / weight.shape[1]))
 
     def adam(self, weight: torch.Tensor, moments: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor,
              beta1: float, beta2: float, step_size: float, eps: float) -> None:
-        self._adam(*_arrays(weight, moments, rows, grads), *_scalars(weight, beta1, beta2, step_size, eps))
+        self._adam(*_arrays(weight, moments, rows, grads),
+                   *_scalars(weight, 1 - beta1, beta2, 1 - beta2, step_size, eps))
 
     def sum_rows(self, grads: torch.Tensor, inverse: torch.Tensor, rows: int) -> torch.Tensor:
         """The gradient of each of ``rows`` rows: ``grads`` summed by ``inverse`` (``index_add_`` into zeros)."""
         out = grads.new_empty((rows, grads.shape[1]))
-        self._sum_rows(*_arrays(grads, inverse, out))
+        self._sum_rows(*_arrays(grads, inverse, out), np.empty(rows, dtype=np.bool_))
         return out
+
+    def unique(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``torch.unique(ids, sorted=True, return_inverse=True)`` of 1-D int64 CPU ids, after numpy's
+        (SIMD) argsort: one pass instead of ``np.unique``'s several."""
+        values = ids.numpy()
+        unique, inverse = np.empty_like(values), np.empty_like(values)
+        count = self._unique(values, np.argsort(values), unique, inverse)
+        return torch.from_numpy(unique[:count]), torch.from_numpy(inverse)
 
 
 def _arrays(*tensors: torch.Tensor) -> list[np.ndarray]:
