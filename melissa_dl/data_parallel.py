@@ -64,7 +64,7 @@ def make_data_parallel(module: nn.Module, optimizer: torch.optim.Optimizer,
     """Sharded where it can be, replicated otherwise (and said which, once)."""
     refusal = _unshardable(module, optimizer, collectives.size)
     if refusal is None:
-        parallel: DataParallel = ShardedStep(optimizer, collectives)
+        parallel: DataParallel = ShardedStep(module, optimizer, collectives)
         how = f"sharded: each of the {collectives.size} ranks steps 1/{collectives.size} of every parameter"
     else:
         parallel = ReplicatedStep(module, optimizer, collectives)
@@ -123,29 +123,33 @@ class ShardedStep:
     smaller ones go through one flat tensor per (device, dtype) laid out rank
     by rank (every parameter's piece 0, then every piece 1, ...), so that a
     reduce-scatter of it leaves each rank its pieces side by side, and a
-    model of many small tensors costs two calls.
+    model of many small tensors costs two calls. A frozen parameter
+    (``requires_grad`` false) is neither reduced nor gathered: its piece has
+    no gradient, so the optimizer skips it, as torch's does.
     """
 
     state_is_copy = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, collectives: Collectives,
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, collectives: Collectives,
                  small_bytes: int = 1 << 20) -> None:
         self.optimizer = optimizer  # the user's: it keeps the hyperparameters in force (a schedule sets them there)
         optimizer.state.clear()  # and never steps (Adagrad makes its state at once)
         self.collectives = collectives
         self.rank, self.size = collectives.rank, collectives.size
+        self.trained = [p for p in module.parameters() if p.requires_grad]  # those whose gradients zero_grad drops
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.counts = [[p.numel() * (r + 1) // self.size - p.numel() * r // self.size for r in range(self.size)]
                        for p in self.params]
         self.spans = [(sum(c[: self.rank]), sum(c[: self.rank + 1])) for c in self.counts]
         self.shards = [nn.Parameter(p.detach().view(-1)[a:b]) for p, (a, b) in zip(self.params, self.spans)]
-        self.large = [i for i, p in enumerate(self.params) if p.numel() * p.element_size() >= small_bytes]
+        stepped = [i for i, p in enumerate(self.params) if p.requires_grad]
+        self.large = [i for i in stepped if self.params[i].numel() * self.params[i].element_size() >= small_bytes]
         for i in self.large:
             self.shards[i].grad = torch.empty_like(self.shards[i])
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(self.params):
+        for i in stepped:
             if i not in self.large:
-                groups.setdefault((p.device, p.dtype), []).append(i)
+                groups.setdefault((self.params[i].device, self.params[i].dtype), []).append(i)
         self.packs = [_Pack(indices, self) for indices in groups.values()]
         shards = iter(self.shards)
         cls = type(optimizer)
@@ -158,7 +162,7 @@ class ShardedStep:
         self._started: list[Started] = []
 
     def zero_grad(self) -> None:
-        for p in self.params:
+        for p in self.trained:
             p.grad = None
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -191,7 +195,7 @@ class ShardedStep:
         own = self.shard_optimizer.state_dict()["state"]
         state: dict[int, dict[str, Any]] = {}
         started = []
-        for i, entry in own.items():
+        for i, entry in own.items():  # the same entries and keys on every rank: the same steps made them
             state[i] = {}
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.ndim == 1:

@@ -18,24 +18,32 @@ on GPUs and for float16 or bfloat16 tables.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 DTYPES = (torch.float32, torch.float64)
 
 
 @functools.cache
 def load() -> Kernels | None:
-    """The compiled kernels, or None without numba."""
+    """The compiled kernels, each compiled (or read from numba's cache) and run once here, or None when numba
+    is missing or fails (a damaged cache file, an unwritable cache folder): the torch path runs instead."""
     try:
         import numba
-    except ImportError:  # the torch path runs instead
+
+        # reassoc: a row's sum of squares may be summed in SIMD lanes (2x faster RowAdagrad; the order, not the
+        # operations, differs from torch's); contract: fused multiply-adds
+        kernels = Kernels(numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"}))
+        kernels.warm_up()
+    except Exception:  # any failure of the optional compiler leaves the torch path
+        logger.warning("numba's compiled loops are not available; the sparse path runs torch ops", exc_info=True)
         return None
-    # reassoc: a row's sum of squares may be summed in SIMD lanes (2x faster RowAdagrad; the order, not the
-    # operations, differs from torch's); contract: fused multiply-adds
-    return Kernels(numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"}))
+    return kernels
 
 
 def usable(*tensors: torch.Tensor) -> Kernels | None:
@@ -91,7 +99,7 @@ def _adam(weight: np.ndarray, moments: np.ndarray, rows: np.ndarray, grads: np.n
 
 def _sum_rows(grads: np.ndarray, inverse: np.ndarray, out: np.ndarray, seen: np.ndarray) -> None:
     """``out[inverse[i]] += grads[i]`` into an uninitialised ``out``: a row's first gradient is copied, the
-    next ones added (no zero-filling pass)."""
+    next ones added, and rows no gradient reaches zeroed at the end (no zero-filling pass first)."""
     seen[:] = False
     for i in range(inverse.shape[0]):
         k = inverse[i]
@@ -103,6 +111,9 @@ def _sum_rows(grads: np.ndarray, inverse: np.ndarray, out: np.ndarray, seen: np.
             seen[k] = True
             for j in range(o.shape[0]):
                 o[j] = grads[i, j]
+    for k in range(out.shape[0]):
+        if not seen[k]:
+            out[k] = 0
 
 
 def _unique(ids: np.ndarray, order: np.ndarray, unique: np.ndarray, inverse: np.ndarray) -> int:
@@ -125,6 +136,18 @@ class Kernels:
     def __init__(self, compile_: Any) -> None:
         self._sgd, self._adagrad, self._row_adagrad, self._adam, self._sum_rows, self._unique = (
             compile_(f) for f in (_sgd, _adagrad, _row_adagrad, _adam, _sum_rows, _unique))
+
+    def warm_up(self) -> None:
+        """Each loop once per table dtype, on two rows: compiled (or read from the cache) now, not mid-step."""
+        for dtype in DTYPES:
+            table, state, grads = (torch.ones(2, 2, dtype=dtype) for _ in range(3))
+            rows = torch.arange(2)
+            self.sgd(table, rows, grads, 0.1)
+            self.adagrad(table, state, rows, grads, 0.1, 1e-10)
+            self.row_adagrad(table, state[:, 0].contiguous(), rows, grads, 0.1, 1e-10)
+            self.adam(table, torch.zeros(2, 2, 2, dtype=dtype), rows, grads, 0.9, 0.999, 0.1, 1e-8)
+            self.sum_rows(grads, rows, 2)
+        self.unique(torch.tensor([3, 1, 3]))
 
     def sgd(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         self._sgd(*_arrays(weight, rows, grads), *_scalars(weight, lr))

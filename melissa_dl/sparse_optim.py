@@ -85,7 +85,10 @@ class SparseOptimizer(ABC):
         kernels = row_kernels.usable(weight, grads, *self.state.values())
         if kernels is None:
             self._update(weight, rows, grads)
-        else:
+        else:  # the compiled loops do not check their indices: an id out of range would write anywhere
+            low, high = torch.aminmax(rows)
+            if int(low) < 0 or int(high) >= weight.shape[0]:
+                raise IndexError(f"{self.name}: rows {int(low)}..{int(high)} outside the {weight.shape[0]} of the shard")
             self._fused(kernels, weight, rows, grads)
 
     @abstractmethod

@@ -80,7 +80,7 @@ def _assert_same_everywhere(model: nn.Module, comm: MPI.Comm) -> None:
 def test_sharded_ranks_train_like_one_model_on_the_mean_loss(coll: Collectives, comm: MPI.Comm, name: str,
                                                              small_bytes: int) -> None:
     model = _model()
-    parallel = ShardedStep(OPTIMIZERS[name](model.parameters()), coll, small_bytes=small_bytes)
+    parallel = ShardedStep(model, OPTIMIZERS[name](model.parameters()), coll, small_bytes=small_bytes)
     assert len(parallel.large) == {0: 6, 64: 2, 1 << 20: 0}[small_bytes]
     _train(model, parallel, coll.rank, range(3))
     reference, _ = _reference(name, coll.size, range(3))
@@ -112,7 +112,7 @@ def test_a_sharded_state_is_the_whole_optimizers_and_resumes_sharded_or_replicat
     """The state a checkpoint holds is what one optimizer over whole parameters holds; a run continues from it
     in shards or replicated, and from a replicated run's state in shards."""
     model = _model()
-    parallel = ShardedStep(OPTIMIZERS[name](model.parameters()), coll, small_bytes=64)
+    parallel = ShardedStep(model, OPTIMIZERS[name](model.parameters()), coll, small_bytes=64)
     _train(model, parallel, coll.rank, range(2))
     state = parallel.state_dict()
     assert (state is None) == (coll.rank != 0)
@@ -130,7 +130,7 @@ def test_a_sharded_state_is_the_whole_optimizers_and_resumes_sharded_or_replicat
     for make, source in [(ShardedStep, state), (ReplicatedStep, state), (ShardedStep, expected)]:
         resumed = copy.deepcopy(model)
         optimizer = OPTIMIZERS[name](resumed.parameters())
-        step = ShardedStep(optimizer, coll, small_bytes=64) if make is ShardedStep \
+        step = ShardedStep(resumed, optimizer, coll, small_bytes=64) if make is ShardedStep \
             else ReplicatedStep(resumed, optimizer, coll)
         step.load_state_dict(copy.deepcopy(source))
         _train(resumed, step, coll.rank, range(2, 4))
@@ -142,7 +142,7 @@ def test_a_learning_rate_set_on_the_users_optimizer_takes_effect(coll: Collectiv
     """A schedule changes the user's optimizer's param_groups: the shards step with them."""
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    parallel = ShardedStep(optimizer, coll)
+    parallel = ShardedStep(model, optimizer, coll)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.param_groups[0]["lr"] = 0.0
     _train(model, parallel, coll.rank, range(1))
@@ -150,3 +150,29 @@ def test_a_learning_rate_set_on_the_users_optimizer_takes_effect(coll: Collectiv
     optimizer.param_groups[0]["lr"] = 0.1
     _train(model, parallel, coll.rank, range(1, 2))
     assert not torch.equal(model["a"].weight, before[0])
+
+
+@pytest.mark.parametrize("small_bytes", [0, 1 << 20])
+def test_frozen_parameters_stay_put_and_gradients_outside_the_optimizer_are_dropped(
+    coll: Collectives, comm: MPI.Comm, small_bytes: int
+) -> None:
+    """A frozen layer in the optimizer is skipped (as torch's AdamW skips it, weight decay included); a trained
+    layer left out of the optimizer keeps no gradient from one step to the next."""
+    model = _model()
+    model["a"].requires_grad_(False)
+    optimizer = torch.optim.AdamW([*model["a"].parameters(), *model["b"].parameters()], lr=0.1)
+    parallel = ShardedStep(model, optimizer, coll, small_bytes=small_bytes)
+    frozen = [p.detach().clone() for p in model["a"].parameters()]
+    _train(model, parallel, coll.rank, range(2))
+    assert all(torch.equal(p, f) for p, f in zip(model["a"].parameters(), frozen))
+    assert all(p.grad is not None for p in model["c"].parameters())  # from the last step only
+    parallel.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    reference = _model()
+    reference["a"].requires_grad_(False)
+    _reference("adamw", coll.size, range(2), reference,
+               torch.optim.AdamW([*reference["a"].parameters(), *reference["b"].parameters()], lr=0.1))
+    for trained, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(trained, expected, atol=1e-6, rtol=0)
+    state = comm.bcast(parallel.state_dict())
+    assert sorted(state["state"]) == [2, 3]  # b's weight and bias: a's never stepped

@@ -9,6 +9,7 @@ from kernel_paths import row_path  # noqa: F401 (a fixture, used through pytestm
 from torch import nn
 
 from melissa_dl import embedding as embedding_module
+from melissa_dl import row_kernels
 from melissa_dl.embedding import (
     ShardedEmbedding,
     row_owners,
@@ -20,6 +21,7 @@ from melissa_dl.embedding import (
 from melissa_dl.sparse_optim import make_sparse_optimizer
 
 LR = 0.1
+COMPILE = row_kernels.load.__wrapped__  # uncached, and whatever path the test runs on
 
 pytestmark = pytest.mark.usefixtures("row_path")
 
@@ -89,6 +91,20 @@ def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dty
         expected = grads.new_zeros(len(unique), 4).index_add_(0, inverse, grads)
         assert summed.dtype == dtype
         torch.testing.assert_close(summed, expected)
+    gaps = sum_rows(torch.ones(2, 4), torch.tensor([0, 3]), 5)  # rows 1, 2 and 4 get no gradient: zeros
+    assert torch.equal(gaps, torch.tensor([1.0, 0, 0, 1, 0])[:, None].expand(5, 4))
+
+
+def test_a_compiler_that_fails_leaves_the_torch_path(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    import numba
+
+    def broken(**options: object) -> object:
+        raise EOFError("a damaged cache file")
+
+    monkeypatch.setattr(numba, "njit", broken)
+    assert COMPILE() is None
+    assert "numba's compiled loops are not available" in caplog.text
 
 
 def test_single_process_matches_nn_embedding_with_sgd() -> None:

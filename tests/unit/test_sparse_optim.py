@@ -197,3 +197,14 @@ def test_factory_hyperparameters_and_errors() -> None:
         make_sparse_optimizer("adam", 0.01, betas=(1.0, 0.9))
     with pytest.raises(ConfigError, match="learning rate"):
         make_sparse_optimizer("adagrad", -1.0)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowadagrad", "adam"])
+def test_rows_outside_the_shard_are_refused(name: str) -> None:
+    opt = make_sparse_optimizer(name, 0.1)
+    weight = init_weight()
+    opt.bind(weight)
+    for rows in ([3, ROWS], [-1, 2]):
+        with pytest.raises(IndexError):
+            opt.step(torch.tensor(rows), torch.ones(2, DIM))
+    assert torch.equal(weight, init_weight())
