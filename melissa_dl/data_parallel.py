@@ -191,27 +191,24 @@ class ShardedStep:
             pack.unpack()
 
     def state_dict(self) -> dict[str, Any] | None:
-        """Each piece's state gathered whole (its 1-D tensors; the scalars are the same on every rank)."""
-        own = self.shard_optimizer.state_dict()["state"]
+        """Each piece's state gathered whole (its 1-D tensors; the scalars are the same on every rank), one
+        tensor at a time, so that no rank holds more than one whole tensor at once but rank 0, which keeps them
+        (on the CPU) to write them."""
         state: dict[int, dict[str, Any]] = {}
-        started = []
-        for i, entry in own.items():  # the same entries and keys on every rank: the same steps made them
-            state[i] = {}
+        for i, entry in self.shard_optimizer.state_dict()["state"].items():  # the same entries and keys everywhere
+            kept = state.setdefault(i, {})
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.ndim == 1:
                     whole = value.new_empty(self.params[i].numel())
                     whole[slice(*self.spans[i])] = value
-                    started.append(self.collectives.start_allgather_(whole, self.counts[i]))
+                    self.collectives.start_allgather_(whole, self.counts[i]).wait()
                     value = whole.view(self.params[i].shape)
                 elif isinstance(value, torch.Tensor):
                     value = value.clone()  # the step counter: the next step adds to it in place
-                state[i][key] = value
-        for gathering in started:
-            gathering.wait()
+                if self.rank == 0:
+                    kept[key] = value.cpu() if isinstance(value, torch.Tensor) else value
         if self.rank != 0:
             return None
-        state = {i: {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
-                 for i, entry in state.items()}
         return {"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
