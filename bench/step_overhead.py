@@ -185,24 +185,25 @@ def pieces(config: Config, comm: MPI.Intracomm, samples: list[Sample]) -> dict[s
     buffer.close()
     times: dict[str, list[float]] = {"backward": [], "optimizer": [], "dense_step": []}
 
-    def step(name: str) -> None:
+    def loss_after_barrier() -> torch.Tensor:
         parallel.zero_grad()
         loss = module.training_step(data)
         comm.Barrier()
-        start = time.perf_counter()
-        if name == "dense_step":
-            parallel.backward(loss)
-            parallel.step()
-        else:
-            loss.backward()
-            times["backward"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            trainer.optimizer.step()  # the whole optimizer, as the plain side's
-        times[name].append(time.perf_counter() - start)
+        return loss
 
     for _ in range(30):
-        step("optimizer")
-        step("dense_step")
+        loss = loss_after_barrier()
+        start = time.perf_counter()
+        loss.backward()
+        middle = time.perf_counter()
+        trainer.optimizer.step()  # the whole optimizer, as the plain side's
+        times["backward"].append(middle - start)
+        times["optimizer"].append(time.perf_counter() - middle)
+        loss = loss_after_barrier()
+        start = time.perf_counter()
+        parallel.backward(loss)
+        parallel.step()
+        times["dense_step"].append(time.perf_counter() - start)
     flags = np.zeros(5, dtype=np.int64)
     result = {name: statistics.median(seconds) for name, seconds in times.items()}
     result["dense_step"] -= result["backward"]
