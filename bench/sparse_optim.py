@@ -5,11 +5,11 @@ uniform, and Zipf (numpy ``zipf(a=1.2)``, folded into the table and sent
 through a fixed random permutation so hot ids are scattered over the table as
 in real data). Both sides do the whole lookup + backward + update of one batch:
 
-- ours (each of sgd, adagrad, rowadagrad, adam), with ``ShardedEmbedding``'s
-  own functions: ``unique_ids(ids)`` (the dedup), the lookup
-  ``weight.index_select`` of the unique rows, the gradient per unique row as
-  the embedding's backward gives it (``sum_rows`` of the upstream gradient of
-  a sum loss, ones), then ``opt.step(unique, grads)``;
+- ours (each of sgd, adagrad, rowadagrad, adam), as ``ShardedEmbedding`` on
+  one process does it less autograd: the lookup ``weight.index_select`` of the
+  batch's ids, then ``opt.step(ids, grads)`` with the upstream gradient of a
+  sum loss (ones), one row per id: the step sums the gradients of repeated
+  ids and updates each distinct row once;
 - baseline: ``nn.Embedding`` forward on the 4096 ids, backward of ``out.sum()``
   (a sparse COO gradient), ``torch.optim.SparseAdam.step()``;
 - second baseline, when ``fbgemm-gpu-cpu`` is installed (``pip install -e
@@ -26,10 +26,10 @@ row and of its state); ``bound_share`` is measured rows/s over that bound. All
 state is pre-faulted (zero-filled) so the first touch of a page is not timed.
 Sides alternate within each repetition; each figure is the median of
 ``--repeat`` repetitions and the ratio the median of per-repetition ratios.
-Also prints a per-phase breakdown (us per batch) of our side, with what the
-torch path would take where the compiled loops run (``torch_unique``,
-``torch_sum``: ``index_add_`` into zeros, ``torch_step``: the optimizer's
-torch ops).
+Also prints a per-phase breakdown (us per batch) of our side: the lookup, the
+step, the sort it starts with, and the step by torch's ops (``torch_step``:
+``unique``, ``index_add_`` and the optimizer's torch math, what GPUs and
+float16 tables run).
 
     python bench/sparse_optim.py [--rows 1000000] [--dim 64] [--batch 4096] [--batches 60] [--repeat 7] [--threads 1]
 """
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from melissa_dl.embedding import sum_rows, unique_ids
+from melissa_dl import row_kernels
 from melissa_dl.sparse_optim import SparseOptimizer, make_sparse_optimizer
 
 OPTIMIZERS = ("sgd", "adagrad", "rowadagrad", "adam")
@@ -76,9 +76,8 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeat: int = 5) -> float:
 
 def ours_pass(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor], ones: torch.Tensor) -> None:
     for batch in ids:
-        unique, inverse = unique_ids(batch)
-        weight.index_select(0, unique)  # the lookup
-        opt.step(unique, sum_rows(ones, inverse, len(unique)))
+        weight.index_select(0, batch)  # the lookup
+        opt.step(batch, ones)
 
 
 def baseline_pass(emb: nn.Embedding, opt: torch.optim.Optimizer, ids: list[torch.Tensor]) -> None:
@@ -116,25 +115,21 @@ def fbgemm_pass(step: Callable[[torch.Tensor], None], ids: list[torch.Tensor]) -
 
 
 def breakdown(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor], ones: torch.Tensor) -> str:
-    """Microseconds per batch of each phase of our side, timed one phase at a time, and of the torch path's
-    phases where ours differ."""
-    uniq = [unique_ids(b) for b in ids]
-    grads = [sum_rows(ones, inv, len(u)) for u, inv in uniq]
+    """Microseconds per batch of each phase of our side, timed one phase at a time, and of the torch path's step."""
+    kernels = row_kernels.load()
+    assert kernels is not None, "numba's compiled loops did not load"
 
-    def each(fn: Callable[[int], object]) -> Callable[[], None]:
+    def each(fn: Callable[[torch.Tensor], object]) -> Callable[[], None]:
         def run() -> None:
-            for i in range(len(ids)):
-                fn(i)  # the result is dropped at once, as in the real pass
+            for batch in ids:
+                fn(batch)  # the result is dropped at once, as in the real pass
         return run
 
     phases = {
-        "unique": each(lambda i: unique_ids(ids[i])),
-        "lookup": each(lambda i: weight.index_select(0, uniq[i][0])),
-        "sum": each(lambda i: sum_rows(ones, uniq[i][1], len(uniq[i][0]))),
-        "step": each(lambda i: opt.step(uniq[i][0], grads[i])),
-        "torch_unique": each(lambda i: torch.unique(ids[i], return_inverse=True)),
-        "torch_sum": each(lambda i: weight.new_zeros(len(uniq[i][0]), weight.shape[1]).index_add_(0, uniq[i][1], ones)),
-        "torch_step": each(lambda i: opt._update(weight, uniq[i][0], grads[i])),  # the optimizer's torch ops
+        "lookup": each(lambda batch: weight.index_select(0, batch)),
+        "sort": each(kernels.sorted_keys),
+        "step": each(lambda batch: opt.step(batch, ones)),
+        "torch_step": each(lambda batch: opt._torch_step(weight, batch, ones)),
     }
     return " ".join(f"{k}={statistics.median(timed(f) for _ in range(3)) / len(ids) * 1e6:.0f}"
                     for k, f in phases.items())

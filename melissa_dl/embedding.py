@@ -3,14 +3,15 @@
 Rank ``r`` owns the contiguous rows ``shard_range(num_rows, K, r)``; no rank
 holds the whole table. A lookup deduplicates the batch's ids (sorted, so
 already grouped by owner), sends each id to its owner with one all-to-all,
-and gets the rows back with a second one. The returned block of unique rows
-is an autograd leaf, and the output indexes it (``gather_rows``), so its
-backward sums the gradient of each unique id (never averaged, as torch, PBG
-and FBGEMM do).
+and gets the rows back with a second one; the output indexes the block of
+unique rows (``_Gather``), so its backward sums the gradient of each unique
+id (never averaged, as torch, PBG and FBGEMM do).
 ``apply_gradients`` sends those per-id gradients back to the owners (a third
-all-to-all), which sum them over ranks, divide by K (the global loss is the
-mean of the K per-rank losses, DESIGN §5) and let the shard's sparse
-optimizer update only the touched rows.
+all-to-all), which divide them by K (the global loss is the mean of the K
+per-rank losses, DESIGN §5) and let the shard's sparse optimizer sum them
+over ranks and update only the touched rows. On one process a lookup is a
+plain gather, and its backward hands the optimizer one gradient per id of
+the batch to sum.
 
 The shard is a registered buffer, not a parameter: the dense gradient
 averager and the user's dense optimizer never see it, and it is saved in the
@@ -58,34 +59,11 @@ def row_owners(rows: torch.Tensor, num_rows: int, size: int) -> torch.Tensor:
 
 
 def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.unique(ids, sorted=True, return_inverse=True)`` of 1-D int64 ids; on CPU by a compiled pass after
-    numpy's argsort where it can (``row_kernels.Kernels.unique``), 2-3x faster on a batch of 4096 ids
-    (``bench/sparse_optim.py``)."""
-    kernels = row_kernels.load() if ids.device.type == "cpu" and ids.is_contiguous() else None
-    if kernels is None or not ids.numel():
-        return torch.unique(ids, sorted=True, return_inverse=True)
-    return kernels.unique(ids)
-
-
-class _GatherRows(torch.autograd.Function):
-    """``rows.index_select(0, inverse)``, whose backward sums the gradients of repeated ids in one compiled pass
-    where it can (``row_kernels.Kernels.sum_rows``) instead of zero-filling a block and adding into it."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.count = rows.shape[0]
-        return rows.index_select(0, inverse)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (inverse,) = ctx.saved_tensors
-        return sum_rows(grad, inverse, ctx.count), None
-
-
-def gather_rows(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """``rows[inverse]``; its gradient is ``sum_rows`` of the output's."""
-    return _GatherRows.apply(rows, inverse)
+    """``torch.unique(ids, sorted=True, return_inverse=True)`` of 1-D int64 ids; on CPU by a sort and a compiled
+    pass where it can (``row_kernels.Kernels.unique``)."""
+    kernels = row_kernels.load() if ids.device.type == "cpu" and ids.is_contiguous() and ids.numel() else None
+    found = kernels.unique(ids) if kernels is not None else None
+    return torch.unique(ids, sorted=True, return_inverse=True) if found is None else found
 
 
 def sum_rows(grads: torch.Tensor, inverse: torch.Tensor, count: int) -> torch.Tensor:
@@ -105,12 +83,36 @@ def set_default_collectives(collectives: Collectives | None) -> None:
 
 @dataclass
 class _Lookup:
-    """What ``apply_gradients`` needs of one forward: the leaf, and how its ids travelled."""
+    """What ``apply_gradients`` needs of one forward: the local rows to update, how their ids travelled, and
+    the gradient its backward left (None: the output got none, a zero gradient)."""
 
-    rows: torch.Tensor  # the leaf [unique ids of this rank, dim], in id order
+    ids: torch.Tensor  # local rows: the batch's own ids (one process) or the unique ids received (owners)
+    grad_shape: tuple[int, int]  # [ids of this rank's batch (one process) or unique ids it sent, dim]
     send_counts: list[int] | None  # unique ids sent to each owner (None: single process)
-    local_rows: torch.Tensor  # the unique local rows this owner served
-    inverse: torch.Tensor | None  # received id -> its index in local_rows (None: they are the received ids)
+    grad: torch.Tensor | None = None
+
+
+class _Gather(torch.autograd.Function):
+    """``rows.index_select(0, index)``, whose backward keeps the gradient in ``lookup.grad`` for
+    ``apply_gradients`` instead of passing it on: summed per row of ``rows`` when those go back to their
+    owners, per id of the batch when the optimizer sums them itself. The rows are no parameter: ``anchor``,
+    an empty leaf, is what makes autograd call this backward."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
+                lookup: _Lookup) -> torch.Tensor:
+        ctx.lookup, ctx.count = lookup, rows.shape[0]
+        ctx.save_for_backward(index)
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        lookup: _Lookup = ctx.lookup
+        if lookup.send_counts is not None:
+            (index,) = ctx.saved_tensors
+            grad = sum_rows(grad, index, ctx.count)
+        lookup.grad = grad if lookup.grad is None else lookup.grad + grad  # a second backward accumulates
+        return None, None, None, None
 
 
 class ShardedEmbedding(nn.Module):
@@ -162,6 +164,7 @@ class ShardedEmbedding(nn.Module):
         self.optimizer.bind(self.shard)
         self._bound = self.shard
         self._lookups: list[_Lookup] = []
+        self._anchor = torch.empty(0, requires_grad=True)  # see _Gather
         self._rank_stops = _stops(num_rows, self.size)  # each rank's end row, for the send counts
 
     @property
@@ -179,31 +182,27 @@ class ShardedEmbedding(nn.Module):
                 bad = flat[(flat < 0) | (flat >= self.num_rows)][0]
                 raise ValueError(f"ShardedEmbedding '{self.name}': id {int(bad)} out of range [0, {self.num_rows})")
         record = self.training and torch.is_grad_enabled()
-        if not (record or self.distributed):  # single-process validation: a plain gather
-            return self.shard.index_select(0, flat).view(*ids.shape, self.dim)
+        if not self.distributed:  # a plain gather; the optimizer sums the gradients of repeated ids
+            out = (self._recorded(self.shard, flat, _Lookup(flat, (len(flat), self.dim), None)) if record
+                   else self.shard.index_select(0, flat))
+            return out.view(*ids.shape, self.dim)
+        assert self.collectives is not None
         uniq, inverse = unique_ids(flat)
-        if not self.distributed:
-            rows = self.shard.index_select(0, uniq)
-            lookup = _Lookup(rows, None, uniq, None)
-        else:
-            assert self.collectives is not None
-            if self._rank_stops.device != uniq.device:
-                self._rank_stops = self._rank_stops.to(uniq.device)
-            ends = torch.searchsorted(uniq, self._rank_stops)  # uniq is sorted, so grouped by owner already
-            send_counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
-            received, recv_counts = self.collectives.alltoallv(uniq, send_counts)
-            local = received - self.start
-            local_rows, owner_inverse = local, None
-            if record:  # ids from several ranks deduplicated once, here; apply_gradients reuses it
-                local_rows, owner_inverse = unique_ids(local)
-                if local_rows.numel() == local.numel():  # no id came from two ranks: no sum needed
-                    local_rows, owner_inverse = local, None
-            rows, _ = self.collectives.alltoallv(self.shard.index_select(0, local), recv_counts)
-            lookup = _Lookup(rows, send_counts, local_rows, owner_inverse)
-        if record:
-            rows.requires_grad_(True)
-            self._lookups.append(lookup)
-        return gather_rows(rows, inverse).view(*ids.shape, self.dim)
+        if self._rank_stops.device != uniq.device:
+            self._rank_stops = self._rank_stops.to(uniq.device)
+        ends = torch.searchsorted(uniq, self._rank_stops)  # uniq is sorted, so grouped by owner already
+        send_counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+        received, recv_counts = self.collectives.alltoallv(uniq, send_counts)
+        local = received - self.start
+        rows, _ = self.collectives.alltoallv(self.shard.index_select(0, local), recv_counts)
+        out = (self._recorded(rows, inverse, _Lookup(local, (len(uniq), self.dim), send_counts)) if record
+               else rows.index_select(0, inverse))
+        return out.view(*ids.shape, self.dim)
+
+    def _recorded(self, rows: torch.Tensor, index: torch.Tensor, lookup: _Lookup) -> torch.Tensor:
+        """``rows[index]``, differentiable: ``lookup`` gets its gradient."""
+        self._lookups.append(lookup)
+        return _Gather.apply(self._anchor, rows, index, lookup)
 
     def apply_gradients(self) -> int:
         """Update the rows of every lookup since the last call from their gradients; rows updated here.
@@ -216,29 +215,19 @@ class ShardedEmbedding(nn.Module):
         if not lookups:
             return 0
         self._rebind_if_moved()
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        ids, grads = [], []
         for lookup in lookups:
-            grad = lookup.rows.grad
-            if grad is None:
-                grad = torch.zeros_like(lookup.rows, requires_grad=False)
-            grad = grad.detach().contiguous()
-            if lookup.send_counts is None:
-                parts.append((lookup.local_rows, grad))
-                continue
-            assert self.collectives is not None
-            received, _ = self.collectives.alltoallv(grad, lookup.send_counts)
-            if lookup.inverse is not None:
-                received = sum_rows(received, lookup.inverse, lookup.local_rows.numel())
-            parts.append((lookup.local_rows, received))
-        if len(parts) == 1:
-            rows, grads = parts[0]
-        else:  # several lookups of this table in one step: one summed gradient per row, one step
-            rows, where = unique_ids(torch.cat([r for r, _ in parts]))
-            grads = sum_rows(torch.cat([g for _, g in parts]), where, rows.numel())
-        if self.size > 1:
-            grads.div_(self.size)
-        self.optimizer.step(rows, grads)
-        return int(rows.numel())
+            grad = lookup.grad
+            grad = self.shard.new_zeros(lookup.grad_shape) if grad is None else grad.contiguous()
+            if lookup.send_counts is not None:
+                assert self.collectives is not None
+                grad, _ = self.collectives.alltoallv(grad, lookup.send_counts)
+                grad.div_(self.size)  # the all-to-all's own buffer; the global loss is the mean over the ranks
+            ids.append(lookup.ids)
+            grads.append(grad)
+        # an id looked up twice, by two ranks or in two lookups, has its gradients summed by the optimizer
+        return self.optimizer.step(torch.cat(ids) if len(ids) > 1 else ids[0],
+                                   torch.cat(grads) if len(grads) > 1 else grads[0])
 
     def get_extra_state(self) -> dict[str, Any]:
         """The shard's global row range and its optimizer state, checkpointed with the shard."""

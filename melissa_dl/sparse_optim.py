@@ -1,21 +1,23 @@
 """Optimizers for one rank's shard of a ``ShardedEmbedding`` table (DESIGN §6).
 
 The shard is a plain float tensor ``weight`` of shape ``[rows, dim]``; each
-``step(rows, grads)`` updates only the rows a batch touched, with ``rows`` the
-*unique* local row indices and ``grads`` their gradients. Gradients of an id
-that appears several times in a batch are **summed** by the caller before the
-step (as autograd, torch, PBG and FBGEMM do), never averaged: the update is
-non-linear, so duplicates must be merged first.
+``step(ids, grads)`` updates only the rows a batch touched, from one
+gradient per id. Gradients of an id that appears several times are
+**summed** before its row is updated (as autograd, torch, PBG and FBGEMM do),
+never averaged: the update is non-linear, so duplicates must be merged first.
 
 On CPU the update is bound by random row access, not arithmetic. Where it
 can (a CPU float32/float64 shard, numba installed), each optimizer runs one
-compiled loop (:mod:`melissa_dl.row_kernels`) that reads each gradient row
-once and updates the table row and its state where they lie. Elsewhere (GPUs,
-float16, no numba) every optimizer follows one torch pattern: gather the
-touched rows of each tensor once (``index_select``), do the per-row math in
-place on the gathered block, and write the block back once. Optimizer state
-is row-aligned with the shard (first dimension = rows), so it is sharded and
-checkpointed with it. No sparse COO tensor and no ``coalesce()`` is built.
+compiled pass (:mod:`melissa_dl.row_loops`) over the ids sorted with their
+positions: it sums a repeated id's gradients as it reaches them and updates
+the table row and its state where they lie. Elsewhere (GPUs, float16, no
+numba) the ids are deduplicated and their gradients summed by torch
+(``unique``, ``index_add_``), and every optimizer follows one torch pattern:
+gather the touched rows of each tensor once (``index_select``), do the
+per-row math in place on the gathered block, and write the block back once.
+Optimizer state is row-aligned with the shard (first dimension = rows), so
+it is sharded and checkpointed with it. No sparse COO tensor and no
+``coalesce()`` is built.
 
 The torch path, measured on torch 2.13, one thread, 4096 random 64-float rows
 of a 1M-row table: the write-back through numpy's fancy assignment takes 66 us (cache-hot
@@ -72,33 +74,41 @@ class SparseOptimizer(ABC):
         """The state tensors of a freshly bound shard (none by default)."""
         return {}
 
-    def step(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        """Apply one update to ``weight[rows]``; ``rows`` unique int64, ``grads`` ``[len(rows), dim]``."""
+    def step(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
+        """Apply one update to the rows ``ids`` (1-D int64, repeats allowed) from their gradients ``grads``
+        (``[len(ids), dim]``): the gradients of a repeated id are summed, then each distinct row is updated
+        once. Returns how many rows were updated."""
         weight = self.weight
         assert weight is not None, "bind() before step()"
-        assert rows.dtype == torch.int64 and rows.dim() == 1, "rows: 1-D int64"
-        assert grads.shape == (rows.shape[0], weight.shape[1]) and grads.dtype == weight.dtype, "grads: [len(rows), dim]"
+        assert ids.dtype == torch.int64 and ids.dim() == 1, "ids: 1-D int64"
+        assert grads.shape == (len(ids), weight.shape[1]) and grads.dtype == weight.dtype, "grads: [len(ids), dim]"
         self.step_count += 1
-        if not rows.numel():
-            return
-        rows, grads = rows.contiguous(), grads.contiguous()
+        if not ids.numel():
+            return 0
+        ids, grads = ids.contiguous(), grads.detach().contiguous()
         kernels = row_kernels.usable(weight, grads, *self.state.values())
-        if kernels is None:
-            self._update(weight, rows, grads)
-        else:  # the compiled loops do not check their indices: an id out of range would write anywhere
-            low, high = torch.aminmax(rows)
-            if int(low) < 0 or int(high) >= weight.shape[0]:
-                raise IndexError(f"{self.name}: rows {int(low)}..{int(high)} outside the {weight.shape[0]} of the shard")
-            self._fused(kernels, weight, rows, grads)
+        keys = kernels.sorted_keys(ids) if kernels is not None else None
+        if kernels is None or keys is None:
+            return self._torch_step(weight, ids, grads)
+        _check_rows(self.name, weight, *keys.bounds)  # the compiled loops do not check their indices
+        return self._fused(kernels, weight, keys, grads)
+
+    def _torch_step(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor) -> int:
+        """The step by torch's ops: distinct rows, their summed gradients, then ``_update``."""
+        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        _check_rows(self.name, weight, int(rows[0]), int(rows[-1]))
+        self._update(weight, rows, grads.new_zeros((len(rows), grads.shape[1])).index_add_(0, inverse, grads))
+        return len(rows)
 
     @abstractmethod
     def _update(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        """The per-row math of one non-empty step (``step_count`` already counts it), in torch ops."""
+        """The per-row math of one non-empty step (``step_count`` already counts it) in torch ops, on distinct
+        ``rows`` and their summed gradients."""
 
     @abstractmethod
-    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, rows: torch.Tensor,
-               grads: torch.Tensor) -> None:
-        """The same, by the compiled loop."""
+    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, keys: row_kernels.SortedKeys,
+               grads: torch.Tensor) -> int:
+        """The same, gradients summed as it goes, by the compiled loop; the rows it updated."""
 
     def state_dict(self) -> dict[str, Any]:
         """The step count and the live state tensors (not copies: copy them to save asynchronously)."""
@@ -122,6 +132,11 @@ class SparseOptimizer(ABC):
         return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.state.values())
 
 
+def _check_rows(name: str, weight: torch.Tensor, low: int, high: int) -> None:
+    if low < 0 or high >= weight.shape[0]:
+        raise IndexError(f"{name}: rows {low}..{high} outside the {weight.shape[0]} of the shard")
+
+
 class SGD(SparseOptimizer):
     """Plain SGD on the touched rows: ``w_r -= lr * g_r``. No state."""
 
@@ -132,9 +147,9 @@ class SGD(SparseOptimizer):
         w.add_(grads, alpha=-self.lr)
         _scatter(weight, rows, w)
 
-    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, rows: torch.Tensor,
-               grads: torch.Tensor) -> None:
-        kernels.sgd(weight, rows, grads, self.lr)
+    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, keys: row_kernels.SortedKeys,
+               grads: torch.Tensor) -> int:
+        return kernels.sgd(weight, keys, grads, self.lr)
 
 
 class Adagrad(SparseOptimizer):
@@ -166,9 +181,9 @@ class Adagrad(SparseOptimizer):
         w.add_(step, alpha=-self.lr)
         _scatter(weight, rows, w)
 
-    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, rows: torch.Tensor,
-               grads: torch.Tensor) -> None:
-        kernels.adagrad(weight, self.state["sum"], rows, grads, self.lr, self.eps)
+    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, keys: row_kernels.SortedKeys,
+               grads: torch.Tensor) -> int:
+        return kernels.adagrad(weight, self.state["sum"], keys, grads, self.lr, self.eps)
 
 
 class RowAdagrad(Adagrad):
@@ -194,9 +209,9 @@ class RowAdagrad(Adagrad):
         w.addcmul_(grads, scale.unsqueeze(1))
         _scatter(weight, rows, w)
 
-    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, rows: torch.Tensor,
-               grads: torch.Tensor) -> None:
-        kernels.row_adagrad(weight, self.state["sum"], rows, grads, self.lr, self.eps)
+    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, keys: row_kernels.SortedKeys,
+               grads: torch.Tensor) -> int:
+        return kernels.row_adagrad(weight, self.state["sum"], keys, grads, self.lr, self.eps)
 
 
 class Adam(SparseOptimizer):
@@ -237,9 +252,10 @@ class Adam(SparseOptimizer):
         w.add_(step, alpha=-self._step_size())
         _scatter(weight, rows, w)
 
-    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, rows: torch.Tensor,
-               grads: torch.Tensor) -> None:
-        kernels.adam(weight, self.state["moments"], rows, grads, self.beta1, self.beta2, self._step_size(), self.eps)
+    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, keys: row_kernels.SortedKeys,
+               grads: torch.Tensor) -> int:
+        return kernels.adam(weight, self.state["moments"], keys, grads, self.beta1, self.beta2, self._step_size(),
+                            self.eps)
 
     def _step_size(self) -> float:
         """The learning rate with both moments' bias corrections at step ``t``."""

@@ -1,6 +1,7 @@
 """ShardedEmbedding on one process, and the row -> rank map (no MPI)."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -81,7 +82,7 @@ def test_shard_range_examples_and_invalid_arguments() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dtype) -> None:
     ids = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(0))
-    for batch in (ids, ids[:0]):
+    for batch in (ids, ids[:0], torch.tensor([2**61, -3, 2**61, -(2**61)])):  # the last beyond the packed sort
         unique, inverse = unique_ids(batch)
         expected_unique, expected_inverse = torch.unique(batch, sorted=True, return_inverse=True)
         assert torch.equal(unique, expected_unique) and torch.equal(inverse, expected_inverse)
@@ -95,14 +96,20 @@ def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dty
     assert torch.equal(gaps, torch.tensor([1.0, 0, 0, 1, 0])[:, None].expand(5, 4))
 
 
-def test_a_compiler_that_fails_leaves_the_torch_path(monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("failure", ["numba missing", "a damaged cache file"])
+def test_a_compiler_that_fails_leaves_the_torch_path(failure: str, monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    import numba
+    import melissa_dl
+    from melissa_dl import row_loops
 
-    def broken(**options: object) -> object:
-        raise EOFError("a damaged cache file")
+    def broken(*args: object) -> object:
+        raise EOFError(failure)
 
-    monkeypatch.setattr(numba, "njit", broken)
+    if failure == "numba missing":
+        monkeypatch.setitem(sys.modules, "melissa_dl.row_loops", None)  # importing it raises ImportError
+        monkeypatch.delattr(melissa_dl, "row_loops")
+    else:
+        monkeypatch.setattr(row_loops, "adam", broken)
     assert COMPILE() is None
     assert "numba's compiled loops are not available" in caplog.text
 
@@ -135,6 +142,22 @@ def test_two_lookups_in_one_step_sum_their_gradients() -> None:
     assert emb.apply_gradients() == 3
     assert reference.weight.grad is not None
     assert torch.allclose(emb.shard, reference.weight.detach() - LR * reference.weight.grad, atol=1e-7)
+
+
+def test_the_output_takes_in_place_ops_and_a_second_backward_as_nn_embedding() -> None:
+    emb = table()
+    reference = nn.Embedding(20, 3)
+    reference.weight.data.copy_(emb.shard)
+    ids = torch.tensor([[3, 7], [7, 7]])
+    for e in (emb, reference):
+        out = e(ids)
+        out.mul_(torch.arange(1.0, 5.0).view(2, 2, 1))  # not a leaf: in place is fine
+        loss = (out**2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # gradients accumulate
+    assert emb.apply_gradients() == 2
+    assert reference.weight.grad is not None
+    torch.testing.assert_close(emb.shard, reference.weight.detach() - LR * reference.weight.grad)
 
 
 def test_lookup_without_gradient_validation_and_eval_remember_nothing() -> None:

@@ -114,8 +114,10 @@ def test_row_adagrad_matches_hand_reference() -> None:
     torch.testing.assert_close(opt.state_dict()["sum"], acc.float())
 
 
-def test_duplicate_ids_summed_by_caller_equal_sparse_adam_on_embedding() -> None:
-    """The caller sums the gradients of repeated ids, as the embedding's backward does."""
+REPEATED = ([1, 5, 1, 1, 9, 5], [9, 9, 2], [5, 1, 7, 7, 7, 7], [3])
+
+
+def test_repeated_ids_have_their_gradients_summed_as_sparse_adam_on_an_embedding() -> None:
     init = init_weight()
     emb = nn.Embedding(ROWS, DIM, sparse=True)
     with torch.no_grad():
@@ -125,16 +127,32 @@ def test_duplicate_ids_summed_by_caller_equal_sparse_adam_on_embedding() -> None
     opt = make_sparse_optimizer("adam", 0.05)
     opt.bind(weight)
     gen = torch.Generator().manual_seed(2)
-    for ids in ([1, 5, 1, 1, 9, 5], [9, 9, 2], [5, 1, 7, 7, 7, 7]):
+    for ids in REPEATED:
         ids_t = torch.tensor(ids)
         upstream = torch.randn(len(ids), DIM, generator=gen)
         ref_opt.zero_grad()
         (emb(ids_t) * upstream).sum().backward()
         ref_opt.step()
-        unique, inverse = torch.unique(ids_t, return_inverse=True)
-        summed = torch.zeros(len(unique), DIM).index_add_(0, inverse, upstream)
-        opt.step(unique, summed)
+        assert opt.step(ids_t, upstream) == len(set(ids))
         torch.testing.assert_close(weight, emb.weight.detach())
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowadagrad", "adam"])
+def test_repeated_ids_step_as_their_summed_gradient_once(name: str) -> None:
+    repeated, summed = make_sparse_optimizer(name, 0.1), make_sparse_optimizer(name, 0.1)
+    w_repeated, w_summed = init_weight(), init_weight()
+    repeated.bind(w_repeated)
+    summed.bind(w_summed)
+    gen = torch.Generator().manual_seed(3)
+    for ids in REPEATED:
+        ids_t = torch.tensor(ids)
+        grads = torch.randn(len(ids), DIM, generator=gen)
+        before = grads.clone()
+        unique, inverse = torch.unique(ids_t, return_inverse=True)
+        summed_grads = torch.zeros(len(unique), DIM).index_add_(0, inverse, grads)
+        assert repeated.step(ids_t, grads) == summed.step(unique, summed_grads) == len(unique)
+        assert torch.equal(grads, before), "the gradients were modified"
+        torch.testing.assert_close(w_repeated, w_summed, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "rowadagrad", "adam"])
@@ -204,7 +222,7 @@ def test_rows_outside_the_shard_are_refused(name: str) -> None:
     opt = make_sparse_optimizer(name, 0.1)
     weight = init_weight()
     opt.bind(weight)
-    for rows in ([3, ROWS], [-1, 2]):
+    for rows in ([3, ROWS], [-1, 2], [2**61, 3]):  # the last too large for the compiled path's packing
         with pytest.raises(IndexError):
             opt.step(torch.tensor(rows), torch.ones(2, DIM))
     assert torch.equal(weight, init_weight())
