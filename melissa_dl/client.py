@@ -21,7 +21,9 @@ socket monitor tells the client whether its connection is up: a server that
 exits or is killed closes it at once, and a silent one (a frozen process, a
 lost node) is dropped by the heartbeats that every server socket sends while
 it lives, also while it does not read (:mod:`melissa_dl.security`). No send
-timeout: back-pressure is not death.
+timeout: back-pressure is not death (a blocked send wakes every ``WAKE_MS`` to
+look at its connection, so a refusal or ``client_timeout`` is noticed up to
+that much later).
 
 ``finalize`` tells each server rank how many steps it should hold, then waits
 until ZeroMQ has handed every queued frame to the network (a socket closed

@@ -65,8 +65,9 @@ class Collectives(ABC):
     def alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Send ``send_counts[r]`` rows of ``send`` (in rank order) to rank ``r``.
 
-        Returns the received rows concatenated in source-rank order, and how
-        many came from each rank. Every rank calls it, even with no rows.
+        Returns the received rows concatenated in source-rank order, in a new
+        tensor (the caller may change it in place), and how many came from
+        each rank. Every rank calls it, even with no rows.
         """
 
     def close(self) -> None:

@@ -86,7 +86,7 @@ class _Lookup:
     """What ``apply_gradients`` needs of one forward: the local rows to update, how their ids travelled, and
     the gradient its backward left (None: the output got none, a zero gradient)."""
 
-    ids: torch.Tensor  # local rows: the batch's own ids (one process) or the unique ids received (owners)
+    ids: torch.Tensor  # local rows: a copy of the batch's ids (one process) or the unique ids received (owners)
     grad_shape: tuple[int, int]  # [ids of this rank's batch (one process) or unique ids it sent, dim]
     send_counts: list[int] | None  # unique ids sent to each owner (None: single process)
     grad: torch.Tensor | None = None
@@ -102,7 +102,8 @@ class _Gather(torch.autograd.Function):
     def forward(ctx: Any, anchor: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
                 lookup: _Lookup) -> torch.Tensor:
         ctx.lookup, ctx.count = lookup, rows.shape[0]
-        ctx.save_for_backward(index)
+        if lookup.send_counts is not None:
+            ctx.save_for_backward(index)
         return rows.index_select(0, index)
 
     @staticmethod
@@ -110,7 +111,9 @@ class _Gather(torch.autograd.Function):
         lookup: _Lookup = ctx.lookup
         if lookup.send_counts is not None:
             (index,) = ctx.saved_tensors
-            grad = sum_rows(grad, index, ctx.count)
+            grad = sum_rows(grad.detach(), index, ctx.count)
+        else:  # a copy, as autograd takes of a gradient someone else holds (the caller's, to backward())
+            grad = grad.detach().clone(memory_format=torch.contiguous_format)
         lookup.grad = grad if lookup.grad is None else lookup.grad + grad  # a second backward accumulates
         return None, None, None, None
 
@@ -183,7 +186,7 @@ class ShardedEmbedding(nn.Module):
                 raise ValueError(f"ShardedEmbedding '{self.name}': id {int(bad)} out of range [0, {self.num_rows})")
         record = self.training and torch.is_grad_enabled()
         if not self.distributed:  # a plain gather; the optimizer sums the gradients of repeated ids
-            out = (self._recorded(self.shard, flat, _Lookup(flat, (len(flat), self.dim), None)) if record
+            out = (self._recorded(self.shard, flat, _Lookup(flat.clone(), (len(flat), self.dim), None)) if record
                    else self.shard.index_select(0, flat))
             return out.view(*ids.shape, self.dim)
         assert self.collectives is not None

@@ -27,6 +27,7 @@ AHEAD = 8  # rows prefetched in advance; 4 to 32 measured the same
 # reassoc: a row's sum of squares may be summed in SIMD lanes (2x faster RowAdagrad; the order, not the
 # operations, differs from torch's); contract: fused multiply-adds
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})
+_jit_in_order = numba.njit(cache=True, nogil=True, error_model="numpy")  # sums exactly in the order written
 
 
 @intrinsic
@@ -40,11 +41,13 @@ def _prefetch_row(typingctx: Any, array: Any, row: Any) -> Any:
         index = context.cast(builder, args[1], signature.args[1], types.intp)
         start = builder.add(builder.ptrtoint(view.data, intp), builder.mul(index, stride))
         byte_pointer, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]), "llvm.prefetch.p0")
-        lines = builder.udiv(builder.add(stride, ir.Constant(intp, 63)), ir.Constant(intp, 64))
+        prefetch = builder.module.declare_intrinsic(  # named for typed or opaque pointers, as the LLVM has them
+            "llvm.prefetch", [byte_pointer], ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]))
+        first = builder.and_(start, ir.Constant(intp, ~63))  # the cache line holding the row's first byte
+        end = builder.add(start, stride)
+        lines = builder.udiv(builder.add(builder.sub(end, first), ir.Constant(intp, 63)), ir.Constant(intp, 64))
         with cgutils.for_range(builder, lines) as loop:
-            line = builder.add(start, builder.mul(loop.index, ir.Constant(intp, 64)))
+            line = builder.add(first, builder.mul(loop.index, ir.Constant(intp, 64)))
             # write intent, keep in all cache levels, data cache
             builder.call(prefetch, [builder.inttoptr(line, byte_pointer), i32(1), i32(3), i32(1)])
         return context.get_dummy_value()
@@ -52,7 +55,7 @@ def _prefetch_row(typingctx: Any, array: Any, row: Any) -> Any:
     return types.void(array, row), codegen
 
 
-@_jit
+@_jit_in_order
 def _next_row(keys: np.ndarray, k: int, bits: int, grads: np.ndarray, scratch: np.ndarray) -> tuple[int, int, int]:
     """The row of ``keys[k]`` with its gradient, and the index of the next row's first key.
 

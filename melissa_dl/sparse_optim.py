@@ -2,7 +2,7 @@
 
 The shard is a plain float tensor ``weight`` of shape ``[rows, dim]``; each
 ``step(ids, grads)`` updates only the rows a batch touched, from one
-gradient per id. Gradients of an id that appears several times are
+gradient per occurrence of an id. Gradients of an id that appears several times are
 **summed** before its row is updated (as autograd, torch, PBG and FBGEMM do),
 never averaged: the update is non-linear, so duplicates must be merged first.
 

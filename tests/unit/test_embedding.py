@@ -160,6 +160,20 @@ def test_the_output_takes_in_place_ops_and_a_second_backward_as_nn_embedding() -
     torch.testing.assert_close(emb.shard, reference.weight.detach() - LR * reference.weight.grad)
 
 
+def test_the_batch_and_the_gradient_may_change_between_backward_and_the_update() -> None:
+    emb = table()
+    reference = nn.Embedding(20, 3)
+    reference.weight.data.copy_(emb.shard)
+    ids, upstream = torch.tensor([1, 2, 2]), torch.linspace(-1, 1, 9).view(3, 3)
+    for e in (emb, reference):
+        e(ids).backward(upstream)
+    ids.copy_(torch.tensor([5, 6, 7]))
+    upstream.zero_()
+    assert emb.apply_gradients() == 2
+    assert reference.weight.grad is not None
+    torch.testing.assert_close(emb.shard, reference.weight.detach() - LR * reference.weight.grad)
+
+
 def test_lookup_without_gradient_validation_and_eval_remember_nothing() -> None:
     emb = table()
     before = emb.shard.clone()
