@@ -59,6 +59,7 @@ def end_every_rank(comm: Comm, signalled: SystemExit) -> NoReturn:
     code = signalled.code if isinstance(signalled.code, int) else 1
     logger.warning("signal %d: ending every rank", code - 128)
     logging.shutdown()
+    time.sleep(ABORT_GRACE)  # as abort() does: mpirun forwards that line before it tears the job down
     comm.Abort(code)
     raise AssertionError("MPI_Abort returned")  # pragma: no cover
 
