@@ -163,6 +163,7 @@ class Client:
                 link = _Link(self._context, zmq.PUSH, endpoint, self._environ)
                 self._links.append(link)
                 link.socket.setsockopt(zmq.SNDHWM, max(2, queue_bytes // largest))
+                link.socket.setsockopt(zmq.SNDTIMEO, WAKE_MS)  # a send blocked by a full queue wakes this often
                 link.socket.connect(endpoint)
             self._steps: list[set[int]] = [set() for _ in self._links]
             declaration = encode_json({"fields": {n: [d, list(s)] for n, (d, s) in self._layouts.items()}})
@@ -232,17 +233,12 @@ class Client:
     def _send(self, rank: int, header: bytes, payload: Any) -> None:
         """Queue a message for a server rank; while the queue is full, wait as long as that rank lives."""
         link = self._links[rank]
-        flags = zmq.NOBLOCK
         while True:
-            try:
-                link.socket.send(header, flags | zmq.SNDMORE)
+            try:  # waits inside ZeroMQ for at most WAKE_MS (SNDTIMEO): no Python loop per wake-up
+                link.socket.send(header, zmq.SNDMORE)
                 break
             except zmq.Again:
-                pass
-            # The queue is full: wait inside ZeroMQ, looking at the connection at least every WAKE_MS (a Python
-            # poll loop here cost each blocked message 30-40 us more of the client's CPU, bench/ingest.py).
-            link.socket.setsockopt(zmq.SNDTIMEO, min(WAKE_MS, int(self._check_alive(link, rank) * 1000) + 1))
-            flags = 0
+                self._check_alive(link, rank)
         link.socket.send(payload)  # a message's first part taken, ZeroMQ takes the rest: its queue counts messages
 
     def send(self, field: str, time_step: int, array: Any) -> None:
