@@ -87,9 +87,13 @@ class _Lookup:
     the gradient its backward left (None: the output got none, a zero gradient)."""
 
     ids: torch.Tensor  # local rows: a copy of the batch's ids (one process) or the unique ids received (owners)
-    grad_shape: tuple[int, int]  # [ids of this rank's batch (one process) or unique ids it sent, dim]
     send_counts: list[int] | None  # unique ids sent to each owner (None: single process)
     grad: torch.Tensor | None = None
+
+    @property
+    def grad_rows(self) -> int:
+        """Rows of the gradient: the batch's ids on one process, else the unique ids this rank sent."""
+        return len(self.ids) if self.send_counts is None else sum(self.send_counts)
 
 
 class _Gather(torch.autograd.Function):
@@ -186,7 +190,7 @@ class ShardedEmbedding(nn.Module):
                 raise ValueError(f"ShardedEmbedding '{self.name}': id {int(bad)} out of range [0, {self.num_rows})")
         record = self.training and torch.is_grad_enabled()
         if not self.distributed:  # a plain gather; the optimizer sums the gradients of repeated ids
-            out = (self._recorded(self.shard, flat, _Lookup(flat.clone(), (len(flat), self.dim), None)) if record
+            out = (self._recorded(self.shard, flat, _Lookup(flat.clone(), None)) if record
                    else self.shard.index_select(0, flat))
             return out.view(*ids.shape, self.dim)
         assert self.collectives is not None
@@ -198,7 +202,7 @@ class ShardedEmbedding(nn.Module):
         received, recv_counts = self.collectives.alltoallv(uniq, send_counts)
         local = received - self.start
         rows, _ = self.collectives.alltoallv(self.shard.index_select(0, local), recv_counts)
-        out = (self._recorded(rows, inverse, _Lookup(local, (len(uniq), self.dim), send_counts)) if record
+        out = (self._recorded(rows, inverse, _Lookup(local, send_counts)) if record
                else rows.index_select(0, inverse))
         return out.view(*ids.shape, self.dim)
 
@@ -221,7 +225,7 @@ class ShardedEmbedding(nn.Module):
         ids, grads = [], []
         for lookup in lookups:
             grad = lookup.grad
-            grad = self.shard.new_zeros(lookup.grad_shape) if grad is None else grad.contiguous()
+            grad = self.shard.new_zeros((lookup.grad_rows, self.dim)) if grad is None else grad.contiguous()
             if lookup.send_counts is not None:
                 assert self.collectives is not None
                 grad, _ = self.collectives.alltoallv(grad, lookup.send_counts)
