@@ -26,10 +26,13 @@ row and of its state); ``bound_share`` is measured rows/s over that bound. All
 state is pre-faulted (zero-filled) so the first touch of a page is not timed.
 Sides alternate within each repetition; each figure is the median of
 ``--repeat`` repetitions and the ratio the median of per-repetition ratios.
-Also prints a per-phase breakdown (us per batch) of our side: the lookup, the
-step, the sort it starts with, and the step by torch's ops (``torch_step``:
-``unique``, ``index_add_`` and the optimizer's torch math, what GPUs and
-float16 tables run).
+Also prints a per-phase breakdown (us per batch) of our side: the lookup
+(``gather``), the sort of the ids with their positions (``dedup``), the sum of
+repeated ids' gradients and the update of the rows (``sum`` and ``update``,
+done in one pass and told apart by timing the step on the batch's distinct
+ids alone), and the step by torch's ops (``torch_step``: ``unique``,
+``index_add_`` and the optimizer's torch math, what GPUs and float16 tables
+run).
 
     python bench/sparse_optim.py [--rows 1000000] [--dim 64] [--batch 4096] [--batches 60] [--repeat 7] [--threads 1]
 """
@@ -115,24 +118,28 @@ def fbgemm_pass(step: Callable[[torch.Tensor], None], ids: list[torch.Tensor]) -
 
 
 def breakdown(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor], ones: torch.Tensor) -> str:
-    """Microseconds per batch of each phase of our side, timed one phase at a time, and of the torch path's step."""
+    """Microseconds per batch of each phase of our side, timed one phase at a time, and of the torch path's step.
+
+    The step sums a repeated id's gradients inside its pass over the rows, so the two are told apart by
+    subtraction: ``update`` is the step over the batch's distinct ids, one gradient each (their sort included),
+    and ``sum`` what the whole step costs beyond it."""
     kernels = row_kernels.load()
     assert kernels is not None, "numba's compiled loops did not load"
+    distinct = [torch.unique(batch) for batch in ids]
 
-    def each(fn: Callable[[torch.Tensor], object]) -> Callable[[], None]:
+    def each(fn: Callable[[int], object]) -> float:
         def run() -> None:
-            for batch in ids:
-                fn(batch)  # the result is dropped at once, as in the real pass
-        return run
+            for i in range(len(ids)):
+                fn(i)  # the result is dropped at once, as in the real pass
+        return statistics.median(timed(run) for _ in range(3)) / len(ids) * 1e6
 
-    phases = {
-        "lookup": each(lambda batch: weight.index_select(0, batch)),
-        "sort": each(kernels.sorted_keys),
-        "step": each(lambda batch: opt.step(batch, ones)),
-        "torch_step": each(lambda batch: opt._torch_step(weight, batch, ones)),
-    }
-    return " ".join(f"{k}={statistics.median(timed(f) for _ in range(3)) / len(ids) * 1e6:.0f}"
-                    for k, f in phases.items())
+    gather = each(lambda i: weight.index_select(0, ids[i]))
+    dedup = each(lambda i: kernels.sorted_keys(ids[i], len(weight)))
+    step = each(lambda i: opt.step(ids[i], ones))
+    update = each(lambda i: opt.step(distinct[i], ones[: len(distinct[i])]))
+    torch_step = each(lambda i: opt._torch_step(weight, ids[i], ones))
+    return (f"gather={gather:.0f} dedup={dedup:.0f} sum={step - update:.0f} update={update:.0f} "
+            f"(step={step:.0f}) torch_step={torch_step:.0f}")
 
 
 def main() -> None:

@@ -62,12 +62,16 @@ class Collectives(ABC):
         ``counts[r]`` elements after those of the ranks before it. Started as the reductions are."""
 
     @abstractmethod
-    def alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def alltoallv(self, send: torch.Tensor, send_counts: list[int],
+                  recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Send ``send_counts[r]`` rows of ``send`` (in rank order) to rank ``r``.
 
         Returns the received rows concatenated in source-rank order, in a new
         tensor (the caller may change it in place), and how many came from
-        each rank. Every rank calls it, even with no rows.
+        each rank. A caller that knows those counts (a reply to an exchange,
+        or a second exchange the same way) passes them as ``recv_counts``
+        and saves the all-to-all of the counts; they must be what the other
+        ranks send. Every rank calls it, even with no rows.
         """
 
     def close(self) -> None:
@@ -166,12 +170,14 @@ class MpiCollectives(Collectives):
         else:
             self.comm.Allreduce(MPI.IN_PLACE, tensor.detach().numpy(), op=MPI.SUM)
 
-    def alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def alltoallv(self, send: torch.Tensor, send_counts: list[int],
+                  recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         self._check_alltoallv(send, send_counts)
-        counts = torch.tensor(send_counts, dtype=torch.int64)
-        received = torch.empty_like(counts)
-        self.comm.Alltoall(counts.numpy(), received.numpy())
-        recv_counts = received.tolist()
+        if recv_counts is None:
+            counts = torch.tensor(send_counts, dtype=torch.int64)
+            received = torch.empty_like(counts)
+            self.comm.Alltoall(counts.numpy(), received.numpy())
+            recv_counts = received.tolist()
         recv = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype)
         # Moved as bytes, so that any dtype (bfloat16, bool) goes through.
         row_bytes = math.prod(send.shape[1:]) * send.element_size()
@@ -217,12 +223,14 @@ class TorchCollectives(Collectives):
         return _TorchStarted(*(dist.broadcast(piece, src=r, async_op=True)
                                for r, piece in enumerate(tensor.detach().split(counts)) if piece.numel()))
 
-    def alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def alltoallv(self, send: torch.Tensor, send_counts: list[int],
+                  recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         self._check_alltoallv(send, send_counts)
-        counts = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts)
-        recv_counts = received.tolist()
+        if recv_counts is None:
+            counts = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
+            received = torch.empty_like(counts)
+            dist.all_to_all_single(received, counts)
+            recv_counts = received.tolist()
         recv = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.device)
         dist.all_to_all_single(recv, send.detach(), output_split_sizes=recv_counts, input_split_sizes=send_counts)
         return recv, recv_counts

@@ -5,11 +5,12 @@ holds the whole table. A lookup deduplicates the batch's ids (sorted, so
 already grouped by owner), sends each id to its owner with one all-to-all,
 and gets the rows back with a second one; the output indexes the block of
 unique rows (``_Gather``), so its backward sums the gradient of each unique
-id (never averaged, as torch, PBG and FBGEMM do).
+id (never averaged, as torch, PBG and FBGEMM do) and divides it by K (the
+global loss is the mean of the K per-rank losses, DESIGN §5).
 ``apply_gradients`` sends those per-id gradients back to the owners (a third
-all-to-all), which divide them by K (the global loss is the mean of the K
-per-rank losses, DESIGN §5) and let the shard's sparse optimizer sum them
-over ranks and update only the touched rows. On one process a lookup is a
+all-to-all), whose sparse optimizer sums them over ranks and updates only
+the touched rows. The second and third all-to-alls know their counts from
+the first, so only the first exchanges counts. On one process a lookup is a
 plain gather, and its backward hands the optimizer one gradient per id of
 the batch to sum.
 
@@ -66,13 +67,14 @@ def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.unique(ids, sorted=True, return_inverse=True) if found is None else found
 
 
-def sum_rows(grads: torch.Tensor, inverse: torch.Tensor, count: int) -> torch.Tensor:
-    """``count`` rows, row ``k`` the sum of the ``grads`` rows ``i`` with ``inverse[i] == k``."""
+def sum_rows(grads: torch.Tensor, inverse: torch.Tensor, count: int, divisor: int = 1) -> torch.Tensor:
+    """``count`` rows, row ``k`` the sum of the ``grads`` rows ``i`` with ``inverse[i] == k``, divided by
+    ``divisor`` (as ``div_`` divides)."""
     grads, inverse = grads.contiguous(), inverse.contiguous()
     kernels = row_kernels.usable(grads)
     if kernels is None:
-        return grads.new_zeros((count, grads.shape[1])).index_add_(0, inverse, grads)
-    return kernels.sum_rows(grads, inverse, count)
+        return grads.new_zeros((count, grads.shape[1])).index_add_(0, inverse, grads).div_(divisor)
+    return kernels.sum_rows(grads, inverse, count, divisor)
 
 
 def set_default_collectives(collectives: Collectives | None) -> None:
@@ -87,7 +89,8 @@ class _Lookup:
     the gradient its backward left (None: the output got none, a zero gradient)."""
 
     ids: torch.Tensor  # local rows: a copy of the batch's ids (one process) or the unique ids received (owners)
-    send_counts: list[int] | None  # unique ids sent to each owner (None: single process)
+    send_counts: list[int] | None = None  # unique ids sent to each owner (None: single process)
+    recv_counts: list[int] | None = None  # ids received from each rank (None: single process)
     grad: torch.Tensor | None = None
 
     @property
@@ -113,9 +116,9 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
         lookup: _Lookup = ctx.lookup
-        if lookup.send_counts is not None:
+        if lookup.send_counts is not None:  # divided by K here: the global loss is the mean of the K ranks' losses
             (index,) = ctx.saved_tensors
-            grad = sum_rows(grad.detach(), index, ctx.count)
+            grad = sum_rows(grad.detach(), index, ctx.count, len(lookup.send_counts))
         else:  # a copy, as autograd takes of a gradient someone else holds (the caller's, to backward())
             grad = grad.detach().clone(memory_format=torch.contiguous_format)
         lookup.grad = grad if lookup.grad is None else lookup.grad + grad  # a second backward accumulates
@@ -183,28 +186,34 @@ class ShardedEmbedding(nn.Module):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"ShardedEmbedding '{self.name}': ids must be integers, got {ids.dtype}")
         flat = ids.reshape(-1).to(device=self.shard.device, dtype=torch.int64)
-        if flat.numel():  # checked before any collective, so that a bad batch fails on its own rank
-            low, high = torch.aminmax(flat)
-            if int(low) < 0 or int(high) >= self.num_rows:
-                bad = flat[(flat < 0) | (flat >= self.num_rows)][0]
-                raise ValueError(f"ShardedEmbedding '{self.name}': id {int(bad)} out of range [0, {self.num_rows})")
         record = self.training and torch.is_grad_enabled()
         if not self.distributed:  # a plain gather; the optimizer sums the gradients of repeated ids
-            out = (self._recorded(self.shard, flat, _Lookup(flat.clone(), None)) if record
+            if flat.numel():
+                self._check_range(flat, *torch.aminmax(flat))
+            out = (self._recorded(self.shard, flat, _Lookup(flat.clone())) if record
                    else self.shard.index_select(0, flat))
             return out.view(*ids.shape, self.dim)
         assert self.collectives is not None
         uniq, inverse = unique_ids(flat)
+        if flat.numel():  # checked before any collective, so that a bad batch fails on its own rank
+            self._check_range(flat, uniq[0], uniq[-1])
         if self._rank_stops.device != uniq.device:
             self._rank_stops = self._rank_stops.to(uniq.device)
         ends = torch.searchsorted(uniq, self._rank_stops)  # uniq is sorted, so grouped by owner already
         send_counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
         received, recv_counts = self.collectives.alltoallv(uniq, send_counts)
         local = received - self.start
-        rows, _ = self.collectives.alltoallv(self.shard.index_select(0, local), recv_counts)
-        out = (self._recorded(rows, inverse, _Lookup(local, send_counts)) if record
+        # the rows answer the ids: as many go back to each rank as came from it
+        rows, _ = self.collectives.alltoallv(self.shard.index_select(0, local), recv_counts, send_counts)
+        out = (self._recorded(rows, inverse, _Lookup(local, send_counts, recv_counts)) if record
                else rows.index_select(0, inverse))
         return out.view(*ids.shape, self.dim)
+
+    def _check_range(self, flat: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> None:
+        """A clear error naming the first id of ``flat`` outside the table, if its smallest or largest is."""
+        if int(low) < 0 or int(high) >= self.num_rows:
+            bad = flat[(flat < 0) | (flat >= self.num_rows)][0]
+            raise ValueError(f"ShardedEmbedding '{self.name}': id {int(bad)} out of range [0, {self.num_rows})")
 
     def _recorded(self, rows: torch.Tensor, index: torch.Tensor, lookup: _Lookup) -> torch.Tensor:
         """``rows[index]``, differentiable: ``lookup`` gets its gradient."""
@@ -226,10 +235,9 @@ class ShardedEmbedding(nn.Module):
         for lookup in lookups:
             grad = lookup.grad
             grad = self.shard.new_zeros((lookup.grad_rows, self.dim)) if grad is None else grad.contiguous()
-            if lookup.send_counts is not None:
+            if lookup.send_counts is not None:  # to the owners, the way the ids went
                 assert self.collectives is not None
-                grad, _ = self.collectives.alltoallv(grad, lookup.send_counts)
-                grad.div_(self.size)  # the all-to-all's own buffer; the global loss is the mean over the ranks
+                grad, _ = self.collectives.alltoallv(grad, lookup.send_counts, lookup.recv_counts)
             ids.append(lookup.ids)
             grads.append(grad)
         # an id looked up twice, by two ranks or in two lookups, has its gradients summed by the optimizer

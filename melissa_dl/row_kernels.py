@@ -51,69 +51,78 @@ def usable(*tensors: torch.Tensor) -> Kernels | None:
 
 
 class Kernels:
-    """The loops of ``row_loops`` on tensors: every constant in the table's dtype, as torch casts them, so that
-    the arithmetic is the torch path's and stays in SIMD lanes of that dtype (a Python int or float in a loop
-    would promote it to float64)."""
+    """The loops of ``row_loops``: the optimizers' on numpy views of a shard and its state (made once, when an
+    optimizer binds its shard, so that a step converts only its gradients), ``sum_rows`` and ``unique`` on CPU
+    tensors. Every constant is cast to the table's dtype, as torch casts them, so that the arithmetic is the
+    torch path's and stays in SIMD lanes of that dtype (a Python int or float in a loop would promote it to
+    float64)."""
 
     def __init__(self, loops: ModuleType) -> None:
         self._loops = loops
 
     def warm_up(self) -> None:
-        """Each loop once per table dtype, on two rows: compiled (or read from the cache) now, not mid-step."""
-        keys = self.sorted_keys(torch.tensor([1, 0, 1]))
-        assert keys is not None
+        """Each loop once per table dtype and key width, on two rows: compiled (or read from the cache) now, not
+        mid-step."""
         for dtype in DTYPES:
-            table, state, grads = (torch.ones(rows, 2, dtype=dtype) for rows in (2, 2, 3))
-            self.sgd(table, keys, grads, 0.1)
-            self.adagrad(table, state, keys, grads, 0.1, 1e-10)
-            self.row_adagrad(table, state[:, 0].contiguous(), keys, grads, 0.1, 1e-10)
-            self.adam(table, torch.zeros(2, 2, 2, dtype=dtype), keys, grads, 0.9, 0.999, 0.1, 1e-8)
-            self.sum_rows(grads, torch.tensor([1, 0, 1]), 2)
-        self.unique(torch.tensor([3, 1, 3]))
+            grads = torch.ones(3, 2, dtype=dtype)
+            self.sum_rows(grads, torch.tensor([1, 0, 1]), 2, 2)
+            g = grads.numpy()
+            for width in (np.uint32, np.int64):
+                keys = SortedKeys(np.array([1, 4, 6], width), 2)  # ids 1, 0, 1 at positions 0, 1, 2, sorted
+                self.sgd(g[:2].copy(), keys, g, 0.1)
+                self.adagrad(g[:2].copy(), g[:2].copy(), keys, g, 0.1, 1e-10)
+                self.row_adagrad(g[:2].copy(), g[:2, 0].copy(), keys, g, 0.1, 1e-10)
+                self.adam(g[:2].copy(), np.stack([g[:2], g[:2]], axis=1), keys, g, 0.9, 0.999, 0.1, 1e-8)
+        for ids in ([3, 1, 3], [3, 1, 1 << 40]):  # keys of 32 bits, then of 64
+            self.unique(torch.tensor(ids))
 
-    def sorted_keys(self, ids: torch.Tensor) -> SortedKeys | None:
+    def sorted_keys(self, ids: torch.Tensor, limit: int) -> SortedKeys | None:
         """1-D int64 CPU ``ids`` (at least one) as ``id << bits | position``, sorted by numpy's SIMD sort: ids
-        in ascending order, the positions of one id next to each other in ascending order. None for ids too
-        large to pack that way (beyond about 2**50 for a batch of 4096)."""
+        in ascending order, the positions of one id next to each other in ascending order. The keys are uint32
+        when they fit (twice as fast to sort as int64), else int64. None for an id outside ``[0, limit)`` or
+        too large to pack (beyond about 2**50 for a batch of 4096)."""
         values = ids.numpy()
         bits = max(len(values) - 1, 1).bit_length()
         keys = np.empty_like(values)
-        if not self._loops.pack_keys(values, bits, keys):
+        width = self._loops.pack_keys(values, limit, bits, keys)
+        if not width:
             return None
+        keys = keys.view(np.uint32)[: len(values)] if width == 32 else keys
         keys.sort()
         return SortedKeys(keys, bits)
 
-    def sgd(self, weight: torch.Tensor, keys: SortedKeys, grads: torch.Tensor, lr: float) -> int:
-        return self._loops.sgd(*_arrays(weight, grads), *keys, *_scalars(weight, lr))
+    def sgd(self, weight: np.ndarray, keys: SortedKeys, grads: np.ndarray, lr: float) -> int:
+        return self._loops.sgd(weight, grads, *keys, *_scalars(weight, lr))
 
-    def adagrad(self, weight: torch.Tensor, total: torch.Tensor, keys: SortedKeys, grads: torch.Tensor,
-                lr: float, eps: float) -> int:
-        return self._loops.adagrad(*_arrays(weight, total, grads), *keys, *_scalars(weight, lr, eps))
+    def adagrad(self, weight: np.ndarray, total: np.ndarray, keys: SortedKeys, grads: np.ndarray, lr: float,
+                eps: float) -> int:
+        return self._loops.adagrad(weight, total, grads, *keys, *_scalars(weight, lr, eps))
 
-    def row_adagrad(self, weight: torch.Tensor, total: torch.Tensor, keys: SortedKeys, grads: torch.Tensor,
-                    lr: float, eps: float) -> int:
-        return self._loops.row_adagrad(*_arrays(weight, total, grads), *keys,
-                                       *_scalars(weight, lr, eps, 1 / weight.shape[1]))
+    def row_adagrad(self, weight: np.ndarray, total: np.ndarray, keys: SortedKeys, grads: np.ndarray, lr: float,
+                    eps: float) -> int:
+        return self._loops.row_adagrad(weight, total, grads, *keys, *_scalars(weight, lr, eps, 1 / weight.shape[1]))
 
-    def adam(self, weight: torch.Tensor, moments: torch.Tensor, keys: SortedKeys, grads: torch.Tensor,
-             beta1: float, beta2: float, step_size: float, eps: float) -> int:
-        return self._loops.adam(*_arrays(weight, moments, grads), *keys,
+    def adam(self, weight: np.ndarray, moments: np.ndarray, keys: SortedKeys, grads: np.ndarray, beta1: float,
+             beta2: float, step_size: float, eps: float) -> int:
+        return self._loops.adam(weight, moments, grads, *keys,
                                 *_scalars(weight, 1 - beta1, beta2, 1 - beta2, step_size, eps))
 
-    def sum_rows(self, grads: torch.Tensor, inverse: torch.Tensor, rows: int) -> torch.Tensor:
-        """The gradient of each of ``rows`` rows: ``grads`` summed by ``inverse`` (``index_add_`` into zeros)."""
+    def sum_rows(self, grads: torch.Tensor, inverse: torch.Tensor, rows: int, divisor: int) -> torch.Tensor:
+        """The gradient of each of ``rows`` rows: ``grads`` summed by ``inverse`` (``index_add_`` into zeros),
+        divided by ``divisor``."""
         out = grads.new_empty((rows, grads.shape[1]))
-        self._loops.sum_rows(*_arrays(grads, inverse, out), np.empty(rows, dtype=np.bool_))
+        self._loops.sum_rows(grads.numpy(), inverse.numpy(), out.numpy(), np.empty(rows, dtype=np.bool_),
+                             *_scalars(out.numpy(), divisor))
         return out
 
     def unique(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``torch.unique(ids, sorted=True, return_inverse=True)`` of 1-D int64 CPU ids (at least one), or None
-        for ids too large to pack: one pass over their ``sorted_keys``, 2x faster than after an argsort and
-        3-6x faster than ``torch.unique`` on a batch of 4096 ids."""
-        keys = self.sorted_keys(ids)
+        for ids negative or too large to pack: one pass over their ``sorted_keys``, 2x faster than after an
+        argsort and 3-6x faster than ``torch.unique`` on a batch of 4096 ids."""
+        keys = self.sorted_keys(ids, 1 << 62)
         if keys is None:
             return None
-        unique, inverse = np.empty_like(keys.keys), np.empty_like(keys.keys)
+        unique, inverse = np.empty_like(ids.numpy()), np.empty_like(ids.numpy())
         count = self._loops.unique_sorted_keys(*keys, unique, inverse)
         return torch.from_numpy(unique[:count]), torch.from_numpy(inverse)
 
@@ -121,19 +130,9 @@ class Kernels:
 class SortedKeys(NamedTuple):
     """A batch's ids packed with their positions and sorted (``Kernels.sorted_keys``)."""
 
-    keys: np.ndarray
+    keys: np.ndarray  # uint32 or int64
     bits: int  # the low bits that hold the position
 
-    @property
-    def bounds(self) -> tuple[int, int]:
-        """The smallest and the largest id."""
-        return int(self.keys[0]) >> self.bits, int(self.keys[-1]) >> self.bits
 
-
-def _arrays(*tensors: torch.Tensor) -> list[np.ndarray]:
-    return [t.detach().numpy() for t in tensors]
-
-
-def _scalars(like: torch.Tensor, *values: float) -> list[Any]:
-    kind = np.float32 if like.dtype == torch.float32 else np.float64
-    return [kind(v) for v in values]
+def _scalars(like: np.ndarray, *values: float) -> list[Any]:
+    return [like.dtype.type(v) for v in values]

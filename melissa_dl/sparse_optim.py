@@ -33,6 +33,7 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from melissa_dl import row_kernels
@@ -61,6 +62,8 @@ class SparseOptimizer(ABC):
         self.step_count = 0
         self.weight: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
+        self._kernels: row_kernels.Kernels | None = None  # the compiled loops, where the shard can take them
+        self._arrays: list[np.ndarray] = []  # numpy views of the shard and its state, for the compiled loops
 
     def bind(self, weight: torch.Tensor) -> None:
         """Attach the shard and allocate its state (zeros: pages are only touched when used)."""
@@ -69,6 +72,8 @@ class SparseOptimizer(ABC):
             raise ValueError(f"a shard is a contiguous 2-D float tensor, got {tuple(weight.shape)} {weight.dtype}")
         self.weight = weight
         self.state = self._new_state(weight)
+        self._kernels = row_kernels.usable(weight, *self.state.values())
+        self._arrays = [t.detach().numpy() for t in (weight, *self.state.values())] if self._kernels is not None else []
 
     def _new_state(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state tensors of a freshly bound shard (none by default)."""
@@ -82,21 +87,24 @@ class SparseOptimizer(ABC):
         assert weight is not None, "bind() before step()"
         assert ids.dtype == torch.int64 and ids.dim() == 1, "ids: 1-D int64"
         assert grads.shape == (len(ids), weight.shape[1]) and grads.dtype == weight.dtype, "grads: [len(ids), dim]"
+        assert ids.device == grads.device == weight.device, "ids and grads on the shard's device"
         self.step_count += 1
         if not ids.numel():
             return 0
         ids, grads = ids.contiguous(), grads.detach().contiguous()
-        kernels = row_kernels.usable(weight, grads, *self.state.values())
-        keys = kernels.sorted_keys(ids) if kernels is not None else None
-        if kernels is None or keys is None:
+        # the compiled loops do not check their indices: rows outside the shard get no keys, and the torch path
+        # refuses them
+        keys = self._kernels.sorted_keys(ids, len(weight)) if self._kernels is not None else None
+        if keys is None:
             return self._torch_step(weight, ids, grads)
-        _check_rows(self.name, weight, *keys.bounds)  # the compiled loops do not check their indices
-        return self._fused(kernels, weight, keys, grads)
+        return self._fused(self._kernels, keys, grads.numpy())
 
     def _torch_step(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """The step by torch's ops: distinct rows, their summed gradients, then ``_update``."""
         rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        _check_rows(self.name, weight, int(rows[0]), int(rows[-1]))
+        low, high = int(rows[0]), int(rows[-1])
+        if low < 0 or high >= len(weight):
+            raise IndexError(f"{self.name}: rows {low}..{high} outside the {len(weight)} of the shard")
         self._update(weight, rows, grads.new_zeros((len(rows), grads.shape[1])).index_add_(0, inverse, grads))
         return len(rows)
 
@@ -106,9 +114,8 @@ class SparseOptimizer(ABC):
         ``rows`` and their summed gradients."""
 
     @abstractmethod
-    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, keys: row_kernels.SortedKeys,
-               grads: torch.Tensor) -> int:
-        """The same, gradients summed as it goes, by the compiled loop; the rows it updated."""
+    def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
+        """The same, gradients summed as it goes, by the compiled loop on ``_arrays``; the rows it updated."""
 
     def state_dict(self) -> dict[str, Any]:
         """The step count and the live state tensors (not copies: copy them to save asynchronously)."""
@@ -132,11 +139,6 @@ class SparseOptimizer(ABC):
         return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.state.values())
 
 
-def _check_rows(name: str, weight: torch.Tensor, low: int, high: int) -> None:
-    if low < 0 or high >= weight.shape[0]:
-        raise IndexError(f"{name}: rows {low}..{high} outside the {weight.shape[0]} of the shard")
-
-
 class SGD(SparseOptimizer):
     """Plain SGD on the touched rows: ``w_r -= lr * g_r``. No state."""
 
@@ -147,9 +149,8 @@ class SGD(SparseOptimizer):
         w.add_(grads, alpha=-self.lr)
         _scatter(weight, rows, w)
 
-    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, keys: row_kernels.SortedKeys,
-               grads: torch.Tensor) -> int:
-        return kernels.sgd(weight, keys, grads, self.lr)
+    def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
+        return kernels.sgd(*self._arrays, keys, grads, self.lr)
 
 
 class Adagrad(SparseOptimizer):
@@ -181,9 +182,8 @@ class Adagrad(SparseOptimizer):
         w.add_(step, alpha=-self.lr)
         _scatter(weight, rows, w)
 
-    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, keys: row_kernels.SortedKeys,
-               grads: torch.Tensor) -> int:
-        return kernels.adagrad(weight, self.state["sum"], keys, grads, self.lr, self.eps)
+    def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
+        return kernels.adagrad(*self._arrays, keys, grads, self.lr, self.eps)
 
 
 class RowAdagrad(Adagrad):
@@ -209,9 +209,8 @@ class RowAdagrad(Adagrad):
         w.addcmul_(grads, scale.unsqueeze(1))
         _scatter(weight, rows, w)
 
-    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, keys: row_kernels.SortedKeys,
-               grads: torch.Tensor) -> int:
-        return kernels.row_adagrad(weight, self.state["sum"], keys, grads, self.lr, self.eps)
+    def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
+        return kernels.row_adagrad(*self._arrays, keys, grads, self.lr, self.eps)
 
 
 class Adam(SparseOptimizer):
@@ -252,10 +251,8 @@ class Adam(SparseOptimizer):
         w.add_(step, alpha=-self._step_size())
         _scatter(weight, rows, w)
 
-    def _fused(self, kernels: row_kernels.Kernels, weight: torch.Tensor, keys: row_kernels.SortedKeys,
-               grads: torch.Tensor) -> int:
-        return kernels.adam(weight, self.state["moments"], keys, grads, self.beta1, self.beta2, self._step_size(),
-                            self.eps)
+    def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
+        return kernels.adam(*self._arrays, keys, grads, self.beta1, self.beta2, self._step_size(), self.eps)
 
     def _step_size(self) -> float:
         """The learning rate with both moments' bias corrections at step ``t``."""

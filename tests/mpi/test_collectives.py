@@ -136,6 +136,16 @@ def test_alltoallv_uneven_rows(coll: Collectives, width: int | None, dtype: torc
     assert torch.equal(recv, torch.cat([_rows(s, me, _count(s, me), width, dtype) for s in range(size)]))
 
 
+def test_alltoallv_reply_with_the_counts_received_skips_their_exchange(coll: Collectives) -> None:
+    """A reply sends back as many rows to each rank as came from it: the caller passes the counts it knows."""
+    me, size = coll.rank, coll.size
+    counts = [_count(me, d) for d in range(size)]
+    send = torch.cat([_rows(me, d, counts[d], 3, torch.float32) for d in range(size)])
+    question, asked = coll.alltoallv(send, counts)
+    answer, answered = coll.alltoallv(question * 2, asked, recv_counts=counts)
+    assert answered == counts and torch.equal(answer, send * 2)
+
+
 def test_alltoallv_with_no_rows_anywhere(coll: Collectives) -> None:
     recv, recv_counts = coll.alltoallv(torch.empty(0, 5), [0] * coll.size)
     assert recv_counts == [0] * coll.size and recv.shape == (0, 5)

@@ -92,8 +92,9 @@ def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dty
         expected = grads.new_zeros(len(unique), 4).index_add_(0, inverse, grads)
         assert summed.dtype == dtype
         torch.testing.assert_close(summed, expected)
-    gaps = sum_rows(torch.ones(2, 4), torch.tensor([0, 3]), 5)  # rows 1, 2 and 4 get no gradient: zeros
-    assert torch.equal(gaps, torch.tensor([1.0, 0, 0, 1, 0])[:, None].expand(5, 4))
+        torch.testing.assert_close(sum_rows(grads, inverse, len(unique), 3), expected / 3)
+    gaps = sum_rows(torch.ones(2, 4), torch.tensor([0, 3]), 5, 2)  # rows 1, 2 and 4 get no gradient: zeros
+    assert torch.equal(gaps, torch.tensor([0.5, 0, 0, 0.5, 0])[:, None].expand(5, 4))
 
 
 @pytest.mark.parametrize("failure", ["numba missing", "a damaged cache file"])
