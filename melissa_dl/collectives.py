@@ -77,12 +77,14 @@ class Collectives(ABC):
     def close(self) -> None:
         """Release the transport."""
 
-    def _check_alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> None:
+    def _check_alltoallv(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None) -> None:
         if len(send_counts) != self.size or min(send_counts) < 0 or sum(send_counts) != send.shape[0]:
             raise ValueError(
                 f"alltoallv: send_counts {send_counts} must be {self.size} non-negative row counts "
                 f"summing to the {send.shape[0]} rows of the send tensor"
             )
+        if recv_counts is not None and (len(recv_counts) != self.size or min(recv_counts) < 0):
+            raise ValueError(f"alltoallv: recv_counts {recv_counts} must be {self.size} non-negative row counts")
         _check_contiguous(send)
 
 
@@ -172,7 +174,7 @@ class MpiCollectives(Collectives):
 
     def alltoallv(self, send: torch.Tensor, send_counts: list[int],
                   recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
-        self._check_alltoallv(send, send_counts)
+        self._check_alltoallv(send, send_counts, recv_counts)
         if recv_counts is None:
             counts = torch.tensor(send_counts, dtype=torch.int64)
             received = torch.empty_like(counts)
@@ -225,7 +227,7 @@ class TorchCollectives(Collectives):
 
     def alltoallv(self, send: torch.Tensor, send_counts: list[int],
                   recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
-        self._check_alltoallv(send, send_counts)
+        self._check_alltoallv(send, send_counts, recv_counts)
         if recv_counts is None:
             counts = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
             received = torch.empty_like(counts)

@@ -43,19 +43,21 @@ def load() -> Kernels | None:
     return kernels
 
 
+def fits(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is one the loops take: contiguous, on the CPU, float32 or float64."""
+    return all(t.device.type == "cpu" and t.dtype in DTYPES and t.is_contiguous() for t in tensors)
+
+
 def usable(*tensors: torch.Tensor) -> Kernels | None:
-    """The kernels, when every tensor is a contiguous CPU float32/float64 one and numba is there; else None."""
-    if all(t.device.type == "cpu" and t.dtype in DTYPES and t.is_contiguous() for t in tensors):
-        return load()
-    return None
+    """The kernels, when the tensors ``fit`` and numba is there; else None."""
+    return load() if fits(*tensors) else None
 
 
 class Kernels:
-    """The loops of ``row_loops``: the optimizers' on numpy views of a shard and its state (made once, when an
-    optimizer binds its shard, so that a step converts only its gradients), ``sum_rows`` and ``unique`` on CPU
-    tensors. Every constant is cast to the table's dtype, as torch casts them, so that the arithmetic is the
-    torch path's and stays in SIMD lanes of that dtype (a Python int or float in a loop would promote it to
-    float64)."""
+    """The loops of ``row_loops``: the optimizers' on numpy views of a shard, its state and the gradients,
+    ``sum_rows`` and ``unique`` on CPU tensors. Every constant is cast to the table's dtype, as torch casts them,
+    so that the arithmetic is the torch path's and stays in SIMD lanes of that dtype (a Python int or float in a
+    loop would promote it to float64)."""
 
     def __init__(self, loops: ModuleType) -> None:
         self._loops = loops

@@ -62,8 +62,7 @@ class SparseOptimizer(ABC):
         self.step_count = 0
         self.weight: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
-        self._kernels: row_kernels.Kernels | None = None  # the compiled loops, where the shard can take them
-        self._arrays: list[np.ndarray] = []  # numpy views of the shard and its state, for the compiled loops
+        self._compiled = False  # whether the shard and its state fit the compiled loops
 
     def bind(self, weight: torch.Tensor) -> None:
         """Attach the shard and allocate its state (zeros: pages are only touched when used)."""
@@ -72,8 +71,7 @@ class SparseOptimizer(ABC):
             raise ValueError(f"a shard is a contiguous 2-D float tensor, got {tuple(weight.shape)} {weight.dtype}")
         self.weight = weight
         self.state = self._new_state(weight)
-        self._kernels = row_kernels.usable(weight, *self.state.values())
-        self._arrays = [t.detach().numpy() for t in (weight, *self.state.values())] if self._kernels is not None else []
+        self._compiled = row_kernels.fits(weight, *self.state.values())  # the loops load at the first step
 
     def _new_state(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state tensors of a freshly bound shard (none by default)."""
@@ -92,12 +90,13 @@ class SparseOptimizer(ABC):
         if not ids.numel():
             return 0
         ids, grads = ids.contiguous(), grads.detach().contiguous()
+        kernels = row_kernels.load() if self._compiled else None
         # the compiled loops do not check their indices: rows outside the shard get no keys, and the torch path
         # refuses them
-        keys = self._kernels.sorted_keys(ids, len(weight)) if self._kernels is not None else None
-        if keys is None:
+        keys = kernels.sorted_keys(ids, len(weight)) if kernels is not None else None
+        if kernels is None or keys is None:
             return self._torch_step(weight, ids, grads)
-        return self._fused(self._kernels, keys, grads.numpy())
+        return self._fused(kernels, keys, grads.numpy())
 
     def _torch_step(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """The step by torch's ops: distinct rows, their summed gradients, then ``_update``."""
@@ -115,7 +114,13 @@ class SparseOptimizer(ABC):
 
     @abstractmethod
     def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
-        """The same, gradients summed as it goes, by the compiled loop on ``_arrays``; the rows it updated."""
+        """The same, gradients summed as it goes, by the compiled loop on ``_arrays()``; the rows it updated."""
+
+    def _arrays(self) -> list[np.ndarray]:
+        """Numpy views of the shard and its state, made at each step: ``share_memory_()`` moves a tensor's memory
+        and keeps the tensor, and a view made before would still point at the old memory."""
+        assert self.weight is not None
+        return [t.detach().numpy() for t in (self.weight, *self.state.values())]
 
     def state_dict(self) -> dict[str, Any]:
         """The step count and the live state tensors (not copies: copy them to save asynchronously)."""
@@ -150,7 +155,7 @@ class SGD(SparseOptimizer):
         _scatter(weight, rows, w)
 
     def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
-        return kernels.sgd(*self._arrays, keys, grads, self.lr)
+        return kernels.sgd(*self._arrays(), keys, grads, self.lr)
 
 
 class Adagrad(SparseOptimizer):
@@ -183,7 +188,7 @@ class Adagrad(SparseOptimizer):
         _scatter(weight, rows, w)
 
     def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
-        return kernels.adagrad(*self._arrays, keys, grads, self.lr, self.eps)
+        return kernels.adagrad(*self._arrays(), keys, grads, self.lr, self.eps)
 
 
 class RowAdagrad(Adagrad):
@@ -210,7 +215,7 @@ class RowAdagrad(Adagrad):
         _scatter(weight, rows, w)
 
     def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
-        return kernels.row_adagrad(*self._arrays, keys, grads, self.lr, self.eps)
+        return kernels.row_adagrad(*self._arrays(), keys, grads, self.lr, self.eps)
 
 
 class Adam(SparseOptimizer):
@@ -252,7 +257,7 @@ class Adam(SparseOptimizer):
         _scatter(weight, rows, w)
 
     def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
-        return kernels.adam(*self._arrays, keys, grads, self.beta1, self.beta2, self._step_size(), self.eps)
+        return kernels.adam(*self._arrays(), keys, grads, self.beta1, self.beta2, self._step_size(), self.eps)
 
     def _step_size(self) -> float:
         """The learning rate with both moments' bias corrections at step ``t``."""

@@ -7,6 +7,7 @@ and through torch.distributed with gloo (the NCCL code path, minus the GPU).
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -136,13 +137,38 @@ def test_alltoallv_uneven_rows(coll: Collectives, width: int | None, dtype: torc
     assert torch.equal(recv, torch.cat([_rows(s, me, _count(s, me), width, dtype) for s in range(size)]))
 
 
-def test_alltoallv_reply_with_the_counts_received_skips_their_exchange(coll: Collectives) -> None:
-    """A reply sends back as many rows to each rank as came from it: the caller passes the counts it knows."""
+def _all_to_alls(coll: Collectives, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the transport's all-to-all calls from now on (counts and rows alike)."""
+    calls: list[str] = []
+
+    def counted(name: str, call: Any) -> Any:
+        return lambda *args, **kwargs: (calls.append(name), call(*args, **kwargs))[1]
+
+    if isinstance(coll, MpiCollectives):
+        comm = coll.comm
+
+        class Counting:
+            def __getattr__(self, name: str) -> Any:
+                return counted(name, getattr(comm, name)) if name.startswith("Alltoall") else getattr(comm, name)
+
+        monkeypatch.setattr(coll, "comm", Counting())
+    else:
+        monkeypatch.setattr(dist, "all_to_all_single", counted("all_to_all_single", dist.all_to_all_single))
+    return calls
+
+
+def test_alltoallv_reply_with_the_counts_received_skips_their_exchange(coll: Collectives,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply sends back as many rows to each rank as came from it: the caller passes the counts it knows, and
+    only the rows move."""
     me, size = coll.rank, coll.size
     counts = [_count(me, d) for d in range(size)]
     send = torch.cat([_rows(me, d, counts[d], 3, torch.float32) for d in range(size)])
+    calls = _all_to_alls(coll, monkeypatch)
     question, asked = coll.alltoallv(send, counts)
+    assert len(calls) == 2  # the counts, then the rows
     answer, answered = coll.alltoallv(question * 2, asked, recv_counts=counts)
+    assert len(calls) == 3  # the rows only
     assert answered == counts and torch.equal(answer, send * 2)
 
 
@@ -154,6 +180,9 @@ def test_alltoallv_with_no_rows_anywhere(coll: Collectives) -> None:
 def test_alltoallv_refuses_bad_counts(coll: Collectives) -> None:
     with pytest.raises(ValueError, match="send_counts"):
         coll.alltoallv(torch.zeros(3), [4] + [0] * (coll.size - 1))
+    for recv_counts in ([0] * (coll.size + 1), [-1] + [0] * (coll.size - 1)):
+        with pytest.raises(ValueError, match="recv_counts"):
+            coll.alltoallv(torch.zeros(0), [0] * coll.size, recv_counts)
 
 
 def _mlp() -> nn.Module:

@@ -1,6 +1,8 @@
 """ShardedEmbedding on one process, and the row -> rank map (no MPI)."""
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
 from collections.abc import Iterator
 
@@ -43,7 +45,8 @@ class NoCommunication:
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         raise AssertionError("no collective expected")
 
-    def alltoallv(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def alltoallv(self, send: torch.Tensor, send_counts: list[int],
+                  recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         raise AssertionError("no collective expected")
 
     def close(self) -> None:
@@ -113,6 +116,21 @@ def test_a_compiler_that_fails_leaves_the_torch_path(failure: str, monkeypatch: 
         monkeypatch.setattr(row_loops, "adam", broken)
     assert COMPILE() is None
     assert "numba's compiled loops are not available" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["share_memory", "deepcopy", "pickle"])
+def test_a_table_moved_to_shared_memory_or_copied_trains_as_the_original(how: str) -> None:
+    """``share_memory()`` gives the shard new memory under the same tensor; a copy of the module has a shard of
+    its own: the optimizer must update the memory the shard has now."""
+    moved = {"share_memory": lambda m: m.share_memory(), "deepcopy": copy.deepcopy,
+             "pickle": lambda m: pickle.loads(pickle.dumps(m))}[how](table(optimizer="rowadagrad"))
+    reference = table(optimizer="rowadagrad")
+    for emb in (moved, reference):
+        for ids in ([1, 2, 1], [2, 5]):
+            emb(torch.tensor(ids)).pow(2).sum().backward()
+            emb.apply_gradients()
+    assert not torch.equal(reference.shard, table().shard), "the reference did not train"
+    assert torch.equal(moved.shard, reference.shard)
 
 
 def test_single_process_matches_nn_embedding_with_sgd() -> None:

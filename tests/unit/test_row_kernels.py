@@ -28,6 +28,18 @@ def test_sorted_keys_order_ids_then_positions_in_32_bits_when_they_fit(kernels: 
     assert [(int(k) >> wide.bits, int(k) & 3) for k in wide.keys] == [(3, 1), (1 << 40, 0), (1 << 40, 2)]
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4096, 4097])
+def test_keys_are_32_bits_up_to_the_largest_id_that_fits_and_64_from_the_next(kernels: Kernels, n: int) -> None:
+    bits = max(n - 1, 1).bit_length()
+    for top, width in ((2 ** (32 - bits) - 1, np.uint32), (2 ** (32 - bits), np.int64)):
+        ids = torch.arange(n) % 7 * (top // 7)
+        ids[-1] = top  # the last position, the largest key
+        keys = kernels.sorted_keys(ids, limit=top + 1)
+        assert keys is not None and keys.keys.dtype == width and keys.bits == bits
+        decoded = sorted((int(k) >> bits, int(k) & (1 << bits) - 1) for k in keys.keys)
+        assert decoded == sorted((int(i), p) for p, i in enumerate(ids)), (n, top)
+
+
 @pytest.mark.parametrize("ids, limit", [([3, 6], 6), ([-1, 2], 6), ([2**62, 3], 2**63 - 1), ([3, 1 << 40], 1 << 40)])
 def test_sorted_keys_refuse_ids_outside_the_limit_or_too_large_to_pack(kernels: Kernels, ids: list[int],
                                                                        limit: int) -> None:
