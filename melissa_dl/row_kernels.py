@@ -124,7 +124,7 @@ class Kernels:
         keys = self.sorted_keys(ids, 1 << 62)
         if keys is None:
             return None
-        unique, inverse = np.empty_like(ids.numpy()), np.empty_like(ids.numpy())
+        unique, inverse = np.empty(len(ids), np.int64), np.empty(len(ids), np.int64)
         count = self._loops.unique_sorted_keys(*keys, unique, inverse)
         return torch.from_numpy(unique[:count]), torch.from_numpy(inverse)
 

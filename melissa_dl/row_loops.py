@@ -127,7 +127,8 @@ def adagrad(weight: np.ndarray, total: np.ndarray, grads: np.ndarray, keys: np.n
         g = grads[keys[lo] & mask] if hi - lo == 1 else scratch
         if hi - lo > 1:
             _sum_gradients(keys, lo, hi, mask, grads, scratch)
-        w, acc = weight[keys[lo] >> bits], total[keys[lo] >> bits]
+        r = keys[lo] >> bits
+        w, acc = weight[r], total[r]
         for j in range(w.shape[0]):
             acc[j] += g[j] * g[j]
             w[j] -= lr * (g[j] / (np.sqrt(acc[j]) + eps))
