@@ -17,12 +17,19 @@ unencrypted. Throughput is bytes over the time from the first message
 received to the last one consumed; the median of ``--repeat`` runs of each is
 reported, one RESULT line per client language and security level.
 
+Every run has a fresh receiving process, so that no side inherits another's
+heap. The server's runs make the server's allocator setting
+(``melissa_dl.allocator``, as ``melissa-server`` does at start); the baseline
+runs as pyzmq does by default, and once more with that setting, whose ratios
+are printed too (``*_same_allocator``, no target).
+
     python bench/ingest.py [--clients 8] [--mib 1] [--steps 64] [--repeat 3]
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
 import secrets
 import statistics
 import subprocess
@@ -33,6 +40,7 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
+from melissa_dl.allocator import keep_freed_memory
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
 from melissa_dl.client import Client
@@ -156,6 +164,24 @@ def server_throughput(clients: int, steps: int, nbytes: int, c_client: bool, lev
     return (clients * steps - 1) * nbytes / elapsed
 
 
+RAW, RAW_KEPT = "raw", "raw_kept"  # the baseline as pyzmq runs, and with the server's allocator setting
+
+
+def throughput(side: tuple[str, bool, str], clients: int, steps: int, nbytes: int) -> float:
+    """One run of one side (``RAW``, ``RAW_KEPT`` or ``"server"``, C clients or not, security level)."""
+    kind, c_client, level = side
+    if kind != RAW:
+        keep_freed_memory()
+    if kind == "server":
+        return server_throughput(clients, steps, nbytes, c_client, level)
+    return raw_throughput(clients, steps, nbytes)
+
+
+def in_fresh_process(side: tuple[str, bool, str], clients: int, steps: int, nbytes: int) -> float:
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as process:
+        return process.submit(throughput, side, clients, steps, nbytes).result()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
@@ -171,23 +197,27 @@ def main() -> None:
               "(`scripts/system-packages install native` as root)")
     else:
         subprocess.run(["make", "-s", "-C", str(ROOT), "native"], check=True, stdout=subprocess.DEVNULL)
-    sides = [(c_client, level) for c_client in ((False,) if missing else (False, True)) for level in LEVELS]
-    raw: list[float] = []
-    served: dict[tuple[bool, str], list[float]] = {side: [] for side in sides}
+    servers = [("server", c_client, level) for c_client in ((False,) if missing else (False, True)) for level in LEVELS]
+    sides = [(RAW, False, ""), (RAW_KEPT, False, ""), *servers]
+    runs: dict[tuple[str, bool, str], list[float]] = {side: [] for side in sides}
     for _ in range(args.repeat):  # interleaved so that drifts of the machine hit every side
-        raw.append(raw_throughput(args.clients, args.steps, nbytes))
-        for c_client, level in sides:
-            served[c_client, level].append(server_throughput(args.clients, args.steps, nbytes, c_client, level))
-    raw_mb = statistics.median(raw) / 1e6
-    print(f"raw pyzmq: {[round(r / 1e6) for r in raw]} MB/s; " + "; ".join(
-        f"server, {'C' if c else 'Python'} clients, {level}: {[round(s / 1e6) for s in served[c, level]]} MB/s"
-        for c, level in sides))
-    for c_client, level in sides:  # the names of the token lines are those of the runs before security levels
+        for side in sides:
+            runs[side].append(in_fresh_process(side, args.clients, args.steps, nbytes))
+    print("; ".join(f"{'raw pyzmq' if kind == RAW else 'raw pyzmq, allocator set' if kind == RAW_KEPT else 'server'}"
+                    f"{', C clients' if c else ', Python clients' if kind == 'server' else ''}"
+                    f"{', ' + level if level else ''}: {[round(r / 1e6) for r in runs[kind, c, level]]} MB/s"
+                    for kind, c, level in sides))
+    raw_mb, kept_mb = (statistics.median(runs[kind, False, ""]) / 1e6 for kind in (RAW, RAW_KEPT))
+    for _, c_client, level in servers:  # the names of the token lines are those of the runs before security levels
         name = "ingest" + ("_c_client" if c_client else "") + ("" if level == "token" else f"_{level}")
-        server_mb = statistics.median(served[c_client, level]) / 1e6
+        server_mb = statistics.median(runs["server", c_client, level]) / 1e6
         target = "0.9" if level == "token" else "none"
         print(f"RESULT {name} ratio={server_mb / raw_mb:.3f} target={target} server={server_mb:.0f}MB/s "
               f"raw_pyzmq={raw_mb:.0f}MB/s security={level} clients={args.clients} field={args.mib:g}MiB")
+        if level == "token":
+            print(f"RESULT {name}_same_allocator ratio={server_mb / kept_mb:.3f} target=none server={server_mb:.0f}MB/s "
+                  f"raw_pyzmq_allocator_set={kept_mb:.0f}MB/s security={level} clients={args.clients} "
+                  f"field={args.mib:g}MiB")
 
 
 if __name__ == "__main__":

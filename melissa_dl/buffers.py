@@ -1,8 +1,10 @@
 """Bounded, thread-safe sample buffers between the receiver and the training loop.
 
 One ``threading.Condition`` per buffer guards everything; the producer (network
-receiver) and the consumer (training loop) wake each other with ``notify_all``
-(the consumer only when a put is blocked: nothing else waits for room).
+receiver) and the consumer (training loop) wake each other with ``notify_all``:
+the consumer only when a put is blocked (nothing else waits for room), the
+producer only when a waiting get can now be served (a consumer starved of data
+would otherwise wake at every sample to find too few).
 
 Choices, and why:
 
@@ -66,6 +68,7 @@ class Buffer(ABC):
         self._cond = threading.Condition(threading.Lock())
         self._entries: MutableSequence[_Entry] = self._new_container()
         self._blocked: list[int] = []  # nbytes of puts waiting for room
+        self._takers: list[int] = []  # sizes asked by gets waiting for samples
         self._nbytes = 0
         self._total_put = 0
         self._total_served = 0
@@ -111,7 +114,8 @@ class Buffer(ABC):
             self._total_put += 1
             if on_insert is not None:
                 on_insert()
-            self._cond.notify_all()
+            if self._takers and self._servable(min(self._takers)) is not None:
+                self._cond.notify_all()
             return True
 
     def get_batch(self, size: int, timeout: float | None = None) -> list[Sample] | None:
@@ -140,15 +144,12 @@ class Buffer(ABC):
             raise ValueError(f"batch size must be >= 1, got {size}")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                n = len(self._entries)
-                if self._closed or self._full():
-                    k = min(size, n)
-                    break
-                if self._total_put >= self._watermark and n >= size:
-                    k = size
-                    break
-                waited = self._block(deadline)
+            while (k := self._servable(size)) is None:
+                self._takers.append(size)
+                try:
+                    waited = self._block(deadline)
+                finally:
+                    self._takers.remove(size)
                 if waited is None:
                     return None
                 self._get_wait += waited
@@ -269,6 +270,15 @@ class Buffer(ABC):
         if self._cap_samples is not None and n >= self._cap_samples:
             return False
         return self._cap_bytes is None or n == 0 or self._nbytes + nb <= self._cap_bytes
+
+    def _servable(self, size: int) -> int | None:
+        """How many entries a get of ``size`` takes now, or None while it must wait for more."""
+        n = len(self._entries)
+        if self._closed or self._full():
+            return min(size, n)
+        if self._total_put >= self._watermark and n >= size:
+            return size
+        return None
 
     def _full(self) -> bool:
         """The buffer cannot grow (probe: a blocked put, else a 1-byte sample)."""

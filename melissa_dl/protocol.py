@@ -20,6 +20,7 @@ attempt that a newer one replaced.
 """
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import math
@@ -50,6 +51,7 @@ class Kind(IntEnum):
     FINALIZE = 3
 
 
+_KINDS = {kind.value: kind for kind in Kind}
 _HEADER = struct.Struct(f"<4sHBB{KEY_BYTES}sIIIHHHB{MAX_NDIM}IQ")
 HEADER_BYTES = _HEADER.size
 
@@ -87,13 +89,15 @@ def unpack_header(buffer: bytes | memoryview) -> Header:
         raise ProtocolError(f"bad magic {magic!r}", "malformed")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version}, server speaks {PROTOCOL_VERSION}", "version")
-    if kind not in Kind.__members__.values() or dtype >= len(DTYPES) or ndim > MAX_NDIM:
+    known = _KINDS.get(kind)
+    if known is None or dtype >= len(DTYPES) or ndim > MAX_NDIM:
         raise ProtocolError(f"kind {kind}, dtype code {dtype}, ndim {ndim}", "malformed")
     if crank >= csize:
         raise ProtocolError(f"client rank {crank} of {csize}", "malformed")
-    return Header(Kind(kind), key, sim, attempt, step, crank, csize, fid, DTYPES[dtype], tuple(rest[:ndim]), rest[-1])
+    return Header(known, key, sim, attempt, step, crank, csize, fid, DTYPES[dtype], tuple(rest[:ndim]), rest[-1])
 
 
+@functools.lru_cache(maxsize=4096)  # checked for every data frame
 def simulation_key(token: bytes, simulation_id: int, attempt: int) -> bytes:
     """The per-attempt credential every data frame carries: HMAC-SHA256(token, sim LE32 || attempt LE32)[:8]."""
     message = simulation_id.to_bytes(4, "little") + attempt.to_bytes(4, "little")
@@ -130,6 +134,7 @@ def decode_json(payload: bytes | memoryview, what: str) -> Any:
         raise ProtocolError(f"{what}: invalid JSON ({quote(str(error))})", "malformed") from None
 
 
+@functools.lru_cache(maxsize=1024)  # asked again for every data frame: a study has a few layouts
 def payload_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize  # Python ints: no overflow on absurd shapes
 

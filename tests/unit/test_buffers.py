@@ -226,6 +226,36 @@ def test_get_batch_wakes_on_put(kind):
     assert sorted(ids(got[0])) == [0, 1]
 
 
+class CountingCondition(threading.Condition):
+    """A condition that counts its waits: each one after the first is a waiter woken too early."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self.waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        return super().wait(timeout)
+
+
+@pytest.mark.parametrize("kind", BUFFER_KINDS)
+def test_a_waiting_get_is_woken_only_once_its_batch_is_there(kind):
+    b = buf(kind, cap=20)
+    b._cond = condition = CountingCondition()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(b.get_batch(8, timeout=10)))
+    t.start()
+    while not condition.waits:  # the get waits
+        time.sleep(0.001)
+    fill(b, 7)
+    time.sleep(SHORT)
+    assert condition.waits == 1 and t.is_alive()
+    fill(b, 1, start=7)
+    t.join(timeout=10)
+    assert not t.is_alive() and condition.waits == 1
+    assert sorted(ids(got[0])) == list(range(8))
+
+
 @pytest.mark.parametrize("kind,pe", [("fifo", 1), ("firo", 1), ("firo", 4), ("reservoir", 1)])
 def test_no_duplicates_in_batch(kind, pe):
     b = buf(kind, cap=6, seed=7, pseudo_epochs=pe)
