@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-from concurrent.futures import ProcessPoolExecutor
 import secrets
 import statistics
 import subprocess
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -170,8 +170,9 @@ RAW, RAW_KEPT = "raw", "raw_kept"  # the baseline as pyzmq runs, and with the se
 def throughput(side: tuple[str, bool, str], clients: int, steps: int, nbytes: int) -> float:
     """One run of one side (``RAW``, ``RAW_KEPT`` or ``"server"``, C clients or not, security level)."""
     kind, c_client, level = side
-    if kind != RAW:
-        keep_freed_memory()
+    if kind != RAW and not keep_freed_memory():
+        raise SystemExit("the allocator setting was not made (not glibc, or GLIBC_TUNABLES / MALLOC_*_ set): "
+                         "the server side would not be the server's")
     if kind == "server":
         return server_throughput(clients, steps, nbytes, c_client, level)
     return raw_throughput(clients, steps, nbytes)

@@ -4,15 +4,17 @@ ZeroMQ's I/O thread allocates every received message with ``malloc``, and the
 buffer frees it once trained on. glibc's defaults give the freed top of a heap
 back to the kernel as soon as it exceeds twice the largest block freed so
 far (about 2 MiB for 1 MiB fields): the next messages then fault their pages
-in again, one by one, zero-filled. Measured by ``bench/ingest.py`` (8 clients,
-1 MiB fields), that is 40 to 230 page faults a message and a third more
-kernel time. Keeping up to ``TRIM_BYTES`` of freed memory per heap, and
-serving blocks up to ``MMAP_BYTES`` from the heaps instead of a fresh
+in again, one by one, zero-filled. Measured with ``bench/ingest.py``'s
+server side (8 clients, 1 MiB fields), that is 40 to 80 page faults a message
+and 30-50% more kernel time (a bare pyzmq receiver: up to 230 faults). Keeping up to ``TRIM_BYTES`` of freed memory per heap, and
+serving blocks below ``MMAP_BYTES`` from the heaps instead of a fresh
 ``mmap`` each, removes them.
 
-The setting is process-wide, so only the server's entry point makes it; a
-user's own ``GLIBC_TUNABLES`` or ``MALLOC_*_`` settings win. Elsewhere than
-glibc nothing is changed.
+The setting is process-wide, so only the server's entry point makes it,
+before MPI starts: an MPI library that sets malloc options of its own at
+initialisation (some keep freed memory registered with the network card) has
+the last word. A user's own ``GLIBC_TUNABLES`` malloc tunables or
+``MALLOC_*_`` variables win too. Elsewhere than glibc nothing is changed.
 """
 from __future__ import annotations
 
@@ -32,9 +34,13 @@ def keep_freed_memory() -> bool:
     if "malloc." in os.environ.get("GLIBC_TUNABLES", "") or any(
             name.startswith("MALLOC_") and name.endswith("_") for name in os.environ):
         return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION")
+    except (ValueError, OSError):  # no such name: another C library
+        glibc = None
+    if glibc is None:
         return False
+    mallopt = ctypes.CDLL(None).mallopt
     if not (mallopt(_M_MMAP_THRESHOLD, MMAP_BYTES) and mallopt(_M_TRIM_THRESHOLD, TRIM_BYTES)):
         logger.warning("the C allocator refused mallopt: freed message memory goes back to the kernel at once")
         return False

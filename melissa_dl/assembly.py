@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from melissa_dl.errors import ProtocolError
+from melissa_dl.finite import all_finite, compiled
 from melissa_dl.ledger import Ledger
 from melissa_dl.protocol import (
     Header,
@@ -51,22 +52,6 @@ if TYPE_CHECKING:
     from melissa_dl.config import Config
 
 COPY_FROM = 1 << 16  # smaller payloads are copied out of ZeroMQ's shared receive chunks
-_BLAS_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def all_finite(array: np.ndarray) -> bool:
-    """Whether no value is NaN or infinite, in one read of the array where BLAS takes its dtype.
-
-    A sum of squares is NaN or infinite when any value is, and finite otherwise unless it overflows, which the
-    exact check then settles. ``np.isfinite(array).all()`` writes a mask and reads it again: on a 1 MiB field
-    just received it takes 1.5 times as long, and the receiver thread does this for every field of every step.
-    """
-    if array.dtype in _BLAS_DTYPES:
-        flat = array.reshape(-1)
-        with np.errstate(over="ignore"):  # an overflow is no finding: the exact check follows
-            if np.isfinite(np.dot(flat, flat)):
-                return True
-    return bool(np.isfinite(array).all())
 
 
 @dataclass(frozen=True)
@@ -135,6 +120,8 @@ class Assembler:
         }
         self._changed: set[int] = set()
         self._refused: dict[int, tuple[str, str]] = {}  # simulation -> kind and message of its first refused frame
+        if spec.reject_non_finite:
+            compiled()  # now, not at the first frame
 
     # -- frames ---------------------------------------------------------------
 

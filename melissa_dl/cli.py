@@ -16,6 +16,7 @@ import torch
 from launcher import make_scheduler
 from launcher.schedulers import missing_program
 from launcher.slurm import SlurmScheduler
+from melissa_dl.allocator import keep_freed_memory
 from melissa_dl.config import Config, load_config
 from melissa_dl.errors import ConfigError
 from melissa_dl.files import check_writable
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.try_simulation:
         return try_one(config, args.parameters)
+    keep_freed_memory()  # before MPI starts, so that an MPI library's own malloc options win
     from melissa_dl.server import serve  # only now: MPI and the training machinery
 
     return serve(config, fresh=args.fresh, export_model=args.export_model)

@@ -26,7 +26,6 @@ import numpy as np
 from mpi4py import MPI
 
 from launcher import Launcher, Sampler, make_scheduler
-from melissa_dl.allocator import keep_freed_memory
 from melissa_dl.assembly import StreamSpec
 from melissa_dl.buffers import make_buffer
 from melissa_dl.checkpoint import Version, next_version
@@ -309,7 +308,6 @@ def serve(config: Config, fresh: bool, export_model: bool) -> int:
     install_abort_on_error(comm)
     setup_logging(comm.Get_rank(), config.output_path / "logs", config.server.log_level)
     raise_open_file_limit()
-    keep_freed_memory()
     try:
         return Server(config, comm, fresh=fresh, export_model=export_model).run()
     except SystemExit as signalled:  # a SIGTERM outside training (or a second one), after the finally blocks ran

@@ -13,8 +13,9 @@ pytestmark = [pytest.mark.timeout(60),
 
 ROUNDS, BLOCKS = 20, 16  # each round allocates and frees 16 blocks of 1 MiB, like a burst of 1 MiB messages
 CHURN = f"""
-import resource, sys
+import ctypes, resource, sys
 from melissa_dl.allocator import keep_freed_memory
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, and so faults, whatever the kernel's default
 kept = keep_freed_memory() if sys.argv[1] == "set" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from melissa_dl.assembly import COPY_FROM, Assembler, Progress, StreamSpec, all_finite
+from melissa_dl.assembly import COPY_FROM, Assembler, Progress, StreamSpec
 from melissa_dl.errors import ProtocolError
 from melissa_dl.protocol import Header, Kind, encode_json, simulation_key
 from melissa_dl.rejections import RejectionLog
@@ -275,23 +275,6 @@ def test_payload_smaller_than_the_declared_layout_is_refused(size: int) -> None:
     assembler.handle(sender.declare())
     frames = sender.message(Kind.DATA, bytes(size), dtype="float32", shape=(4,))
     refused(assembler, frames, "malformed")
-
-
-@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
-def test_all_finite_finds_one_bad_value_anywhere_and_is_not_fooled_by_huge_finite_ones(dtype: str) -> None:
-    finfo = np.finfo(dtype)
-    values = np.random.default_rng(0).uniform(-1, 1, (33, 65)).astype(dtype)
-    assert all_finite(values) and all_finite(values[:, ::2]) and all_finite(values[:0])
-    huge = np.full(1000, finfo.max, dtype)  # its sum of squares overflows: the exact check decides
-    assert all_finite(huge) and all_finite(-huge)
-    for bad in (np.nan, np.inf, -np.inf):
-        for where in [(0, 0), (16, 31), (32, 64)]:
-            spoiled = values.copy()
-            spoiled[where] = bad
-            assert not all_finite(spoiled) and not all_finite(spoiled.T)
-        spoiled_huge = huge.copy()
-        spoiled_huge[-1] = bad
-        assert not all_finite(spoiled_huge)
 
 
 def test_non_finite_values_are_accepted_when_allowed() -> None:

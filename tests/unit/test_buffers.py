@@ -256,6 +256,26 @@ def test_a_waiting_get_is_woken_only_once_its_batch_is_there(kind):
     assert sorted(ids(got[0])) == list(range(8))
 
 
+@pytest.mark.parametrize("kind", BUFFER_KINDS)
+def test_of_two_waiting_gets_the_smaller_is_served_first(kind):
+    b = buf(kind, cap=20)
+    b._cond = condition = CountingCondition()
+    got: dict[int, list] = {}
+    takers = [threading.Thread(target=lambda size=size: got.setdefault(size, b.get_batch(size, timeout=10)))
+              for size in (8, 2)]
+    for t in takers:
+        waits = condition.waits
+        t.start()
+        while condition.waits == waits:  # this get waits
+            time.sleep(0.001)
+    fill(b, 2)
+    takers[1].join(timeout=10)
+    assert not takers[1].is_alive() and len(got[2]) == 2 and takers[0].is_alive()
+    fill(b, 8, start=2)
+    takers[0].join(timeout=10)
+    assert not takers[0].is_alive() and len(got[8]) == 8
+
+
 @pytest.mark.parametrize("kind,pe", [("fifo", 1), ("firo", 1), ("firo", 4), ("reservoir", 1)])
 def test_no_duplicates_in_batch(kind, pe):
     b = buf(kind, cap=6, seed=7, pseudo_epochs=pe)

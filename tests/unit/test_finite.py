@@ -1,0 +1,48 @@
+"""The receiver's non-finite check: one bad value anywhere in a field, of any float dtype, is found."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from melissa_dl import finite
+from melissa_dl.finite import all_finite
+
+pytestmark = pytest.mark.timeout(60)
+
+BAD = [np.nan, np.inf, -np.inf]
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both paths: the compiled loop, and numpy's check where numba fails."""
+    if request.param == "numpy":
+        monkeypatch.setattr(finite, "compiled", lambda: False)
+    else:
+        assert finite.compiled()
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", ">f4", "<f8"])
+def test_one_bad_value_anywhere_is_found_and_extreme_finite_values_are_not(dtype: str, path: str) -> None:
+    info = np.finfo(dtype)
+    values = np.random.default_rng(0).uniform(-1, 1, (33, 65)).astype(dtype)
+    values[0, :6] = [info.max, -info.max, info.smallest_subnormal, -info.smallest_subnormal, -0.0, info.min]
+    for good in (values, values[:, ::2], values.T, values[:0], values[3, 4]):
+        assert all_finite(good)
+    for bad in BAD:
+        for where in [(0, 0), (16, 31), (32, 64)]:
+            spoiled = values.copy()
+            spoiled[where] = bad
+            assert not all_finite(spoiled) and not all_finite(spoiled.T) and not all_finite(spoiled[where])
+
+
+def test_every_nan_bit_pattern_is_found(path: str) -> None:
+    bits = np.array([0x7F800001, 0x7FBFFFFF, 0x7FC00000, 0xFFFFFFFF, 0xFF800001], np.uint32)  # signalling, quiet, signed
+    for pattern in bits:
+        field = np.zeros(1000, np.float32)
+        field.view(np.uint32)[500] = pattern
+        assert np.isnan(field[500]) and not all_finite(field)
+
+
+def test_integer_fields_are_finite() -> None:
+    assert all_finite(np.array([np.iinfo(np.int64).max, -1]))
