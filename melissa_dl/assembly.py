@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from melissa_dl.errors import ProtocolError
-from melissa_dl.finite import all_finite, compiled
+from melissa_dl.finite import all_finite
 from melissa_dl.ledger import Ledger
 from melissa_dl.protocol import (
     Header,
@@ -120,8 +120,6 @@ class Assembler:
         }
         self._changed: set[int] = set()
         self._refused: dict[int, tuple[str, str]] = {}  # simulation -> kind and message of its first refused frame
-        if spec.reject_non_finite:
-            compiled()  # now, not at the first frame
 
     # -- frames ---------------------------------------------------------------
 

@@ -14,11 +14,12 @@ BAD = [np.nan, np.inf, -np.inf]
 
 @pytest.fixture(params=["compiled", "numpy"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both paths: the compiled loop, and numpy's check where numba fails."""
+    """Both paths, on fields of any size: the compiled loop, and numpy's check (small fields, or numba failing)."""
+    monkeypatch.setattr(finite, "COMPILED_FROM", 0)
     if request.param == "numpy":
-        monkeypatch.setattr(finite, "compiled", lambda: False)
+        monkeypatch.setattr(finite, "_loop", lambda: None)
     else:
-        assert finite.compiled()
+        assert finite._loop() is not None
     return request.param
 
 
@@ -46,3 +47,14 @@ def test_every_nan_bit_pattern_is_found(path: str) -> None:
 
 def test_integer_fields_are_finite() -> None:
     assert all_finite(np.array([np.iinfo(np.int64).max, -1]))
+
+
+def test_a_large_field_is_checked_by_the_compiled_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    loop = finite._loop()
+    assert loop is not None
+    monkeypatch.setattr(finite, "_loop", lambda: calls.append(1) or loop)
+    field = np.zeros(finite.COMPILED_FROM // 4, np.float32)
+    assert all_finite(field) and all_finite(field[:-1]) and calls == [1]  # the smaller one: numpy's check
+    field[-1] = np.inf
+    assert not all_finite(field) and calls == [1, 1]
