@@ -21,6 +21,7 @@ from melissa_dl.assembly import Assembler, Progress, StreamSpec
 from melissa_dl.buffers import Buffer
 from melissa_dl.connections import POLL_MS, ConnectionGuard, ServerSocketThread
 from melissa_dl.errors import ProtocolError, ReceiverDied
+from melissa_dl.finite import compiled_loop
 from melissa_dl.ledger import Ledger
 from melissa_dl.protocol import owner_rank
 from melissa_dl.rejections import merge_rejections
@@ -65,6 +66,8 @@ class Receiver(ServerSocketThread):
         self._lock = threading.Lock()
         self._blocked = False
         self._last_scalars = (time.monotonic(), 0)  # time, bytes received
+        if spec.reject_non_finite:
+            compiled_loop()  # now: at the first large field, clients' messages would queue up behind the compiler
 
     def configure(self, socket: zmq.Socket) -> None:
         socket.setsockopt(zmq.RCVHWM, self._hwm)

@@ -17,9 +17,9 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     """Both paths, on fields of any size: the compiled loop, and numpy's check (small fields, or numba failing)."""
     monkeypatch.setattr(finite, "COMPILED_FROM", 0)
     if request.param == "numpy":
-        monkeypatch.setattr(finite, "_loop", lambda: None)
+        monkeypatch.setattr(finite, "compiled_loop", lambda: None)
     else:
-        assert finite._loop() is not None
+        assert finite.compiled_loop() is not None
     return request.param
 
 
@@ -51,9 +51,9 @@ def test_integer_fields_are_finite() -> None:
 
 def test_a_large_field_is_checked_by_the_compiled_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    loop = finite._loop()
+    loop = finite.compiled_loop()
     assert loop is not None
-    monkeypatch.setattr(finite, "_loop", lambda: calls.append(1) or loop)
+    monkeypatch.setattr(finite, "compiled_loop", lambda: calls.append(1) or loop)
     field = np.zeros(finite.COMPILED_FROM // 4, np.float32)
     assert all_finite(field) and all_finite(field[:-1]) and calls == [1]  # the smaller one: numpy's check
     field[-1] = np.inf
