@@ -183,6 +183,13 @@ def in_fresh_process(side: tuple[str, bool, str], clients: int, steps: int, nbyt
         return process.submit(throughput, side, clients, steps, nbytes).result()
 
 
+def label(side: tuple[str, bool, str]) -> str:
+    kind, c_client, level = side
+    if kind != "server":
+        return "raw pyzmq" if kind == RAW else "raw pyzmq, allocator set"
+    return f"server, {'C' if c_client else 'Python'} clients, {level}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
@@ -204,21 +211,19 @@ def main() -> None:
     for _ in range(args.repeat):  # interleaved so that drifts of the machine hit every side
         for side in sides:
             runs[side].append(in_fresh_process(side, args.clients, args.steps, nbytes))
-    print("; ".join(f"{'raw pyzmq' if kind == RAW else 'raw pyzmq, allocator set' if kind == RAW_KEPT else 'server'}"
-                    f"{', C clients' if c else ', Python clients' if kind == 'server' else ''}"
-                    f"{', ' + level if level else ''}: {[round(r / 1e6) for r in runs[kind, c, level]]} MB/s"
-                    for kind, c, level in sides))
+    print("; ".join(f"{label(side)}: {[round(r / 1e6) for r in runs[side]]} MB/s" for side in sides))
     raw_mb, kept_mb = (statistics.median(runs[kind, False, ""]) / 1e6 for kind in (RAW, RAW_KEPT))
-    for _, c_client, level in servers:  # the names of the token lines are those of the runs before security levels
+    for side in servers:  # the names of the token lines are those of the runs before security levels
+        _, c_client, level = side
         name = "ingest" + ("_c_client" if c_client else "") + ("" if level == "token" else f"_{level}")
-        server_mb = statistics.median(runs["server", c_client, level]) / 1e6
-        target = "0.9" if level == "token" else "none"
-        print(f"RESULT {name} ratio={server_mb / raw_mb:.3f} target={target} server={server_mb:.0f}MB/s "
-              f"raw_pyzmq={raw_mb:.0f}MB/s security={level} clients={args.clients} field={args.mib:g}MiB")
+        server_mb = statistics.median(runs[side]) / 1e6
+        baselines = [("", "raw_pyzmq", raw_mb, "0.9" if level == "token" else "none")]
         if level == "token":
-            print(f"RESULT {name}_same_allocator ratio={server_mb / kept_mb:.3f} target=none server={server_mb:.0f}MB/s "
-                  f"raw_pyzmq_allocator_set={kept_mb:.0f}MB/s security={level} clients={args.clients} "
-                  f"field={args.mib:g}MiB")
+            baselines.append(("_same_allocator", "raw_pyzmq_allocator_set", kept_mb, "none"))
+        for suffix, baseline, baseline_mb, target in baselines:
+            print(f"RESULT {name}{suffix} ratio={server_mb / baseline_mb:.3f} target={target} "
+                  f"server={server_mb:.0f}MB/s {baseline}={baseline_mb:.0f}MB/s security={level} "
+                  f"clients={args.clients} field={args.mib:g}MiB")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ back to the kernel as soon as it exceeds twice the largest block freed so
 far (about 2 MiB for 1 MiB fields): the next messages then fault their pages
 in again, one by one, zero-filled. Measured with ``bench/ingest.py``'s
 server side (8 clients, 1 MiB fields), that is 40 to 80 page faults a message
-and 30-50% more kernel time (a bare pyzmq receiver: up to 230 faults). Keeping up to ``TRIM_BYTES`` of freed memory per heap, and
-serving blocks below ``MMAP_BYTES`` from the heaps instead of a fresh
-``mmap`` each, removes them.
+and 30-50% more kernel time (a bare pyzmq receiver: up to 230 faults).
+Keeping up to ``TRIM_BYTES`` of freed memory per heap, and serving blocks
+below ``MMAP_BYTES`` from the heaps instead of a fresh ``mmap`` each, removes
+them.
 
 The setting is process-wide, so only the server's entry point makes it,
 before MPI starts: an MPI library that sets malloc options of its own at

@@ -32,7 +32,8 @@ PAGES = ROUNDS * BLOCKS * (1 << 20) // os.sysconf("SC_PAGE_SIZE")
 
 def churn(mode: str, **environ: str) -> tuple[str, int]:
     """Whether the setting was made, and the page faults of the rounds after the first."""
-    env = {name: value for name, value in os.environ.items() if name != "GLIBC_TUNABLES" and not name.startswith("MALLOC_")}
+    env = {name: value for name, value in os.environ.items()
+           if name != "GLIBC_TUNABLES" and not name.startswith("MALLOC_")}
     result = subprocess.run([sys.executable, "-c", CHURN, mode], env={**env, **environ}, capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 0, result.stderr

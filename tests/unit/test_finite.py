@@ -38,7 +38,8 @@ def test_one_bad_value_anywhere_is_found_and_extreme_finite_values_are_not(dtype
 
 
 def test_every_nan_bit_pattern_is_found(path: str) -> None:
-    bits = np.array([0x7F800001, 0x7FBFFFFF, 0x7FC00000, 0xFFFFFFFF, 0xFF800001], np.uint32)  # signalling, quiet, signed
+    # signalling, quiet, and negative NaNs
+    bits = np.array([0x7F800001, 0x7FBFFFFF, 0x7FC00000, 0xFFFFFFFF, 0xFF800001], np.uint32)
     for pattern in bits:
         field = np.zeros(1000, np.float32)
         field.view(np.uint32)[500] = pattern
