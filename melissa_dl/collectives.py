@@ -85,6 +85,9 @@ class Collectives(ABC):
             )
         if recv_counts is not None and (len(recv_counts) != self.size or min(recv_counts) < 0):
             raise ValueError(f"alltoallv: recv_counts {recv_counts} must be {self.size} non-negative row counts")
+        if recv_counts is not None and recv_counts[self.rank] != send_counts[self.rank]:
+            raise ValueError(f"alltoallv: recv_counts {recv_counts} expect {recv_counts[self.rank]} rows from this "
+                             f"rank {self.rank}, which sends itself {send_counts[self.rank]}")
         _check_contiguous(send)
 
 
@@ -181,12 +184,19 @@ class MpiCollectives(Collectives):
             self.comm.Alltoall(counts.numpy(), received.numpy())
             recv_counts = received.tolist()
         recv = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype)
+        send_starts, recv_starts = _starts(send_counts), _starts(recv_counts)
+        # This rank's own rows are copied here: MPICH's Alltoallv copies them at a fraction of memory speed (on
+        # 2 ranks, 1 MiB each: 88 us with them, 48 us without them plus this copy).
+        me, own = self.rank, send_counts[self.rank]
+        recv[recv_starts[me] : recv_starts[me] + own] = send.detach()[send_starts[me] : send_starts[me] + own]
         # Moved as bytes, so that any dtype (bfloat16, bool) goes through.
         row_bytes = math.prod(send.shape[1:]) * send.element_size()
-        self.comm.Alltoallv(  # displacements None: packed in rank order
-            [_bytes(send.detach()), ([c * row_bytes for c in send_counts], None), MPI.BYTE],
-            [_bytes(recv), ([c * row_bytes for c in recv_counts], None), MPI.BYTE],
-        )
+
+        def layout(counts: list[int], starts: list[int]) -> tuple[list[int], list[int]]:
+            return [0 if r == me else c * row_bytes for r, c in enumerate(counts)], [s * row_bytes for s in starts]
+
+        self.comm.Alltoallv([_bytes(send.detach()), layout(send_counts, send_starts), MPI.BYTE],
+                            [_bytes(recv), layout(recv_counts, recv_starts), MPI.BYTE])
         return recv, recv_counts
 
 
@@ -382,6 +392,11 @@ def _rendezvous_address(comm: Comm) -> tuple[str, int]:
 def _check_contiguous(tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
         raise ValueError(f"collectives work on contiguous tensors; got strides {tensor.stride()}")
+
+
+def _starts(counts: list[int]) -> list[int]:
+    """Where each of the pieces of ``counts`` rows starts, packed in rank order."""
+    return [0, *accumulate(counts)][:-1]
 
 
 def _bytes(tensor: torch.Tensor) -> Any:

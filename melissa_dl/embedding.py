@@ -24,7 +24,7 @@ even with no ids) and call ``apply_gradients`` together.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -59,22 +59,30 @@ def row_owners(rows: torch.Tensor, num_rows: int, size: int) -> torch.Tensor:
     return torch.searchsorted(_stops(num_rows, size, rows.device), rows.to(torch.int64), right=True)
 
 
-def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class UniqueIds(NamedTuple):
+    """A batch's distinct ids and how they map back onto it."""
+
+    ids: torch.Tensor  # distinct, ascending
+    inverse: torch.Tensor  # for each id of the batch, where it is in ``ids``
+    keys: row_kernels.SortedKeys | None = None  # the batch's sorted keys, where the compiled loops made them
+
+
+def unique_ids(ids: torch.Tensor) -> UniqueIds:
     """``torch.unique(ids, sorted=True, return_inverse=True)`` of 1-D int64 ids; on CPU by a sort and a compiled
     pass where it can (``row_kernels.Kernels.unique``)."""
     kernels = row_kernels.load() if ids.device.type == "cpu" and ids.is_contiguous() and ids.numel() else None
     found = kernels.unique(ids) if kernels is not None else None
-    return torch.unique(ids, sorted=True, return_inverse=True) if found is None else found
+    return UniqueIds(*torch.unique(ids, sorted=True, return_inverse=True)) if found is None else UniqueIds(*found)
 
 
-def sum_rows(grads: torch.Tensor, inverse: torch.Tensor, count: int, divisor: int = 1) -> torch.Tensor:
-    """``count`` rows, row ``k`` the sum of the ``grads`` rows ``i`` with ``inverse[i] == k``, divided by
-    ``divisor`` (as ``div_`` divides)."""
-    grads, inverse = grads.contiguous(), inverse.contiguous()
-    kernels = row_kernels.usable(grads)
-    if kernels is None:
-        return grads.new_zeros((count, grads.shape[1])).index_add_(0, inverse, grads).div_(divisor)
-    return kernels.sum_rows(grads, inverse, count, divisor)
+def sum_rows(grads: torch.Tensor, unique: UniqueIds, divisor: int = 1) -> torch.Tensor:
+    """One row per distinct id, the sum of the ``grads`` rows (one per id of the batch) of that id, divided by
+    ``divisor`` (as ``div_`` divides): by walking the sorted keys where there are some, else by ``index_add_``."""
+    grads, keys = grads.contiguous(), unique.keys
+    kernels = row_kernels.usable(grads) if keys is not None else None
+    if kernels is None or keys is None:
+        return grads.new_zeros((len(unique.ids), grads.shape[1])).index_add_(0, unique.inverse, grads).div_(divisor)
+    return kernels.sum_rows(grads, keys, len(unique.ids), divisor)
 
 
 def set_default_collectives(collectives: Collectives | None) -> None:
@@ -91,6 +99,7 @@ class _Lookup:
     ids: torch.Tensor  # local rows: a copy of the batch's ids (one process) or the unique ids received (owners)
     send_counts: list[int] | None = None  # unique ids sent to each owner (None: single process)
     recv_counts: list[int] | None = None  # ids received from each rank (None: single process)
+    batch: UniqueIds | None = None  # the batch's distinct ids, onto which the backward sums (None: single process)
     grad: torch.Tensor | None = None
 
     @property
@@ -108,17 +117,15 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
                 lookup: _Lookup) -> torch.Tensor:
-        ctx.lookup, ctx.count = lookup, rows.shape[0]
-        if lookup.send_counts is not None:
-            ctx.save_for_backward(index)
+        ctx.lookup = lookup
         return rows.index_select(0, index)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
         lookup: _Lookup = ctx.lookup
-        if lookup.send_counts is not None:  # divided by K here: the global loss is the mean of the K ranks' losses
-            (index,) = ctx.saved_tensors
-            grad = sum_rows(grad.detach(), index, ctx.count, len(lookup.send_counts))
+        if lookup.batch is not None:  # divided by K here: the global loss is the mean of the K ranks' losses
+            assert lookup.send_counts is not None
+            grad = sum_rows(grad.detach(), lookup.batch, len(lookup.send_counts))
         else:  # a copy, as autograd takes of a gradient someone else holds (the caller's, to backward())
             grad = grad.detach().clone(memory_format=torch.contiguous_format)
         lookup.grad = grad if lookup.grad is None else lookup.grad + grad  # a second backward accumulates
@@ -194,19 +201,19 @@ class ShardedEmbedding(nn.Module):
                    else self.shard.index_select(0, flat))
             return out.view(*ids.shape, self.dim)
         assert self.collectives is not None
-        uniq, inverse = unique_ids(flat)
+        unique = unique_ids(flat)
         if flat.numel():  # checked before any collective, so that a bad batch fails on its own rank
-            self._check_range(flat, uniq[0], uniq[-1])
-        if self._rank_stops.device != uniq.device:
-            self._rank_stops = self._rank_stops.to(uniq.device)
-        ends = torch.searchsorted(uniq, self._rank_stops)  # uniq is sorted, so grouped by owner already
+            self._check_range(flat, unique.ids[0], unique.ids[-1])
+        if self._rank_stops.device != flat.device:
+            self._rank_stops = self._rank_stops.to(flat.device)
+        ends = torch.searchsorted(unique.ids, self._rank_stops)  # sorted ids, so grouped by owner already
         send_counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
-        received, recv_counts = self.collectives.alltoallv(uniq, send_counts)
+        received, recv_counts = self.collectives.alltoallv(unique.ids, send_counts)
         local = received - self.start
         # the rows answer the ids: as many go back to each rank as came from it
         rows, _ = self.collectives.alltoallv(self.shard.index_select(0, local), recv_counts, send_counts)
-        out = (self._recorded(rows, inverse, _Lookup(local, send_counts, recv_counts)) if record
-               else rows.index_select(0, inverse))
+        out = (self._recorded(rows, unique.inverse, _Lookup(local, send_counts, recv_counts, unique)) if record
+               else rows.index_select(0, unique.inverse))
         return out.view(*ids.shape, self.dim)
 
     def _check_range(self, flat: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> None:

@@ -184,29 +184,24 @@ def adam(weight: np.ndarray, moments: np.ndarray, grads: np.ndarray, keys: np.nd
     return count
 
 
-@_jit
-def sum_rows(grads: np.ndarray, inverse: np.ndarray, out: np.ndarray, seen: np.ndarray, divisor: Any) -> None:
-    """``out[inverse[i]] += grads[i]`` into an uninitialised ``out``, then ``out /= divisor``: a row's first
-    gradient is copied, the next ones added, and rows no gradient reaches zeroed at the end (no zero-filling
-    pass first)."""
-    seen[:] = False
-    for i in range(inverse.shape[0]):
-        k = inverse[i]
-        o = out[k]
-        if seen[k]:
+@_jit_in_order
+def sum_runs(grads: np.ndarray, keys: np.ndarray, bits: int, out: np.ndarray, divisor: Any) -> None:
+    """``out[u]``: the gradients at the positions of the ``u``-th distinct id of ``keys``, summed in position
+    order (as ``index_add_`` sums them), divided by ``divisor``. ``out`` is written once, in order, each row
+    divided while in cache: no zero-filling pass, no scattered writes. (Written as copy, add, divide: a first
+    row divided as it is copied, or ``_sum_gradients`` for the runs, made this loop 1.6-2.7x slower.)"""
+    starts, mask = np.empty(keys.shape[0] + 1, np.int64), (1 << bits) - 1
+    for u in range(_runs(keys, bits, starts)):
+        lo, hi = starts[u], starts[u + 1]
+        o, g = out[u], grads[keys[lo] & mask]
+        for j in range(o.shape[0]):
+            o[j] = g[j]
+        for k in range(lo + 1, hi):
+            g = grads[keys[k] & mask]
             for j in range(o.shape[0]):
-                o[j] += grads[i, j]
-        else:
-            seen[k] = True
-            for j in range(o.shape[0]):
-                o[j] = grads[i, j]
-    for k in range(out.shape[0]):
-        o = out[k]
-        if seen[k]:
-            for j in range(o.shape[0]):
-                o[j] = o[j] / divisor
-        else:
-            o[:] = 0
+                o[j] += g[j]
+        for j in range(o.shape[0]):
+            o[j] = o[j] / divisor
 
 
 @_jit

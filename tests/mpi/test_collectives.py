@@ -180,7 +180,8 @@ def test_alltoallv_with_no_rows_anywhere(coll: Collectives) -> None:
 def test_alltoallv_refuses_bad_counts(coll: Collectives) -> None:
     with pytest.raises(ValueError, match="send_counts"):
         coll.alltoallv(torch.zeros(3), [4] + [0] * (coll.size - 1))
-    for recv_counts in ([0] * (coll.size + 1), [-1] + [0] * (coll.size - 1)):
+    expects_itself = [int(r == coll.rank) for r in range(coll.size)]  # one row from this rank, which sends none
+    for recv_counts in ([0] * (coll.size + 1), [-1] + [0] * (coll.size - 1), expects_itself):
         with pytest.raises(ValueError, match="recv_counts"):
             coll.alltoallv(torch.zeros(0), [0] * coll.size, recv_counts)
 

@@ -83,21 +83,22 @@ def test_shard_range_examples_and_invalid_arguments() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
-def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dtype) -> None:
+def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dtype, row_path: str) -> None:
     ids = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(0))
-    for batch in (ids, ids[:0], torch.tensor([2**61, -3, 2**61, -(2**61)])):  # the last beyond the packed sort
-        unique, inverse = unique_ids(batch)
+    wide = torch.tensor([2**40, 3, 2**40, 5])  # keys of 64 bits
+    for batch in (ids, ids[:0], wide, torch.tensor([2**61, -3, 2**61, -(2**61)])):  # the last beyond packing
+        unique = unique_ids(batch)
         expected_unique, expected_inverse = torch.unique(batch, sorted=True, return_inverse=True)
-        assert torch.equal(unique, expected_unique) and torch.equal(inverse, expected_inverse)
-        assert unique.dtype == inverse.dtype == torch.int64
+        assert torch.equal(unique.ids, expected_unique) and torch.equal(unique.inverse, expected_inverse)
+        assert unique.ids.dtype == unique.inverse.dtype == torch.int64
         grads = torch.randn(len(batch), 4, generator=torch.Generator().manual_seed(1)).to(dtype)
-        summed = sum_rows(grads, inverse, len(unique))
-        expected = grads.new_zeros(len(unique), 4).index_add_(0, inverse, grads)
-        assert summed.dtype == dtype
-        torch.testing.assert_close(summed, expected)
-        torch.testing.assert_close(sum_rows(grads, inverse, len(unique), 3), expected / 3)
-    gaps = sum_rows(torch.ones(2, 4), torch.tensor([0, 3]), 5, 2)  # rows 1, 2 and 4 get no gradient: zeros
-    assert torch.equal(gaps, torch.tensor([0.5, 0, 0, 0.5, 0])[:, None].expand(5, 4))
+        expected = grads.new_zeros(len(expected_unique), 4).index_add_(0, expected_inverse, grads)
+        for walked in (unique, unique._replace(keys=None)):  # by the sorted keys, by index_add_
+            summed = sum_rows(grads, walked)
+            assert summed.dtype == dtype
+            assert torch.equal(summed, expected)  # summed in the same order: the same bits
+            assert torch.equal(sum_rows(grads, walked, 3), expected / 3)
+    assert (unique_ids(ids).keys is not None) == (row_path == "compiled")  # then walked by their keys
 
 
 @pytest.mark.parametrize("failure", ["numba missing", "a damaged cache file"])
