@@ -182,7 +182,8 @@ class ShardedEmbedding(nn.Module):
         self._bound = self.shard
         self._lookups: list[_Lookup] = []
         self._anchor = torch.empty(0, requires_grad=True)  # see _Gather
-        self._rank_stops = _stops(num_rows, self.size)  # each rank's end row, for the send counts
+        # 0 and each rank's end row: how many ids fall below each tells the send counts and any id out of range
+        self._bounds = torch.cat([torch.zeros(1, dtype=torch.int64), _stops(num_rows, self.size)])
 
     @property
     def distributed(self) -> bool:
@@ -202,12 +203,12 @@ class ShardedEmbedding(nn.Module):
             return out.view(*ids.shape, self.dim)
         assert self.collectives is not None
         unique = unique_ids(flat)
-        if flat.numel():  # checked before any collective, so that a bad batch fails on its own rank
-            self._check_range(flat, unique.ids[0], unique.ids[-1])
-        if self._rank_stops.device != flat.device:
-            self._rank_stops = self._rank_stops.to(flat.device)
-        ends = torch.searchsorted(unique.ids, self._rank_stops)  # sorted ids, so grouped by owner already
-        send_counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+        if self._bounds.device != flat.device:
+            self._bounds = self._bounds.to(flat.device)
+        below = torch.searchsorted(unique.ids, self._bounds).tolist()  # sorted ids, so grouped by owner already
+        if below[0] or below[-1] != len(unique.ids):  # before any collective: a bad batch fails on its own rank
+            self._check_range(flat, *torch.aminmax(flat))
+        send_counts = [stop - start for start, stop in zip(below, below[1:])]
         received, recv_counts = self.collectives.alltoallv(unique.ids, send_counts)
         local = received - self.start
         # the rows answer the ids: as many go back to each rank as came from it
