@@ -401,6 +401,6 @@ def _byte_layout(counts: list[int], row_bytes: int) -> tuple[list[int], list[int
 
 
 def _bytes(tensor: torch.Tensor) -> Any:
-    """The memory of a contiguous CPU tensor (one dimension or more) as a flat numpy uint8 view (no copy)."""
-    return tensor.view(torch.uint8).numpy().reshape(-1)
+    """The memory of a contiguous CPU tensor as a flat numpy uint8 view (no copy)."""
+    return tensor.view(-1).view(torch.uint8).numpy()
 

@@ -77,7 +77,8 @@ def unique_ids(ids: torch.Tensor) -> UniqueIds:
 
 def sum_rows(grads: torch.Tensor, unique: UniqueIds, divisor: int = 1) -> torch.Tensor:
     """One row per distinct id, the sum of the ``grads`` rows (one per id of the batch) of that id, divided by
-    ``divisor`` (as ``div_`` divides): by walking the sorted keys where there are some, else by ``index_add_``."""
+    ``divisor`` (as ``div_`` divides): by walking the sorted keys where the compiled loops made them and take the
+    gradients (float32 or float64 on the CPU), else by ``index_add_``."""
     grads, keys = grads.contiguous(), unique.keys
     kernels = row_kernels.usable(grads) if keys is not None else None
     if kernels is None or keys is None:

@@ -111,7 +111,8 @@ class Kernels:
 
     def sum_rows(self, grads: torch.Tensor, keys: SortedKeys, rows: int, divisor: int) -> torch.Tensor:
         """The gradient of each of the ``rows`` distinct ids of ``keys``: the ``grads`` rows at their positions
-        summed (as ``index_add_`` into zeros sums them), divided by ``divisor``."""
+        summed in position order (as ``index_add_`` into zeros sums them, but for the sign of a zero sum: -0.0
+        here, +0.0 there), divided by ``divisor``."""
         out = grads.new_empty((rows, grads.shape[1]))
         self._loops.sum_runs(grads.numpy(), *keys, out.numpy(), *_scalars(out.numpy(), divisor))
         return out

@@ -187,9 +187,10 @@ def adam(weight: np.ndarray, moments: np.ndarray, grads: np.ndarray, keys: np.nd
 @_jit_in_order
 def sum_runs(grads: np.ndarray, keys: np.ndarray, bits: int, out: np.ndarray, divisor: Any) -> None:
     """``out[u]``: the gradients at the positions of the ``u``-th distinct id of ``keys``, summed in position
-    order (as ``index_add_`` sums them), divided by ``divisor``. ``out`` is written once, in order, each row
-    divided while in cache: no zero-filling pass, no scattered writes. (Written as copy, add, divide: a first
-    row divided as it is copied, or ``_sum_gradients`` for the runs, made this loop 1.6-2.7x slower.)"""
+    order (as ``index_add_`` into zeros sums them, up to the sign of a zero), divided by ``divisor``. ``out`` is
+    written once, in order, each row divided while in cache: no zero-filling pass, no scattered writes. (Written
+    as copy, add, divide: a first row divided as it is copied, or ``_sum_gradients`` for the runs, made this
+    loop 1.6-2.7x slower.)"""
     starts, mask = np.empty(keys.shape[0] + 1, np.int64), (1 << bits) - 1
     for u in range(_runs(keys, bits, starts)):
         lo, hi = starts[u], starts[u + 1]

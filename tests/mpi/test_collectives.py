@@ -137,6 +137,14 @@ def test_alltoallv_uneven_rows(coll: Collectives, width: int | None, dtype: torc
     assert torch.equal(recv, torch.cat([_rows(s, me, _count(s, me), width, dtype) for s in range(size)]))
 
 
+def test_alltoallv_takes_a_contiguous_tensor_of_any_strides(coll: Collectives) -> None:
+    """A column (strides (1, n)) is contiguous for torch, though a view of its bytes needs it flattened first."""
+    column = torch.arange(float(coll.size)).view(1, coll.size).t() + 10 * coll.rank
+    assert column.is_contiguous() and column.stride() == (1, coll.size)
+    recv, _ = coll.alltoallv(column, [1] * coll.size)
+    assert torch.equal(recv, torch.tensor([[10.0 * s + coll.rank] for s in range(coll.size)]))
+
+
 def _all_to_alls(coll: Collectives, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the transport's all-to-all calls from now on (counts and rows alike)."""
     calls: list[str] = []

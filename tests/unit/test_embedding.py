@@ -96,7 +96,7 @@ def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dty
         for walked in (unique, unique._replace(keys=None)):  # by the sorted keys, by index_add_
             summed = sum_rows(grads, walked)
             assert summed.dtype == dtype
-            assert torch.equal(summed, expected)  # summed in the same order: the same bits
+            assert torch.equal(summed, expected)  # summed in the same order: the same values
             assert torch.equal(sum_rows(grads, walked, 3), expected / 3)
     assert (unique_ids(ids).keys is not None) == (row_path == "compiled")  # then walked by their keys
 
