@@ -42,6 +42,7 @@ test: install-test
 	$(BIN)/python -m pytest tests/unit tests/integration
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
+	$(BIN)/mpirun -n 3 $(BIN)/python -m pytest tests/mpi
 
 # C and Fortran: the client library (native/) installed into $(NATIVE), and the
 # programs linked to it in $(NATIVE)/bin: the heat example's C and Fortran

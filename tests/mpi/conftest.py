@@ -1,4 +1,4 @@
-"""Fixtures of the tests that run under `mpirun -n 1` and `mpirun -n 2`."""
+"""Fixtures of the tests that run under `mpirun -n 1`, `-n 2` and `-n 3`."""
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,4 @@
-"""Collectives and gradient averaging, under ``mpirun -n 1`` and ``mpirun -n 2``.
+"""Collectives and gradient averaging, under ``mpirun -n 1``, ``-n 2`` and ``-n 3``.
 
 Every rank runs the same tests in the same order and calls the same
 collectives; only the data differ by rank. CPU tensors are tested through MPI

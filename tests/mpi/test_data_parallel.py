@@ -1,4 +1,4 @@
-"""The dense step in shards or replicated, under ``mpirun -n 1`` and ``mpirun -n 2``, through MPI and gloo.
+"""The dense step in shards or replicated, under ``mpirun -n 1``, ``-n 2`` and ``-n 3``, through MPI and gloo.
 
 Every rank trains on its own batches; each test compares with one model,
 trained here on every rank's batches at once, whose loss is the mean of the

@@ -1,4 +1,4 @@
-"""ShardedEmbedding across ranks, under ``mpirun -n 1`` and ``mpirun -n 2``.
+"""ShardedEmbedding across ranks, under ``mpirun -n 1``, ``-n 2`` and ``-n 3``.
 
 The objective invariant (DESIGN §5): K ranks training on batches B1..BK give
 the same table as one process training on their concatenation with the mean
@@ -92,7 +92,9 @@ def check_invariant(
         assert out.shape == (*batches[rank].shape, DIM) and out.requires_grad
         expected = reference_step(ref, batches, step)
         offset = sum(b.numel() for b in batches[:rank])
-        assert torch.equal(out.detach().reshape(-1, DIM), expected[offset : offset + batches[rank].numel()])
+        # to rounding: with K not a power of 2, the 1/K of the mean loss rounds differently on the two sides
+        torch.testing.assert_close(out.detach().reshape(-1, DIM), expected[offset : offset + batches[rank].numel()],
+                                   rtol=1e-12, atol=1e-12)
         loss_of(out, step, rank).backward()
         assert emb.apply_gradients() == owned_unique(batches, emb.start, emb.stop)
         torch.testing.assert_close(gather_table(comm, emb), ref.shard, rtol=1e-12, atol=1e-12)
