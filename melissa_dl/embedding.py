@@ -72,7 +72,7 @@ def unique_ids(ids: torch.Tensor) -> UniqueIds:
     pass where it can (``row_kernels.Kernels.unique``)."""
     kernels = row_kernels.load() if ids.device.type == "cpu" and ids.is_contiguous() and ids.numel() else None
     found = kernels.unique(ids) if kernels is not None else None
-    return UniqueIds(*torch.unique(ids, sorted=True, return_inverse=True)) if found is None else UniqueIds(*found)
+    return UniqueIds(*(torch.unique(ids, sorted=True, return_inverse=True) if found is None else found))
 
 
 def sum_rows(grads: torch.Tensor, unique: UniqueIds, divisor: int = 1) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The compiled loop of ``finite``: imported only by ``finite._loop()``, so that numba loads only in a process that
-checks a large field."""
+"""The compiled loop of ``finite``: imported only by ``finite.compiled_loop()``, so that numba loads only in a
+process that checks a large field."""
 from __future__ import annotations
 
 import numba
