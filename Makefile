@@ -46,7 +46,7 @@ test: install-test
 
 # C and Fortran: the client library (native/) installed into $(NATIVE), and the
 # programs linked to it in $(NATIVE)/bin: the heat example's C and Fortran
-# solvers, the tests' Fortran client and the ingest bench's C client (through
+# solvers, the tests' Fortran client and the ingest and scale benches' C clients (through
 # pkg-config, as a user builds) and the tests' C client (statically). Debian's
 # MPICH (libmpich-dev): the mpich wheel has no Fortran bindings, and its mpirun
 # launches these programs (README, "C and Fortran").
@@ -65,6 +65,8 @@ native:
 	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/f_client tests/integration/f_client.f90 \
 		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
 	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/ingest_client bench/ingest_client.c \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
+	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/scale_client bench/scale_client.c \
 		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
 
 clean:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import sys
 import threading
 import time
@@ -80,6 +81,9 @@ class Launcher:
         # simulation -> (attempt, env), in start order: a dict, so that studies of 10^5 simulations queue in O(1)
         self._queue: dict[int, tuple[int, dict[str, str]]] = {}
         self._jobs: dict[int, RunningJob] = {}
+        self._exits: dict[int, int] = {}  # a job's exit_fd -> its simulation
+        self._polled: set[int] = set()  # simulations whose job has no exit_fd: polled at every look
+        self._exit_poll = select.epoll() if hasattr(select, "epoll") else None
         self._ended: list[tuple[int, int]] = []  # (simulation, return code) of jobs reaped, until poll reports them
         self._dying: list[tuple[RunningJob, float]] = []  # killed jobs, and when they get SIGKILL
         self._lock = threading.RLock()
@@ -132,10 +136,11 @@ class Launcher:
 
     def _reap_and_start(self) -> None:
         self._dying = [(job, deadline) for job, deadline in self._dying if not job.finish_kill(deadline)]
-        for simulation_id, job in list(self._jobs.items()):
+        for simulation_id in self._maybe_ended():
+            job = self._jobs[simulation_id]
             code = job.poll()
             if code is not None:
-                del self._jobs[simulation_id]
+                self._forget(simulation_id)
                 self._ended.append((simulation_id, code))
                 logger.info(
                     "simulation %d attempt %d ended with code %d", simulation_id, job.attempt, code
@@ -153,10 +158,28 @@ class Launcher:
                 self._ended.append((simulation_id, _start_failure_code(error)))
                 continue
             self._jobs[simulation_id] = job
+            if job.exit_fd is not None and self._exit_poll is not None:
+                self._exit_poll.register(job.exit_fd, select.EPOLLIN)
+                self._exits[job.exit_fd] = simulation_id
+            else:
+                self._polled.add(simulation_id)
             logger.info(
                 "simulation %d attempt %d started (%s, log %s)",
                 simulation_id, attempt, job.label, log_path,
             )
+
+    def _maybe_ended(self) -> list[int]:
+        """The jobs whose exit descriptor says they ended, and those without one (polled every time)."""
+        ready = [self._exits[fd] for fd, _ in self._exit_poll.poll(0) if fd in self._exits] if self._exits else []
+        return ready + list(self._polled)  # type: ignore[union-attr]
+
+    def _forget(self, simulation_id: int) -> RunningJob | None:
+        """Take a job out of the running ones (its exit descriptor is closed when it is reaped)."""
+        job = self._jobs.pop(simulation_id, None)
+        self._polled.discard(simulation_id)
+        if job is not None and job.exit_fd is not None:
+            self._exits.pop(job.exit_fd, None)
+        return job
 
     def log_path(self, simulation_id: int, attempt: int) -> Path:
         return self._log_dir / f"simulation{simulation_id}.attempt{attempt}.log"
@@ -179,7 +202,7 @@ class Launcher:
         the simulation has neither, e.g. its end was already reported.
         """
         with self._lock:
-            job = self._jobs.pop(simulation_id, None)
+            job = self._forget(simulation_id)
             if job is not None:
                 job.terminate()
                 self._dying.append((job, time.monotonic() + KILL_GRACE))
@@ -218,6 +241,8 @@ class Launcher:
             self._closed = True
             jobs = list(self._jobs.values())
             self._jobs.clear()
+            self._exits.clear()
+            self._polled.clear()
             self._queue.clear()
             for job in jobs:
                 job.terminate()

@@ -92,14 +92,32 @@ class RunningJob(Protocol):
 
     def kill(self, deadline: float | None = None) -> None: ...
 
+    @property
+    def exit_fd(self) -> int | None:
+        """A descriptor that becomes readable when the job ends, or None: then it must be polled."""
+
 
 class Job:
-    """A started simulation process and its process group."""
+    """A started simulation process and its process group.
+
+    Its ``exit_fd`` (a pidfd, Linux 5.3 and later) lets the launcher look only at the jobs that ended instead of
+    polling a thousand running ones a hundred times a second.
+    """
 
     def __init__(self, simulation_id: int, attempt: int, process: subprocess.Popen[bytes]) -> None:
         self.simulation_id = simulation_id
         self.attempt = attempt
         self._process = process
+        self._exit_fd = _pidfd(process.pid)
+
+    @property
+    def exit_fd(self) -> int | None:
+        return self._exit_fd
+
+    def _reaped(self) -> None:
+        if self._exit_fd is not None:
+            os.close(self._exit_fd)  # also leaves every epoll it was in
+            self._exit_fd = None
 
     @property
     def pid(self) -> int:
@@ -115,7 +133,10 @@ class Job:
 
     def poll(self) -> int | None:
         """The return code (negative: killed by that signal), or None while running."""
-        return self._process.poll()
+        code = self._process.poll()
+        if code is not None:
+            self._reaped()
+        return code
 
     def terminate(self) -> None:
         """Ask the whole group to stop; :meth:`kill` finishes the job."""
@@ -141,11 +162,13 @@ class Job:
         """After :meth:`terminate`, without waiting: once the leader exited or ``deadline`` passed, SIGKILL the
         group and reap the leader (True); False while the leader may still be shutting down."""
         if self._process.returncode is not None:
+            self._reaped()
             return True
         if not self._leader_exited() and time.monotonic() < deadline:
             return False
         self._signal_group(signal.SIGKILL)
         self._process.wait()
+        self._reaped()
         return True
 
     def _leader_exited(self) -> bool:
@@ -231,6 +254,14 @@ def _spawn(
             start_new_session=True,
             preexec_fn=preexec,
         )
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid``, or None where the system has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux, or a kernel before 5.3
+        return None
 
 
 @functools.cache

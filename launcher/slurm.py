@@ -65,6 +65,8 @@ def job_environment(extra: dict[str, str]) -> dict[str, str]:
 class SlurmJob:
     """One attempt's batch job."""
 
+    exit_fd = None  # polled: Slurm tells of the ends of all jobs at once (squeue)
+
     def __init__(self, scheduler: SlurmScheduler, simulation_id: int, attempt: int, job_id: str) -> None:
         self.simulation_id = simulation_id
         self.attempt = attempt

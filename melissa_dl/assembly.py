@@ -102,6 +102,15 @@ class Progress:
     expected: int | None  # None until every client rank has finalized
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """How many messages of a client rank a server rank has read, and whether its FINALIZE was among them."""
+
+    read: int
+    finalized: bool
+    ended: bool  # the simulation is done or failed, or this attempt was replaced: nothing more to deliver
+
+
 class Assembler:
     def __init__(self, spec: StreamSpec, rejections: RejectionLog | None = None) -> None:
         self.spec = spec
@@ -119,6 +128,7 @@ class Assembler:
             for fid, name in enumerate(spec.fields) if spec.layouts and name in spec.layouts
         }
         self._changed: set[int] = set()
+        self._read: dict[int, dict[int, int]] = {}  # running simulation -> client rank -> its attempt's messages read
         self._refused: dict[int, tuple[str, str]] = {}  # simulation -> kind and message of its first refused frame
 
     # -- frames ---------------------------------------------------------------
@@ -145,6 +155,8 @@ class Assembler:
             raise ProtocolError(f"simulation {sim}: frame of attempt {attempt}, replaced by attempt {current}", "stale_attempt")
         if attempt > current:
             self.start_attempt(sim, attempt)
+        read = self._read.setdefault(sim, {})
+        read[header.client_rank] = read.get(header.client_rank, 0) + 1
         self._changed.add(sim)
         try:
             if header.kind is Kind.DECLARE:
@@ -295,11 +307,22 @@ class Assembler:
         if attempt > self._attempts.get(sim, 0):
             self._attempts[sim] = attempt
             self._drop(sim)
+            self._read.pop(sim, None)
 
     def finish(self, sim: int) -> None:
         """``sim`` is done or failed: free what it holds and refuse whatever else it sends."""
         self._finished.add(sim)
         self._drop(sim)
+        self._read.pop(sim, None)
+
+    def delivery(self, sim: int, attempt: int, client_rank: int) -> Delivery:
+        """What this rank has read of one client rank of one attempt, for the client's acknowledged finalize."""
+        if sim in self._finished or attempt < self._attempts.get(sim, 0):
+            return Delivery(0, False, ended=True)
+        stream = self._streams.get(sim)
+        finalized = stream is not None and client_rank in stream.finalized and attempt == self._attempts.get(sim, 0)
+        read = self._read.get(sim, {}).get(client_rank, 0) if attempt == self._attempts.get(sim, 0) else 0
+        return Delivery(read, finalized, ended=False)
 
     def commit(self, sample: Sample) -> None:
         """Record a sample once the buffer has taken it."""

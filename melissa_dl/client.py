@@ -16,30 +16,30 @@ raises ``HandshakeRefused`` at once.
 ``send`` copies the array into ZeroMQ's queue, so the simulation may overwrite
 it at once; it blocks when the queue is full (back-pressure) for as long as
 the server lives, however long that is, and raises ``ServerUnreachable`` once
-the rank it sends to has been unreachable for ``client_timeout`` seconds. A
-socket monitor tells the client whether its connection is up: a server that
-exits or is killed closes it at once, and a silent one (a frozen process, a
-lost node) is dropped by the heartbeats that every server socket sends while
-it lives, also while it does not read (:mod:`melissa_dl.security`). No send
-timeout: back-pressure is not death (a blocked send wakes every ``WAKE_MS`` to
-look at its connection, so a refusal or ``client_timeout`` is noticed up to
-that much later).
+the rank it sends to has been unreachable for ``client_timeout`` seconds. The
+client knows a rank lives from two sources: a socket monitor shows its
+connection (a server that exits or is killed closes it at once), and the rank's
+delivery service (:mod:`melissa_dl.delivery`), which a blocked send asks every
+:func:`~melissa_dl.protocol.keepalive` seconds, answers however full the
+buffer is; a frozen process or a lost node answers nothing. No send timeout:
+back-pressure is not death (a blocked send wakes every ``WAKE_MS`` to look at
+its connection, so a refusal or ``client_timeout`` is noticed up to that much
+later).
 
 ``finalize`` tells each server rank how many steps it should hold, then waits
-until ZeroMQ has handed every queued frame to the network (a socket closed
-without linger silently drops its last frames), again for as long as the
-server lives. ZeroMQ shows nothing of a closed socket, so during that wait the
-client watches each server rank through a probe connection; should one be
-unreachable for ``client_timeout``, ``finalize`` raises ``ServerUnreachable``
-and abandons the context to the end of the process (libzmq cannot cut a
-lingering close short).
+until every rank's delivery service confirms that it has read every message
+sent to it, again for as long as the server lives: a client that exits has
+lost nothing, however far behind the server is (a process that exits with
+frames still in its kernel's socket buffer may have them reset away). A
+FINALIZE lost with a broken connection is sent again; messages lost with it
+cannot be, and ``finalize`` raises ``ServerUnreachable`` saying how many, so
+that the study relaunches the simulation.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import threading
 import time
 from types import TracebackType
 from typing import Any, Mapping, Sequence
@@ -55,6 +55,7 @@ from melissa_dl.protocol import (
     Header,
     Kind,
     encode_json,
+    keepalive,
     owner_rank,
     simulation_key,
 )
@@ -72,10 +73,7 @@ ENV_CLIENT_TIMEOUT = "MELISSA_CLIENT_TIMEOUT"
 ENV_SEND_QUEUE_BYTES = "MELISSA_SEND_QUEUE_BYTES"
 
 WAKE_MS = 1000  # a blocked send looks at its connection at least this often
-FLUSH_GRACE = 0.2  # seconds a finalize waits for its frames to leave before it starts probing the server
-PROBE_SETTLE = 1.0  # seconds a probe may take to finish its handshake once the frames are out
-
-_abandoned: list[zmq.Context] = []  # contexts whose close waits for a dead server: never collected, never termed
+ANSWER_POLL_MS = 100  # how often a finalize waiting for the ranks' answers looks at its connections
 
 
 def _require(environ: Mapping[str, str], name: str) -> str:
@@ -104,6 +102,7 @@ class _Link:
         self.since = time.monotonic()  # of the last change between up and down
         self.refused: str | None = None  # the server refused our credentials or mechanism: no retry will help
         self.failed_handshakes = 0  # closed midway, as a CURVE server does with a client of another server key
+        self.drops = 0  # connections lost: what was in flight on them may be lost
 
     def update(self) -> None:
         """Take the monitor's pending events."""
@@ -116,16 +115,47 @@ class _Link:
                 self.refused = describe_handshake_failure(kind, event["value"])
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                 self.failed_handshakes += 1
-            elif self.up:  # disconnected: the server closed, died, or stopped sending heartbeats
+            elif self.up:  # disconnected: the server closed or died
                 self.up, self.since = False, time.monotonic()
+                self.drops += 1
 
     def down_for(self) -> float:
         return 0.0 if self.up else time.monotonic() - self.since
 
-    def close(self, linger_ms: int) -> None:
+    def close(self) -> None:
         self.socket.disable_monitor()
         self.monitor.close(linger=0)
-        self.socket.close(linger=linger_ms)
+        self.socket.close(linger=0)
+
+
+class _Questions:
+    """A server rank's delivery service, asked over a DEALER link one question at a time."""
+
+    def __init__(self, link: _Link) -> None:
+        self.link = link
+        self.asked: float | None = None  # when the open question was sent
+        self.heard = time.monotonic()  # when the rank last answered (or the link was opened)
+
+    def ask(self, question: bytes) -> None:
+        """Send ``question`` unless one is open (a full queue: the rank is unreachable, which silence tells)."""
+        if self.asked is None:
+            try:
+                self.link.socket.send(question, zmq.NOBLOCK)
+                self.asked = time.monotonic()
+            except zmq.Again:
+                pass
+
+    def answer(self) -> dict[str, Any] | None:
+        """The answer to the open question, if it came."""
+        if not self.link.socket.poll(0):
+            return None
+        reply = json.loads(self.link.socket.recv())
+        self.asked, self.heard = None, time.monotonic()
+        return reply
+
+    def silent_for(self) -> float:
+        """Seconds an open question has waited for its answer (0 if none is open)."""
+        return 0.0 if self.asked is None else time.monotonic() - self.asked
 
 
 class Client:
@@ -153,6 +183,7 @@ class Client:
         self._environ = dict(env)
         self._context = zmq.Context()
         self._links: list[_Link] = []
+        self._questions: list[_Questions] = []
         try:
             reply = self._handshake(_require(env, ENV_SERVER), token)
             self._key = simulation_key(bytes.fromhex(token), self.simulation_id, self.attempt)
@@ -165,12 +196,16 @@ class Client:
                 link.socket.setsockopt(zmq.SNDHWM, max(2, queue_bytes // largest))
                 link.socket.setsockopt(zmq.SNDTIMEO, WAKE_MS)  # a send blocked by a full queue wakes this often
                 link.socket.connect(endpoint)
+            for endpoint in reply["acks"]:
+                self._questions.append(_Questions(_Link(self._context, zmq.DEALER, endpoint, self._environ)))
+                self._questions[-1].link.socket.connect(endpoint)
             self._steps: list[set[int]] = [set() for _ in self._links]
+            self._sent = [0] * len(self._links)  # messages sent to each rank, as its delivery service counts them
             declaration = encode_json({"fields": {n: [d, list(s)] for n, (d, s) in self._layouts.items()}})
             for rank in range(len(self._links)):
                 self._send(rank, self._header(Kind.DECLARE, 0, 0, "uint8", (), len(declaration)), declaration)
         except BaseException:
-            self.close(linger=0)
+            self.close()
             raise
 
     def _handshake(self, endpoint: str, token: str) -> dict[str, Any]:
@@ -203,7 +238,7 @@ class Client:
                     reply = json.loads(link.socket.recv())
                     break
         finally:
-            link.close(linger_ms=0)
+            link.close()
         if not reply.get("ok"):
             raise HandshakeRefused(f"simulation {self.simulation_id}: {reply.get('error')}")
         return reply
@@ -215,15 +250,27 @@ class Client:
                 f"({ENV_SECURITY}={link.level}) are not the server's (a stale environment, or another study's server?)"
             )
 
-    def _check_alive(self, link: _Link, rank: int) -> float:
-        """Raise if the server refused us or has been unreachable for the client timeout; else the seconds left."""
-        link.update()
-        self._check_refused(link)
-        left = self._timeout - link.down_for()
-        if left <= 0:
+    def _check_alive(self, rank: int) -> None:
+        """Raise if a server rank refused us or has been unreachable for the client timeout: no connection, or
+        its delivery service silent (a frozen process, a lost node)."""
+        link, questions = self._links[rank], self._questions[rank]
+        for each in (link, questions.link):
+            each.update()
+            self._check_refused(each)
+        if max(link.down_for(), questions.link.down_for(), questions.silent_for()) >= self._timeout:
             raise ServerUnreachable(f"simulation {self.simulation_id}: server rank {rank} ({link.endpoint}) has been "
-                                    f"unreachable for {self._timeout:g} s (no connection, no heartbeat)")
-        return left
+                                    f"unreachable for {self._timeout:g} s (no connection, no answer)")
+
+    def _question(self, rank: int, wait: bool) -> bytes:
+        return encode_json({"simulation_id": self.simulation_id, "attempt": self.attempt, "client_rank": self.rank,
+                            "key": self._key.hex(), "sent": self._sent[rank], "wait": wait})
+
+    def _ping(self, rank: int) -> None:
+        """While a send is blocked: ask the rank whether it lives, every keepalive seconds."""
+        questions = self._questions[rank]
+        questions.answer()
+        if time.monotonic() - questions.heard >= keepalive(self._timeout):
+            questions.ask(self._question(rank, wait=False))
 
     def _header(self, kind: Kind, time_step: int, field_id: int, dtype: str, shape: tuple[int, ...], size: int) -> bytes:
         return Header(
@@ -238,8 +285,10 @@ class Client:
                 link.socket.send(header, zmq.SNDMORE)
                 break
             except zmq.Again:
-                self._check_alive(link, rank)
+                self._ping(rank)
+                self._check_alive(rank)
         link.socket.send(payload)  # a message's first part taken, ZeroMQ takes the rest: its queue counts messages
+        self._sent[rank] += 1
 
     def send(self, field: str, time_step: int, array: Any) -> None:
         """Send this rank's slice of ``field`` at ``time_step`` (an integer index >= 0)."""
@@ -259,62 +308,61 @@ class Client:
         self._steps[rank].add(time_step)
 
     def finalize(self) -> None:
-        """Announce the steps sent to each server rank, flush and close."""
+        """Announce the steps sent to each server rank, wait until every rank has read everything, and close."""
         try:
-            for rank, steps in enumerate(self._steps):
-                body = encode_json({"steps": len(steps)})
-                self._send(rank, self._header(Kind.FINALIZE, 0, 0, "uint8", (), len(body)), body)
-        except BaseException:
-            self.close(linger=0)
-            raise
-        self.close()
-
-    def close(self, linger: float | None = None) -> None:
-        """Close the sockets: ``linger=None`` waits until every queued frame has left, for as long as the
-        server lives; a number of seconds bounds the wait (0 drops what is queued)."""
-        endpoints = [link.endpoint for link in self._links]
-        for link in self._links:
-            link.close(linger_ms=-1 if linger is None else int(linger * 1000))
-        self._links = []
-        if linger is not None:
-            self._context.term()
-            return
-        done = threading.Event()
-
-        def term() -> None:
-            self._context.term()
-            done.set()
-
-        closer = threading.Thread(target=term, name=f"flush-{self.simulation_id}", daemon=True)
-        closer.start()
-        if not done.wait(FLUSH_GRACE):
-            self._watch_flush(done, endpoints)
-        closer.join()
-
-    def _watch_flush(self, done: threading.Event, endpoints: list[str]) -> None:
-        """While the closed sockets linger, watch every server rank through a probe; give up on a dead one."""
-        probes = zmq.Context()
-        links: list[_Link] = []
-        try:
-            for endpoint in endpoints:
-                links.append(_Link(probes, zmq.PUSH, endpoint, self._environ))
-                links[-1].socket.connect(endpoint)
-            while not done.wait(0.05):
-                for rank, link in enumerate(links):
-                    try:
-                        self._check_alive(link, rank)
-                    except (ServerUnreachable, HandshakeRefused) as error:
-                        _abandoned.append(self._context)  # its term never returns: keep it from the collector
-                        raise ServerUnreachable(f"queued frames not delivered: {error}") from None
-            deadline = time.monotonic() + PROBE_SETTLE
-            for link in links:  # a probe closed amid its handshake would be counted as a refusal (noauth)
-                while not link.up and link.refused is None and time.monotonic() < deadline:
-                    link.monitor.poll(10)
-                    link.update()
+            for rank in range(len(self._links)):
+                self._send(rank, *self._finalize_message(rank))
+            self._await_delivery()
         finally:
-            for link in links:
-                link.close(linger_ms=0)
-            probes.term()
+            self.close()
+
+    def _finalize_message(self, rank: int) -> tuple[bytes, bytes]:
+        body = encode_json({"steps": len(self._steps[rank])})
+        return self._header(Kind.FINALIZE, 0, 0, "uint8", (), len(body)), body
+
+    def _await_delivery(self) -> None:
+        """Until every rank confirms it read every message sent to it (or its simulation ended), for as long as
+        the ranks live; a FINALIZE lost with a broken connection is sent again."""
+        waiting = set(range(len(self._links)))
+        for link in self._links:
+            link.update()
+        drops = [link.drops for link in self._links]  # when the FINALIZE was queued
+        for rank in waiting:
+            self._questions[rank].ask(self._question(rank, wait=True))
+        poller = zmq.Poller()
+        for questions in self._questions:
+            poller.register(questions.link.socket, zmq.POLLIN)
+        while waiting:
+            poller.poll(ANSWER_POLL_MS)
+            for rank in sorted(waiting):
+                answer = self._questions[rank].answer()
+                if answer is None:
+                    self._check_alive(rank)
+                    continue
+                read, finalized, ended = int(answer["read"]), bool(answer["finalized"]), bool(answer["ended"])
+                if ended or (finalized and read >= self._sent[rank]):
+                    waiting.discard(rank)
+                    continue
+                if finalized:  # the FINALIZE, sent last, was read: what is missing before it is lost
+                    raise ServerUnreachable(
+                        f"simulation {self.simulation_id}: server rank {rank} ({self._links[rank].endpoint}) read "
+                        f"{read} of the {self._sent[rank]} messages sent to it: {self._sent[rank] - read} lost with a "
+                        "broken connection")
+                link = self._links[rank]
+                if link.up and link.drops > drops[rank]:  # reconnected since: the FINALIZE may be lost
+                    try:  # not counted: it stands for the lost one
+                        link.socket.send_multipart(list(self._finalize_message(rank)), zmq.NOBLOCK)
+                        drops[rank] = link.drops
+                    except zmq.Again:
+                        pass  # the queue is full: it still holds what was not lost, the FINALIZE among it
+                self._questions[rank].ask(self._question(rank, wait=True))
+
+    def close(self) -> None:
+        """Close the sockets at once: what a finalize confirmed is delivered, anything else is dropped."""
+        for link in [*self._links, *(questions.link for questions in self._questions)]:
+            link.close()
+        self._links, self._questions = [], []
+        self._context.term()
 
     def __enter__(self) -> Client:
         return self
@@ -325,4 +373,4 @@ class Client:
         if kind is None:
             self.finalize()
         else:  # no finalize: the attempt will not count, and the user's exception must surface unchanged
-            self.close(linger=0)
+            self.close()

@@ -319,7 +319,7 @@ class LauncherConfig:
     max_retries: int = option(2, minimum=0, doc="Relaunches of a failed simulation before it is reported failed.")
     client_timeout: float = option(
         60.0, positive=True,
-        doc="Seconds a client waits for an unreachable server (no connection, no heartbeat) before failing; "
+        doc="Seconds a client waits for an unreachable server (no connection, no answer) before failing; "
         "back-pressure is waited out however long."
     )
     send_queue_bytes: int = option(64 * MiB, positive=True,

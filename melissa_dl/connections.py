@@ -23,8 +23,8 @@ that ends before that handshake is done (an idle or scanning peer, a peer
 whose mismatch its own side saw first, a client that quit at once) under
 ``<name>_noauth``.
 :class:`ServerSocketThread` is the one place where a server socket is made,
-guarded, bound, polled and closed; the receiver and the handshake service
-only say what to do with what arrives.
+guarded, bound, polled and closed; the receiver, the delivery service and the
+handshake service only say what to do with what arrives.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 POLL_MS = 100  # how often a socket's thread looks at its stop flag and its monitor
 RESERVED_FDS = 256  # descriptors kept for logs, checkpoints, simulation launches, MPI
 HANDSHAKE_MS = 10_000  # a peer silent this long after connecting is dropped
-SOCKETS_PER_RANK = 2  # rank 0's handshake and data sockets share the process's descriptors
+SOCKETS_PER_RANK = 3  # rank 0's handshake, data and delivery sockets share the process's descriptors
 _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -165,7 +165,8 @@ class ServerSocketThread(threading.Thread, ABC):
     def stop(self) -> None:
         """Stop serving and wait for the thread; the socket closes with it."""
         self._stop_event.set()
-        self.join()
+        if self.ident is not None:  # started
+            self.join()
 
     def configure(self, socket: zmq.Socket) -> None:
         """Socket options that must be set before bind."""
@@ -173,6 +174,9 @@ class ServerSocketThread(threading.Thread, ABC):
     @abstractmethod
     def handle(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
         """Serve one readable event of the socket (``guard.check()`` while waiting long)."""
+
+    def idle(self, socket: zmq.Socket) -> None:
+        """Called at every turn of the thread's loop, at least every ``POLL_MS``: work that waits on time."""
 
     def run(self) -> None:
         try:
@@ -196,6 +200,7 @@ class ServerSocketThread(threading.Thread, ABC):
                     guard.check()
                     if socket in ready:
                         self.handle(socket, guard)
+                    self.idle(socket)
             finally:
                 guard.close()
                 socket.close(linger=0)

@@ -2,11 +2,12 @@
 
 A client rank sends one JSON object::
 
-    {"protocol": 2, "token": "<hex>", "simulation_id": 3, "attempt": 0, "client_rank": 0,
+    {"protocol": 3, "token": "<hex>", "simulation_id": 3, "attempt": 0, "client_rank": 0,
      "client_size": 2, "fields": {"temperature": ["float32", [16, 32]]}}
 
-and receives ``{"ok": true, "endpoints": [...], "fields": [...],
-"bind_simulation": false}`` or ``{"ok": false, "kind": ..., "error": ...}``.
+and receives ``{"ok": true, "endpoints": [...], "acks": [...], "fields": [...],
+"bind_simulation": false}`` (each server rank's data socket and delivery
+service, :mod:`melissa_dl.delivery`) or ``{"ok": false, "kind": ..., "error": ...}``.
 Refusals are counted like bad data frames; whatever a hello holds, checking
 it can only refuse it, never end the thread. The service runs in its own
 thread with its own REP socket; the study tells it which attempt of which
@@ -57,7 +58,7 @@ class HandshakeServer(ServerSocketThread):
         token: bytes,
         fields: Sequence[str],
         simulations: int,
-        endpoints: Sequence[str],
+        endpoints: Sequence[tuple[str, str]],
         bind_simulation: bool,
         max_message_bytes: int,
         bind_address: str,
@@ -73,7 +74,8 @@ class HandshakeServer(ServerSocketThread):
         self._fields = list(fields)
         self._simulations = simulations
         self._max_message_bytes = max_message_bytes
-        self._accept = {"ok": True, "endpoints": list(endpoints), "fields": self._fields, "bind_simulation": bind_simulation}
+        self._accept = {"ok": True, "endpoints": [data for data, _ in endpoints], "acks": [ack for _, ack in endpoints],
+                        "fields": self._fields, "bind_simulation": bind_simulation}
         self._client_size = client_size
         self._pins: dict[str, Layout] = dict(layouts or {})  # whole (joined) layout of each field
         self._expected: dict[int, int] = {}  # simulation -> the attempt it runs
@@ -82,9 +84,10 @@ class HandshakeServer(ServerSocketThread):
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: Config, token: bytes, endpoints: Sequence[str], bind_address: str,
+    def from_config(cls, config: Config, token: bytes, endpoints: Sequence[tuple[str, str]], bind_address: str,
                     security: Security) -> HandshakeServer:
-        """Rank 0's handshake socket for the study ``config`` describes, sending clients to ``endpoints``."""
+        """Rank 0's handshake socket for the study ``config`` describes, sending clients to ``endpoints`` (each
+        rank's data and delivery endpoints)."""
         return cls(token=token, fields=config.study.field_names, simulations=config.study.simulations,
                    endpoints=endpoints, bind_simulation=config.server.bind_simulation_to_server_rank,
                    max_message_bytes=config.server.max_message_bytes, bind_address=bind_address,

@@ -73,7 +73,8 @@ class StatusBoard:
         then, bytes_then, batches_then = self._last if state == "running" else (self.start, 0, self._first_batches)
         elapsed, interval = now - self.start, max(now - then, 1e-9)
         received, nbytes = sum(r.samples for r in reports), sum(r.bytes_received for r in reports)
-        counts = study.counts()
+        counts, ending = study.counts(), study.ending()
+        counts.update(running=counts["running"] - ending, ending=ending)
         total = len(study.simulations)
         ended = counts["done"] + counts["failed"]
         share = received / self.expected_samples if self.expected_samples else ended / total
@@ -114,8 +115,8 @@ def describe(status: dict[str, Any]) -> list[str]:
     lines = [
         f"{status['percent']:.0f}% done, {_duration(status['elapsed_s'])} elapsed"
         + (f", about {_duration(max(eta, 1))} left" if eta is not None else ""),
-        f"simulations {sims['done']} done, {sims['running']} running, {sims['queued']} queued, "
-        f"{sims['failed']} failed of {sims['total']}",
+        f"simulations {sims['done']} done, {sims['running']} running, {sims.get('ending', 0)} ending, "
+        f"{sims['queued']} queued, {sims['failed']} failed of {sims['total']}",
         f"samples {samples['received']} received"
         + (f" of {samples['expected']}" if samples["expected"] else "")
         + f", {samples['consumed']} consumed | {status['MB_per_s']:.1f} MB/s | buffers {sum(status['buffers'])} "

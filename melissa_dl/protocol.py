@@ -13,6 +13,12 @@ payload without copying it. Three message kinds share the header:
 - ``FINALIZE`` (payload: JSON ``{"steps": n}``) tells the server rank how many
   distinct time steps the client rank sent to it.
 
+Delivery: each server rank also answers questions on a socket of its own
+(:mod:`melissa_dl.delivery`): how many of a client rank's messages it has
+read, and that it lives. A finalizing client waits for those answers before it
+closes, so a client that exits has lost nothing, however far behind the server
+is; no server socket sends ZeroMQ heartbeats.
+
 Frames carry the attempt (launch) number of the simulation and an 8-byte key,
 an HMAC of the simulation id and attempt under the study's secret token, so
 every rank can check a frame without asking rank 0 and refuse the frames of an
@@ -32,12 +38,13 @@ import numpy as np
 
 from melissa_dl.errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"MLDL"
 MAX_NDIM = 6
 KEY_BYTES = 8
 
 QUOTE_CHARS = 200  # peer text quoted in refusals and logs is cut to this
+MAX_KEEPALIVE = 5.0  # seconds: the longest a delivery service holds a question, and a blocked client's ping interval
 
 Layout = tuple[str, tuple[int, ...]]  # dtype and shape of one field (slice)
 
@@ -102,6 +109,13 @@ def simulation_key(token: bytes, simulation_id: int, attempt: int) -> bytes:
     """The per-attempt credential every data frame carries: HMAC-SHA256(token, sim LE32 || attempt LE32)[:8]."""
     message = simulation_id.to_bytes(4, "little") + attempt.to_bytes(4, "little")
     return hmac.digest(token, message, "sha256")[:KEY_BYTES]
+
+
+def keepalive(client_timeout: float) -> float:
+    """How long a server rank's delivery service may keep a client waiting for an answer, and how often a client
+    blocked by back-pressure asks whether the rank lives: well inside ``client_timeout``, after which the client
+    takes a silent rank for dead."""
+    return min(MAX_KEEPALIVE, client_timeout / 4)
 
 
 def owner_rank(simulation_id: int, time_step: int, server_size: int, bind_simulation: bool) -> int:

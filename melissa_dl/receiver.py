@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
-from melissa_dl.assembly import Assembler, Progress, StreamSpec
+from melissa_dl.assembly import Assembler, Delivery, Progress, StreamSpec
 from melissa_dl.buffers import Buffer
 from melissa_dl.connections import POLL_MS, ConnectionGuard, ServerSocketThread
+from melissa_dl.delivery import DeliveryServer
 from melissa_dl.errors import ProtocolError, ReceiverDied
 from melissa_dl.finite import compiled_loop
 from melissa_dl.ledger import Ledger
@@ -61,6 +62,8 @@ class Receiver(ServerSocketThread):
         self.spec = spec
         self.buffer = buffer
         self._assembler = Assembler(spec, self.rejections)
+        self.delivery = DeliveryServer(spec.server_rank, spec.token, self._delivery, self.rejections, bind_address,
+                                       self.security)
         # ZeroMQ counts messages, not bytes: size the queue for the largest slice allowed
         self._hwm = max(2, receive_queue_bytes // spec.max_message_bytes)
         self._lock = threading.Lock()
@@ -69,8 +72,26 @@ class Receiver(ServerSocketThread):
         if spec.reject_non_finite:
             compiled_loop()  # now: at the first large field, clients' messages would queue up behind the compiler
 
+    def start_and_bind(self, timeout: float = 30.0) -> int:
+        """Start the data socket's thread and the delivery service's; return the data port."""
+        port = super().start_and_bind(timeout)
+        self.delivery.start_and_bind(timeout)
+        return port
+
+    def endpoints(self, host: str) -> tuple[str, str]:
+        """Where clients reach this rank once started: its data socket and its delivery service."""
+        return f"tcp://{host}:{self.port}", f"tcp://{host}:{self.delivery.port}"
+
+    def stop(self) -> None:
+        self.delivery.stop()
+        super().stop()
+
     def configure(self, socket: zmq.Socket) -> None:
         socket.setsockopt(zmq.RCVHWM, self._hwm)
+
+    def _delivery(self, sim: int, attempt: int, client_rank: int) -> Delivery:
+        with self._lock:
+            return self._assembler.delivery(sim, attempt, client_rank)
 
     def handle(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
         frames = socket.recv_multipart(copy=False)
@@ -145,9 +166,10 @@ class Receiver(ServerSocketThread):
                 self._assembler.finish(sim)
 
     def check(self) -> None:
-        """Re-raise in the caller's thread an exception that killed the receiver."""
-        if self.error is not None:
-            raise ReceiverDied(f"receiver thread failed: {self.error!r}") from self.error
+        """Re-raise in the caller's thread an exception that killed the receiver or its delivery service."""
+        for thread in (self, self.delivery):
+            if thread.error is not None:
+                raise ReceiverDied(f"{thread.name} thread failed: {thread.error!r}") from thread.error
 
     def scalars(self) -> dict[str, float]:
         """TensorBoard points of the stream: the buffer's fill and waits, the bytes received per second since

@@ -24,16 +24,13 @@ by the socket's monitor in :mod:`melissa_dl.connections`, which counts
 connections that end before the handshake is done as ``<socket>_noauth``).
 
 A gate also caps every message part at ZeroMQ's level (``ZMQ_MAXMSGSIZE``: a
-larger part ends the connection before it is buffered) and makes the socket
-send heartbeats. A client learns that its server died from them, not from a
-send timeout, because back-pressure is not death: while a rank's buffer is
-full it stops reading, its clients' sends block, and the PINGs *they* send are
-not read either. So the server's sockets ping every peer (``HEARTBEAT_IVL``)
-and announce a time-to-live (``HEARTBEAT_TTL``, half the clients'
-``client_timeout``): a client that hears nothing for that long drops the
-connection. The server never times a peer out (``HEARTBEAT_TIMEOUT`` 0): a
-client it does not read cannot answer, and dropping it would lose the frames
-in flight.
+larger part ends the connection before it is buffered). No server socket sends
+ZeroMQ heartbeats: on a connection that back-pressure stalls, a heartbeat to a
+client that has exited trips an assertion in libzmq 4.3.5 that aborts the rank
+(libzmq issues #3937, #4364, #4767). A client learns that a rank lives from
+that rank's delivery service instead (:mod:`melissa_dl.delivery`), which
+answers however full the buffer is; ``peer_timeout`` (the clients'
+``client_timeout``) bounds how long it holds a question.
 """
 from __future__ import annotations
 
@@ -73,7 +70,6 @@ BIND_TIMEOUT = 5.0  # a previous handler's endpoint is released asynchronously
 HELLO_BASE_BYTES = 256 << 10
 HELLO_FIELD_BYTES = 128
 
-MAX_TTL_MS = 6_553_500  # ZMTP carries the TTL in deciseconds, on 16 bits
 # what a mechanism adds to a message part on the wire (CURVE: command name, nonce, MAC and flags, 33 bytes);
 # a part over the cap ends its connection and is lost, so the cap must never cut a legitimate part
 MECHANISM_OVERHEAD = 256
@@ -84,23 +80,13 @@ def hello_bytes(fields: Iterable[str]) -> int:
     return HELLO_BASE_BYTES + sum(len(json.dumps(name)) + HELLO_FIELD_BYTES for name in fields)
 
 
-def heartbeat_ms(peer_timeout: float) -> tuple[int, int]:
-    """The server's ping interval and the time-to-live it announces, in ms, for clients that wait ``peer_timeout``.
-
-    Half the client's timeout: a client drops a silent server after the TTL and gives up after ``peer_timeout``
-    more, so a frozen server is detected in 1.5 ``peer_timeout`` (a closed one in ``peer_timeout``).
-    """
-    ttl = min(MAX_TTL_MS, max(100, int(peer_timeout * 5) * 100))
-    return max(20, ttl // 5), ttl
-
-
 @dataclass(frozen=True)
 class Security:
     """A study's security level and secrets, the same on every rank (rank 0 draws them)."""
 
     level: str
     token: bytes = field(repr=False)
-    peer_timeout: float = 300.0  # the clients' client_timeout: sets the heartbeat TTL
+    peer_timeout: float = 300.0  # the clients' client_timeout: bounds how long the delivery service holds a question
     server_public: bytes = b""  # CURVE keys, Z85
     server_secret: bytes = field(default=b"", repr=False)
     client_public: bytes = b""
@@ -191,9 +177,9 @@ def describe_handshake_failure(event: int, value: int) -> str:
 class Gate:
     """A server socket's admission, from before its bind until after its close.
 
-    Sets the security mechanism and a ZAP domain of its own, the message size
-    cap (``max_message_bytes`` of payload per part, plus the mechanism's
-    framing) and the heartbeats, and registers with its context's ZAP handler
+    Sets the security mechanism and a ZAP domain of its own and the message
+    size cap (``max_message_bytes`` of payload per part, plus the mechanism's
+    framing), and registers with its context's ZAP handler
     so that refusals are counted in ``rejections`` as ``<name>_auth``.
     """
 
@@ -206,11 +192,7 @@ class Gate:
         self.rejections = rejections
         self.domain = f"melissa-{name}-{os.getpid()}-{next(self._numbers)}".encode()
         self.context = socket.context
-        interval, ttl = heartbeat_ms(security.peer_timeout)
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + MECHANISM_OVERHEAD)
-        socket.setsockopt(zmq.HEARTBEAT_IVL, interval)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 0)  # never drop a peer we are not reading: its frames would be lost
-        socket.setsockopt(zmq.HEARTBEAT_TTL, ttl)
         security.serve(socket)
         socket.setsockopt(zmq.ZAP_DOMAIN, self.domain)
         _Gatekeeper.enter(self)

@@ -152,8 +152,8 @@ class Server:
             if self.rank == 0:
                 logger.error("%s", error)
             return EXIT_CONFIG
-        port = self.receiver.start_and_bind()
-        endpoints = self.comm.gather(f"tcp://{self.host}:{port}")
+        self.receiver.start_and_bind()
+        endpoints = self.comm.gather(self.receiver.endpoints(self.host))
         handshake = launcher = study = None
         try:
             if self.rank == 0:
@@ -215,7 +215,7 @@ class Server:
             logger.info("model of checkpoint %s written to %s", version.path, model)
         return 0
 
-    def _open_study(self, endpoints: list[str], version: Version | None,
+    def _open_study(self, endpoints: list[tuple[str, str]], version: Version | None,
                     sampler: Sampler) -> tuple[HandshakeServer, Launcher, Study]:
         """Rank 0: the handshake socket, the launcher and the study, restored from ``version``."""
         handshake = HandshakeServer.from_config(self.config, self.token, endpoints, self.bind_address, self.security)

@@ -3,8 +3,9 @@
 A simulation is done only when every server rank holds every step its client
 ranks announced in their finalize messages; its process's exit code alone
 never makes it done. A simulation that exits non-zero, exits with steps
-missing, exits 0 without finalizing (after ``EXIT_GRACE`` seconds in which
-its last frames could still be on their way), or sends nothing for
+missing, exits 0 without finalizing (after ``EXIT_GRACE`` seconds from the
+round that saw it exit, in which its last frames could still be on their way
+to rank 0's bookkeeping), or sends nothing for
 ``simulation_timeout`` seconds while the server was ready to read is killed
 and relaunched until ``max_retries`` is spent, then reported failed with the
 reason. A simulation whose failure a relaunch would meet again fails at once:
@@ -325,6 +326,7 @@ class Study:
         ended = self._launcher.poll()
         for sid, code in ended:
             self.simulations[sid].exit_code = code
+            self.simulations[sid].last_activity = now  # the grace for its last announcements starts with its exit
         running = self._launcher.running()
         for sid in running:
             sim = self.simulations[sid]
@@ -419,6 +421,11 @@ class Study:
 
     def counts(self) -> dict[str, int]:
         return {state.value: count for state, count in self._counts.items()}
+
+    def ending(self) -> int:
+        """Running simulations whose process has ended but whose steps are not all counted yet (a round or two):
+        their job slots are free, so running ones alone stay within ``job_limit``."""
+        return sum(sim.exit_code is not None for sim in self._running.values())
 
 
 def simulation_environment(options: LauncherConfig, endpoint: str, token: bytes, security: Security, simulation: int,

@@ -77,8 +77,8 @@ def try_simulation(config: Config, parameters: list[float] | None = None, timeou
     buffer = make_buffer("fifo", capacity_samples=1024, capacity_bytes=None, watermark=1, seed=0)
     receiver = Receiver(StreamSpec.from_config(config, table, token, 0, 1), buffer, HOST,
                         config.server.receive_queue_bytes, security)
-    endpoint = f"tcp://{HOST}:{receiver.start_and_bind()}"
-    handshake = HandshakeServer.from_config(config, token, [endpoint], HOST, security)
+    receiver.start_and_bind()
+    handshake = HandshakeServer.from_config(config, token, [receiver.endpoints(HOST)], HOST, security)
     trial = Trial(table[0].tolist())
     scheduler = "mpirun" if config.launcher.client_ranks > 1 else "local"  # here, not through a batch system
     launcher = Launcher(make_scheduler(scheduler, config.simulation_job()), 1, config.output_path / LOGS)

@@ -203,7 +203,7 @@ contains
                     MELISSA_DL_FLOAT64)
   end function
 
-  ! Announce the steps sent, flush and close.
+  ! Announce the steps sent, wait until every server rank has read them all, and close.
   integer function melissa_dl_finalize() result(status)
     status = c_finalize()
   end function

@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 #define MELISSA_DL_VERSION "0.1.0"      /* this header's library version */
-#define MELISSA_DL_PROTOCOL_VERSION 2   /* the wire protocol it speaks */
+#define MELISSA_DL_PROTOCOL_VERSION 3   /* the wire protocol it speaks */
 
 #if defined(__GNUC__)
 #define MELISSA_DL_API __attribute__((visibility("default")))
@@ -97,16 +97,19 @@ MELISSA_DL_API int melissa_dl_init(const char *field, int dtype, size_t local_co
  * [0, 2^32), e.g. 0, 1, 2, ...). The data is copied into ZeroMQ's queue, so
  * the caller may overwrite it at once; the call blocks while the server is
  * full, however long, and fails with MELISSA_DL_ERR_UNREACHABLE once the
- * server rank has been unreachable (no connection, no heartbeat) for
- * MELISSA_CLIENT_TIMEOUT seconds. count must be the declared local count. */
+ * server rank has been unreachable (no connection, no answer from its
+ * delivery service) for MELISSA_CLIENT_TIMEOUT seconds. count must be the declared local count. */
 MELISSA_DL_API int melissa_dl_send_float(const char *field, int64_t time_step, const float *data, size_t count);
 MELISSA_DL_API int melissa_dl_send_double(const char *field, int64_t time_step, const double *data, size_t count);
 
 /* Tell each server rank how many steps it should hold, wait until every
- * queued frame has left (as long as the server lives; MELISSA_DL_ERR_UNREACHABLE
- * once a server rank has been unreachable for MELISSA_CLIENT_TIMEOUT seconds),
- * and release everything: melissa_dl_init may then start again. A simulation
- * that ends without a successful finalize is relaunched by the server. */
+ * server rank confirms it has read every message sent to it (as long as the
+ * server lives; MELISSA_DL_ERR_UNREACHABLE once a server rank has been
+ * unreachable for MELISSA_CLIENT_TIMEOUT seconds, or lost messages with a
+ * broken connection), and release everything: melissa_dl_init may then start
+ * again. A program that exits after a successful finalize has lost nothing. A
+ * simulation that ends without a successful finalize is relaunched by the
+ * server. */
 MELISSA_DL_API int melissa_dl_finalize(void);
 
 /* What the last failing call said ("" before any failure); successful calls

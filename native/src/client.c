@@ -16,12 +16,13 @@
  * Every socket carries the study's credentials (MELISSA_SECURITY: PLAIN with
  * the token, or CURVE with the MELISSA_CURVE_* keys) and a monitor (link.c).
  * As in Python, there is no send timeout: a full queue is waited out for as
- * long as the server lives, which its heartbeats tell, and a server rank
- * unreachable for MELISSA_CLIENT_TIMEOUT seconds breaks the connection. The
- * flush of finalize closes the sockets with an unbounded linger, terminates
- * the context in a helper thread, and watches the server ranks through probe
- * sockets meanwhile; if one is gone, finalize fails and abandons that thread
- * and context (libzmq cannot cut a lingering close short).
+ * long as the server lives, which the connection and the rank's delivery
+ * service tell (melissa_dl/delivery.py: a DEALER socket per rank, asked every
+ * keepalive seconds while a send is blocked), and a server rank unreachable
+ * for MELISSA_CLIENT_TIMEOUT seconds breaks the connection. Finalize waits
+ * until every rank's delivery service confirms it read every message sent to
+ * it (sending the FINALIZE again if its connection broke meanwhile), then
+ * closes everything at once.
  */
 #define _GNU_SOURCE /* clock_gettime */
 #include "melissa_dl.h"
@@ -29,7 +30,6 @@
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
-#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,7 +65,15 @@ typedef struct {
 
 #define EMPTY_SLOT UINT64_MAX
 
-enum { WAKE_MS = 1000, FLUSH_GRACE_MS = 200, FLUSH_POLL_MS = 50, PROBE_SETTLE_MS = 1000 };
+enum { WAKE_MS = 1000, ANSWER_POLL_MS = 100 };
+static const double MAX_KEEPALIVE = 5.0; /* melissa_dl.protocol.MAX_KEEPALIVE */
+
+/* A server rank's delivery service, asked one question at a time (_Questions in client.py). */
+typedef struct {
+    mdl_link link; /* a DEALER socket */
+    double asked;  /* when the open question was sent; 0: none open */
+    double heard;  /* when the rank last answered (or the link opened) */
+} questions;
 
 typedef struct {
     uint32_t simulation_id, attempt;
@@ -86,6 +94,8 @@ static struct {
     size_t nfields;
     void *context;
     mdl_link *links; /* one PUSH socket per server rank */
+    questions *asks; /* its delivery service, per server rank */
+    uint64_t *sent;  /* messages sent to each server rank, as its delivery service counts them */
     size_t nlinks;
     bool bind_simulation;
     step_set steps;
@@ -371,16 +381,86 @@ static int refused(const mdl_link *link) {
                 client.env.simulation_id, link->endpoint, why, mdl_security_name(client.env.security.level));
 }
 
-/* MELISSA_DL_OK while the server rank behind a link lives; *left: seconds before it counts as gone. */
-static int alive(mdl_link *link, size_t rank, const char *prefix, double *left) {
-    mdl_link_update(link);
-    if (link->refused)
-        return refused(link);
-    *left = client.env.timeout - mdl_link_down_for(link);
-    if (*left <= 0)
-        return fail(MELISSA_DL_ERR_UNREACHABLE, "%ssimulation %u: server rank %zu (%s) has been unreachable for %g s "
-                    "(no connection, no heartbeat)", prefix, client.env.simulation_id, rank, link->endpoint,
+/* MELISSA_DL_OK while a server rank lives: connected, and its delivery service not silent for the timeout. */
+static int alive(size_t rank) {
+    mdl_link *links[2] = {&client.links[rank], &client.asks[rank].link};
+    double silent = client.asks[rank].asked > 0 ? mdl_now() - client.asks[rank].asked : 0;
+    for (int i = 0; i < 2; i++) {
+        mdl_link_update(links[i]);
+        if (links[i]->refused)
+            return refused(links[i]);
+        silent = fmax(silent, mdl_link_down_for(links[i]));
+    }
+    if (silent >= client.env.timeout)
+        return fail(MELISSA_DL_ERR_UNREACHABLE, "simulation %u: server rank %zu (%s) has been unreachable for %g s "
+                    "(no connection, no answer)", client.env.simulation_id, rank, client.links[rank].endpoint,
                     client.env.timeout);
+    return MELISSA_DL_OK;
+}
+
+static double keepalive(void) {
+    return fmin(MAX_KEEPALIVE, client.env.timeout / 4);
+}
+
+/* Ask a rank's delivery service how much it read of us (``wait``: answer once all of it, or at the keepalive),
+ * unless a question is open. */
+static void ask_rank(size_t rank, bool wait) {
+    questions *q = &client.asks[rank];
+    if (q->asked > 0)
+        return;
+    char question[512];
+    char key[2 * KEY_BYTES + 1];
+    for (int i = 0; i < KEY_BYTES; i++)
+        snprintf(key + 2 * i, 3, "%02x", client.env.key[i]);
+    int size = snprintf(question, sizeof question, "{\"simulation_id\":%u,\"attempt\":%u,\"client_rank\":%d,"
+                        "\"key\":\"%s\",\"sent\":%llu,\"wait\":%s}", client.env.simulation_id, client.env.attempt,
+                        client.rank, key, (unsigned long long)client.sent[rank], wait ? "true" : "false");
+    if (zmq_send(q->link.socket, question, (size_t)size, ZMQ_DONTWAIT) == size)
+        q->asked = mdl_now(); /* else the queue is full: the rank is unreachable, which its silence tells */
+}
+
+/* The answer to a rank's open question, if it came: 1 (read, finalized, ended set), 0 (none yet), or a negative
+ * MELISSA_DL_ERR_* code. */
+static int answer(size_t rank, uint64_t *read, bool *finalized, bool *ended) {
+    questions *q = &client.asks[rank];
+    zmq_msg_t message;
+    zmq_msg_init(&message);
+    if (zmq_msg_recv(&message, q->link.socket, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&message);
+        return 0;
+    }
+    q->asked = 0;
+    q->heard = mdl_now();
+    json_value reply = {0};
+    const json_value *r = NULL, *f = NULL, *e = NULL;
+    if (mdl_json_parse(zmq_msg_data(&message), zmq_msg_size(&message), &reply) && reply.type == JSON_OBJECT) {
+        r = mdl_json_get(&reply, "read");
+        f = mdl_json_get(&reply, "finalized");
+        e = mdl_json_get(&reply, "ended");
+    }
+    zmq_msg_close(&message);
+    int code = 1;
+    if (r && f && e && r->type == JSON_NUMBER && r->number >= 0 && f->type == JSON_BOOL && e->type == JSON_BOOL) {
+        *read = (uint64_t)r->number;
+        *finalized = f->boolean;
+        *ended = e->boolean;
+    } else {
+        code = fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: server rank %zu's delivery service answered something "
+                    "else than {read, finalized, ended}", client.env.simulation_id, rank);
+    }
+    mdl_json_free(&reply);
+    return code;
+}
+
+/* While a send is blocked: ask the rank whether it lives, every keepalive seconds. */
+static int ping(size_t rank) {
+    uint64_t read;
+    bool finalized, ended;
+    int code = answer(rank, &read, &finalized, &ended);
+    if (code < 0)
+        return code;
+    if (mdl_now() - client.asks[rank].heard >= keepalive())
+        ask_rank(rank, false);
     return MELISSA_DL_OK;
 }
 
@@ -394,17 +474,19 @@ static int send_message(size_t rank, const uint8_t *header, const void *payload,
         if (errno != EAGAIN && errno != EINTR)
             return broken(fail(MELISSA_DL_ERR_SYSTEM, "simulation %u: zmq_send: %s", client.env.simulation_id,
                                zmq_strerror(errno)));
-        double left;
-        int code = alive(link, rank, "", &left);
+        int code = ping(rank);
+        if (code == MELISSA_DL_OK)
+            code = alive(rank);
         if (code != MELISSA_DL_OK)
             return broken(code);
         zmq_pollitem_t items[2] = {{link->socket, 0, ZMQ_POLLOUT, 0}, {link->monitor, 0, ZMQ_POLLIN, 0}};
-        zmq_poll(items, 2, (long)fmin(WAKE_MS, left * 1000 + 1));
+        zmq_poll(items, 2, WAKE_MS);
     }
     while (zmq_send(link->socket, payload, size, 0) < 0)
         if (errno != EINTR)
             return broken(fail(MELISSA_DL_ERR_SYSTEM, "simulation %u: zmq_send: %s", client.env.simulation_id,
                                zmq_strerror(errno)));
+    client.sent[rank]++;
     return MELISSA_DL_OK;
 }
 
@@ -423,6 +505,8 @@ static void forget(void) {
         free(client.fields[i].name);
     free(client.fields);
     free(client.links);
+    free(client.asks);
+    free(client.sent);
     free(client.steps.slots);
     free_environment(&client.env);
     memset(&client, 0, sizeof client);
@@ -430,84 +514,76 @@ static void forget(void) {
 
 /* Close the sockets at once, dropping queued frames, and the context; forget everything. */
 static void release(void) {
-    for (size_t i = 0; i < client.nlinks; i++)
-        mdl_link_close(&client.links[i], 0);
+    for (size_t i = 0; i < client.nlinks; i++) {
+        mdl_link_close(&client.links[i]);
+        mdl_link_close(&client.asks[i].link);
+    }
     if (client.context != NULL)
         while (zmq_ctx_term(client.context) != 0 && errno == EINTR)
             ;
     forget();
 }
 
-struct flush {
-    void *context;
-    atomic_int done;
-};
-
-static void terminate_context(void *flush) {
-    struct flush *state = flush;
-    while (zmq_ctx_term(state->context) != 0 && errno == EINTR)
-        ;
-    atomic_store(&state->done, 1);
+/* The FINALIZE message announcing to a server rank the distinct steps it was sent. */
+static int send_finalize(size_t rank, const size_t *counts) {
+    strbuf body = {0};
+    sb_printf(&body, "{\"steps\":%zu}", counts[rank]);
+    int code = body.failed ? fail(MELISSA_DL_ERR_SYSTEM, "out of memory") : send_control(rank, KIND_FINALIZE, &body);
+    free(body.data);
+    return code;
 }
 
-/* Close the sockets once every queued frame has left, for as long as the server lives (see the top). */
-static int flush(void) {
-    size_t n = client.nlinks;
-    char **endpoints = calloc(n ? n : 1, sizeof *endpoints);
-    for (size_t i = 0; endpoints != NULL && i < n; i++) {
-        endpoints[i] = client.links[i].endpoint; /* kept from the link */
-        client.links[i].endpoint = NULL;
-        mdl_link_close(&client.links[i], -1);
+/* Wait until every rank confirms it read every message sent to it (or its simulation ended), for as long as the
+ * ranks live; a FINALIZE lost with a broken connection is sent again (not counted: it stands for the lost one). */
+static int await_delivery(const size_t *counts) {
+    size_t n = client.nlinks, waiting = n;
+    bool *done = calloc(n, sizeof *done);
+    unsigned *drops = calloc(n, sizeof *drops);
+    zmq_pollitem_t *items = calloc(n, sizeof *items);
+    int code = done && drops && items ? MELISSA_DL_OK : fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    for (size_t r = 0; code == MELISSA_DL_OK && r < n; r++) {
+        mdl_link_update(&client.links[r]);
+        drops[r] = client.links[r].drops; /* when the FINALIZE was queued */
+        items[r] = (zmq_pollitem_t){client.asks[r].link.socket, 0, ZMQ_POLLIN, 0};
+        ask_rank(r, true);
     }
-    client.nlinks = 0;
-    struct flush *state = malloc(sizeof *state); /* abandoned with its thread if the server is gone */
-    if (state != NULL) {
-        state->context = client.context;
-        atomic_init(&state->done, 0);
-    }
-    client.context = NULL;
-    void *thread = endpoints && state ? zmq_threadstart(terminate_context, state) : NULL;
-    int code = thread ? MELISSA_DL_OK : fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
-    for (int waited = 0; code == MELISSA_DL_OK && !atomic_load(&state->done) && waited < FLUSH_GRACE_MS; waited += 10)
-        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
-    if (code == MELISSA_DL_OK && !atomic_load(&state->done)) { /* still queued: watch the server ranks */
-        void *probes = zmq_ctx_new();
-        mdl_link *links = calloc(n ? n : 1, sizeof *links);
-        size_t opened = 0;
-        if (probes == NULL || links == NULL)
-            code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
-        for (; code == MELISSA_DL_OK && opened < n; opened++)
-            if (mdl_link_open(&links[opened], probes, ZMQ_PUSH, endpoints[opened], &client.env.security, 0) != 0)
-                code = fail(MELISSA_DL_ERR_SYSTEM, "probe of %s: %s", endpoints[opened], zmq_strerror(errno));
-        while (code == MELISSA_DL_OK && !atomic_load(&state->done)) {
-            nanosleep(&(struct timespec){0, FLUSH_POLL_MS * 1000 * 1000}, NULL);
-            double left;
-            for (size_t r = 0; code == MELISSA_DL_OK && r < opened; r++)
-                code = alive(&links[r], r, "queued frames not delivered: ", &left);
-        }
-        double deadline = mdl_now() + PROBE_SETTLE_MS / 1000.0;
-        for (size_t r = 0; code == MELISSA_DL_OK && r < opened; r++) /* a probe closed amid its handshake would */
-            while (!links[r].up && !links[r].refused && mdl_now() < deadline) { /* count as a refusal (noauth) */
-                zmq_pollitem_t item = {links[r].monitor, 0, ZMQ_POLLIN, 0};
-                zmq_poll(&item, 1, 10);
-                mdl_link_update(&links[r]);
+    while (code == MELISSA_DL_OK && waiting > 0) {
+        zmq_poll(items, (int)n, ANSWER_POLL_MS);
+        for (size_t r = 0; code == MELISSA_DL_OK && r < n; r++) {
+            if (done[r])
+                continue;
+            uint64_t read;
+            bool finalized, ended;
+            int got = answer(r, &read, &finalized, &ended);
+            if (got <= 0) {
+                code = got < 0 ? got : alive(r);
+                continue;
             }
-        for (size_t r = 0; r < opened; r++)
-            mdl_link_close(&links[r], 0);
-        free(links);
-        if (probes != NULL)
-            zmq_ctx_term(probes);
+            if (ended || (finalized && read >= client.sent[r])) {
+                done[r] = true;
+                waiting--;
+                continue;
+            }
+            if (finalized) { /* the FINALIZE, sent last, was read: what is missing before it is lost */
+                code = fail(MELISSA_DL_ERR_UNREACHABLE, "simulation %u: server rank %zu (%s) read %llu of the %llu "
+                            "messages sent to it: %llu lost with a broken connection", client.env.simulation_id, r,
+                            client.links[r].endpoint, (unsigned long long)read, (unsigned long long)client.sent[r],
+                            (unsigned long long)(client.sent[r] - read));
+                continue;
+            }
+            mdl_link *link = &client.links[r];
+            if (link->up && link->drops > drops[r]) { /* reconnected since: the FINALIZE may be lost */
+                uint64_t sent = client.sent[r];
+                code = send_finalize(r, counts);
+                client.sent[r] = sent;
+                drops[r] = link->drops;
+            }
+            ask_rank(r, true);
+        }
     }
-    if (thread != NULL && atomic_load(&state->done))
-        code = MELISSA_DL_OK;
-    if (thread != NULL && code == MELISSA_DL_OK) {
-        zmq_threadclose(thread);
-        free(state);
-    }
-    for (size_t i = 0; endpoints != NULL && i < n; i++)
-        free(endpoints[i]);
-    free(endpoints);
-    forget();
+    free(done);
+    free(drops);
+    free(items);
     return code;
 }
 
@@ -538,7 +614,7 @@ static int ask(json_value *reply) {
         code = fail(MELISSA_DL_ERR_SYSTEM, "zmq_send: %s", zmq_strerror(errno));
     free(request.data);
     if (code != MELISSA_DL_OK) {
-        mdl_link_close(&link, 0);
+        mdl_link_close(&link);
         return code;
     }
     zmq_msg_t message;
@@ -578,19 +654,21 @@ static int ask(json_value *reply) {
         }
     }
     zmq_msg_close(&message);
-    mdl_link_close(&link, 0);
+    mdl_link_close(&link);
     return code;
 }
 
 /* Check an accepting reply and take the routing from it. */
 static int accept_reply(const json_value *reply) {
     const json_value *endpoints = mdl_json_get(reply, "endpoints");
+    const json_value *acks = mdl_json_get(reply, "acks");
     const json_value *fields = mdl_json_get(reply, "fields");
     const json_value *bind = mdl_json_get(reply, "bind_simulation");
-    bool ok = endpoints && fields && bind && endpoints->type == JSON_ARRAY && endpoints->size > 0 &&
-              fields->type == JSON_ARRAY && bind->type == JSON_BOOL;
+    bool ok = endpoints && acks && fields && bind && endpoints->type == JSON_ARRAY && endpoints->size > 0 &&
+              acks->type == JSON_ARRAY && acks->size == endpoints->size && fields->type == JSON_ARRAY &&
+              bind->type == JSON_BOOL;
     for (size_t i = 0; ok && i < endpoints->size; i++)
-        ok = endpoints->items[i].type == JSON_STRING;
+        ok = endpoints->items[i].type == JSON_STRING && acks->items[i].type == JSON_STRING;
     for (size_t f = 0; ok && f < client.nfields; f++) {
         ok = false;
         for (size_t i = 0; i < fields->size && i <= UINT16_MAX; i++)
@@ -604,7 +682,9 @@ static int accept_reply(const json_value *reply) {
                     client.env.simulation_id);
     client.bind_simulation = bind->boolean;
     client.links = calloc(endpoints->size, sizeof *client.links);
-    if (client.links == NULL)
+    client.asks = calloc(endpoints->size, sizeof *client.asks);
+    client.sent = calloc(endpoints->size, sizeof *client.sent);
+    if (client.links == NULL || client.asks == NULL || client.sent == NULL)
         return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     double largest = 1;
     for (size_t f = 0; f < client.nfields; f++)
@@ -615,6 +695,13 @@ static int accept_reply(const json_value *reply) {
                           &client.env.security, hwm) != 0)
             return fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: cannot connect to the data endpoint '%s': %s",
                         client.env.simulation_id, endpoints->items[i].string, zmq_strerror(errno));
+        if (mdl_link_open(&client.asks[i].link, client.context, ZMQ_DEALER, acks->items[i].string,
+                          &client.env.security, 0) != 0) {
+            mdl_link_close(&client.links[i]);
+            return fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: cannot connect to the delivery endpoint '%s': %s",
+                        client.env.simulation_id, acks->items[i].string, zmq_strerror(errno));
+        }
+        client.asks[i].heard = mdl_now();
         client.nlinks++;
     }
     return MELISSA_DL_OK;
@@ -877,18 +964,13 @@ int melissa_dl_finalize(void) {
     for (size_t i = 0; code == MELISSA_DL_OK && i < client.steps.capacity; i++)
         if (client.steps.slots[i] != EMPTY_SLOT)
             counts[owner_rank((uint32_t)client.steps.slots[i])]++;
-    for (size_t r = 0; code == MELISSA_DL_OK && r < client.nlinks; r++) {
-        strbuf body = {0};
-        sb_printf(&body, "{\"steps\":%zu}", counts[r]);
-        code = body.failed ? fail(MELISSA_DL_ERR_SYSTEM, "out of memory") : send_control(r, KIND_FINALIZE, &body);
-        free(body.data);
-    }
+    for (size_t r = 0; code == MELISSA_DL_OK && r < client.nlinks; r++)
+        code = send_finalize(r, counts);
+    if (code == MELISSA_DL_OK)
+        code = await_delivery(counts);
     free(counts);
-    if (code != MELISSA_DL_OK) {
-        release();
-        return code;
-    }
-    return flush();
+    release();
+    return code;
 }
 
 const char *melissa_dl_error_message(void) {

@@ -67,7 +67,7 @@ int mdl_link_open(mdl_link *link, void *context, int type, const char *endpoint,
         rc = zmq_connect(link->socket, endpoint);
     if (rc != 0) {
         int error = errno;
-        mdl_link_close(link, 0);
+        mdl_link_close(link);
         errno = error;
     }
     return rc;
@@ -102,9 +102,10 @@ void mdl_link_update(mdl_link *link) {
             link->refused_value = value;
         } else if (kind == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
             link->failed_handshakes++;
-        } else if (link->up) { /* disconnected: the server closed, died, or stopped sending heartbeats */
+        } else if (link->up) { /* disconnected: the server closed or died */
             link->up = false;
             link->since = mdl_now();
+            link->drops++;
         }
     }
 }
@@ -152,10 +153,11 @@ void mdl_link_refusal(const mdl_link *link, char *out, size_t size) {
     snprintf(out, size, "ZeroMQ security handshake failed: 0x%x", (unsigned)link->refused_value);
 }
 
-void mdl_link_close(mdl_link *link, int linger_ms) {
+void mdl_link_close(mdl_link *link) {
     if (link->socket != NULL) {
+        int zero = 0;
         zmq_socket_monitor(link->socket, NULL, 0);
-        zmq_setsockopt(link->socket, ZMQ_LINGER, &linger_ms, sizeof linger_ms);
+        zmq_setsockopt(link->socket, ZMQ_LINGER, &zero, sizeof zero);
         zmq_close(link->socket);
     }
     if (link->monitor != NULL)

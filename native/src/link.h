@@ -24,6 +24,7 @@ typedef struct {
     int refused;    /* 0, or ZMQ_EVENT_HANDSHAKE_FAILED_AUTH / _PROTOCOL: the server refused us, for good */
     uint32_t refused_value;
     unsigned failed_handshakes; /* connections closed midway, as a CURVE server does with a wrong server key */
+    unsigned drops;             /* connections lost: what was in flight on them may be lost */
 } mdl_link;
 
 double mdl_now(void);
@@ -46,7 +47,7 @@ double mdl_link_down_for(const mdl_link *link);
 /* Words for the refusal (``refused`` != 0), as melissa_dl.security.describe_handshake_failure. */
 void mdl_link_refusal(const mdl_link *link, char *out, size_t size);
 
-/* Stop the monitor and close the socket with ``linger_ms`` (-1: until delivered). */
-void mdl_link_close(mdl_link *link, int linger_ms);
+/* Stop the monitor and close the socket at once, dropping what is queued. */
+void mdl_link_close(mdl_link *link);
 
 #endif

@@ -17,6 +17,7 @@ HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
 MPIRUN = str(BIN / "mpirun")
 TOY_SIM = str(HERE / "toy_sim.py")
+ROOT = HERE.parent.parent
 
 
 def skip_unless(ready: bool, reason: str) -> None:
@@ -89,6 +90,17 @@ def run_server(tmp_path: Path, config: dict[str, Any], ranks: int, timeout: floa
     report_path = Path(config["output_dir"]) / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     return Run(done.returncode, done.stdout + done.stderr, report)
+
+
+@pytest.fixture(scope="session")
+def native(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make native` into a fresh folder; returns the folder of the programs it built."""
+    require_system_packages("native")
+    prefix = tmp_path_factory.mktemp("native")
+    done = subprocess.run(["make", "-C", str(ROOT), "native", f"NATIVE={prefix}"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return prefix / "bin"
 
 
 @pytest.fixture

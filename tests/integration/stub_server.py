@@ -41,8 +41,8 @@ def main() -> None:
     spec = StreamSpec(["field"], np.zeros((4, 1)), token, server_rank=0, server_size=1, max_message_bytes=MIB)
     buffer = make_buffer("fifo", capacity_samples=args.capacity, capacity_bytes=None, watermark=1, seed=0)
     receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=2 * MIB, security=security)
-    port = receiver.start_and_bind()
-    handshake = HandshakeServer(token=token, fields=["field"], simulations=4, endpoints=[f"tcp://127.0.0.1:{port}"],
+    receiver.start_and_bind()
+    handshake = HandshakeServer(token=token, fields=["field"], simulations=4, endpoints=[receiver.endpoints("127.0.0.1")],
                                 bind_simulation=False, max_message_bytes=MIB, bind_address="127.0.0.1",
                                 security=security)
     environ = {"MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}", "MELISSA_TOKEN": token.hex(),

@@ -215,7 +215,7 @@ def test_status_shows_a_running_study_from_another_shell_and_then_its_end(tmp_pa
             time.sleep(0.2)
             shown = subprocess.run(status, capture_output=True, text=True, timeout=60).stdout
         assert re.search(r"\d+% done, \d+ s elapsed, about \d+ s left", shown), shown
-        assert re.search(r"simulations \d done, \d running, \d queued, 0 failed of 4", shown), shown
+        assert re.search(r"simulations \d done, \d running, \d ending, \d queued, 0 failed of 4", shown), shown
         assert re.search(r"samples \d+ received of 40, \d+ consumed", shown), shown
         log, _ = process.communicate(timeout=90)
     finally:
@@ -223,7 +223,7 @@ def test_status_shows_a_running_study_from_another_shell_and_then_its_end(tmp_pa
     assert process.returncode == 0, log
     final = subprocess.run(status, capture_output=True, text=True, timeout=60)
     assert final.returncode == 0 and "finished" in final.stdout.split("\n", 1)[0], final
-    assert "100% done" in final.stdout and "simulations 4 done, 0 running, 0 queued, 0 failed of 4" in final.stdout
+    assert "100% done" in final.stdout and "simulations 4 done, 0 running, 0 ending, 0 queued, 0 failed of 4" in final.stdout
     history = [json.loads(line) for line in (output / "progress.jsonl").read_text().splitlines()]
     assert len(history) >= 2 and history[-1]["state"] == "finished"
     assert [h["samples"]["received"] for h in history] == sorted(h["samples"]["received"] for h in history)

@@ -56,9 +56,9 @@ def start_server(buffer: Buffer, max_message_bytes: int = 1 << 24, client_size: 
     spec = StreamSpec(["a", "b"], parameters, token, server_rank=0, server_size=1,
                       max_message_bytes=max_message_bytes)
     receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=2 * max_message_bytes, security=security)
-    port = receiver.start_and_bind()
+    receiver.start_and_bind()
     handshake = HandshakeServer(token=token, fields=["a", "b"], simulations=SIMULATIONS,
-                                endpoints=[f"tcp://127.0.0.1:{port}"], bind_simulation=False,
+                                endpoints=[receiver.endpoints("127.0.0.1")], bind_simulation=False,
                                 max_message_bytes=max_message_bytes, bind_address="127.0.0.1",
                                 client_size=client_size, security=security)
     environ = {
@@ -219,10 +219,13 @@ class BrokenBuffer:
 
 
 def test_a_receiver_failure_reaches_the_main_thread() -> None:
-    server, handshake = start_server(BrokenBuffer())  # type: ignore[arg-type]
-    with Client({"a": ("float32", (3,)), "b": ("float32", (1,))}, environ=server.environ) as client:
-        client.send("a", 0, np.zeros(3, np.float32))
-        client.send("b", 0, np.zeros(1, np.float32))
+    """The rank's data socket closes with its thread, so the finalizing client, whose messages it cannot
+    confirm, fails after its timeout instead of exiting as if they were delivered."""
+    server, handshake = start_server(BrokenBuffer(), client_timeout=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ServerUnreachable, match="unreachable for 1 s"):
+        with Client({"a": ("float32", (3,)), "b": ("float32", (1,))}, environ=server.environ) as client:
+            client.send("a", 0, np.zeros(3, np.float32))
+            client.send("b", 0, np.zeros(1, np.float32))
     server.receiver.join(10)
     with pytest.raises(ReceiverDied, match="disk on fire"):
         server.receiver.check()

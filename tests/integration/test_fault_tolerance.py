@@ -207,10 +207,11 @@ def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
 
 
 def test_the_heartbeat_goes_on_while_the_buffers_drain_after_the_study(tmp_path: Path, output: Path) -> None:
-    """Simulations done in a second, training of their 72 samples ~4 s: longer than server_timeout."""
-    config = paced_config(output, server_timeout=2.0, max_server_restarts=1)
+    """Simulations done in a second, training of their 72 samples ~14 s: longer than server_timeout, which must
+    also exceed the server's start-up before its first beat (2.5-3 s on an idle 2-core Xeon)."""
+    config = paced_config(output, server_timeout=8.0, max_server_restarts=1)
     config["launcher"]["command"] = [sys.executable, TOY_SIM, "--steps", str(STEPS)]
-    config["training"]["options"] = {"step_delay": 0.2}
+    config["training"]["options"] = {"step_delay": 0.8}
     command = server_command(tmp_path, config, 1)
     done = subprocess.run([sys.executable, "-m", "launcher.supervisor", command[-1]], env=clean_environment(),
                           capture_output=True, text=True, timeout=120)

@@ -4,11 +4,13 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import queue
 import re
 import runpy
 import signal
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,32 +18,22 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import HERE, clean_environment, require_system_packages, run_server, study_config
+from conftest import HERE, ROOT, clean_environment, run_server, study_config
+from melissa_dl.assembly import Delivery
 from melissa_dl.client import Client
+from melissa_dl.connections import ConnectionGuard, ServerSocketThread
+from melissa_dl.delivery import DeliveryServer
 from melissa_dl.handshake import HandshakeServer
 from melissa_dl.protocol import PROTOCOL_VERSION, Kind, unpack_header
-from melissa_dl.rejections import RejectionLog
-from melissa_dl.security import Gate, Security
+from melissa_dl.security import Security
 from test_security import assert_received_every_step, stub_server, wait_until
 from test_studies import assert_clean_study, assert_every_step_once
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = HERE.parent.parent
 HeatSolver = runpy.run_path(str(ROOT / "examples" / "heat_pde" / "solver.py"))["HeatSolver"]
 HEAT_PARAMETERS = [{"name": n, "low": 100.0, "high": 500.0} for n in ("initial", "left", "right", "bottom", "top")]
 VERSION = importlib.metadata.version("melissa_dl")
-
-
-@pytest.fixture(scope="session")
-def native(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`make native` into a fresh folder; returns the folder of the programs it built."""
-    require_system_packages("native")
-    prefix = tmp_path_factory.mktemp("native")
-    done = subprocess.run(["make", "-C", str(ROOT), "native", f"NATIVE={prefix}"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return prefix / "bin"
 
 
 def recording(directory: Path) -> dict:
@@ -174,42 +166,73 @@ def test_the_fortran_module_with_use_mpi_handles_and_float64(tmp_path: Path, out
             assert field.tolist() == [1000 * s + t] * 6 + [1000 * s + t + 0.5] * 6
 
 
-def receive_until_finalize(sockets: list[zmq.Socket]) -> list[list[list[bytes]]]:
-    """Every message each socket gets, up to and including its FINALIZE."""
+class RawRank(ServerSocketThread):
+    """A server rank's data socket, behind the study's gates, that keeps every message as it came, with the
+    delivery service a finalizing client waits for: it counts what this socket read."""
+
+    socket_type = zmq.PULL
+    guard_name = "data"
+
+    def __init__(self, security: Security) -> None:
+        super().__init__("raw-rank", "127.0.0.1", security=security, message_cap=1 << 20)
+        self.messages: queue.Queue[list[bytes]] = queue.Queue()
+        self._read: Counter[tuple[int, int, int]] = Counter()
+        self._finalized: set[tuple[int, int, int]] = set()
+        self.delivery = DeliveryServer(0, security.token, self._delivery, self.rejections, "127.0.0.1", security)
+
+    def handle(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
+        frames = socket.recv_multipart()
+        header = unpack_header(frames[0])
+        client = (header.simulation_id, header.attempt, header.client_rank)
+        if header.kind is Kind.DECLARE:  # the same attempt again (the test sends it twice): its count starts over
+            self._read[client] = 0
+            self._finalized.discard(client)
+        self._read[client] += 1
+        if header.kind is Kind.FINALIZE:
+            self._finalized.add(client)
+        self.messages.put(frames)
+
+    def _delivery(self, sim: int, attempt: int, client_rank: int) -> Delivery:
+        client = (sim, attempt, client_rank)
+        return Delivery(self._read[client], client in self._finalized, ended=False)
+
+
+def receive_until_finalize(ranks: list[RawRank]) -> list[list[list[bytes]]]:
+    """Every message each rank gets, up to and including its FINALIZE."""
     received: list[list[list[bytes]]] = []
-    for socket in sockets:
+    for rank in ranks:
         messages: list[list[bytes]] = []
         while not messages or unpack_header(messages[-1][0]).kind is not Kind.FINALIZE:
-            assert socket.poll(10_000), "no FINALIZE"
-            messages.append(socket.recv_multipart())
+            messages.append(rank.messages.get(timeout=10))
         received.append(messages)
     return received
 
 
 @contextlib.contextmanager
 def data_sockets(token: bytes, bind: bool, level: str = "token"
-                 ) -> Iterator[tuple[dict[str, str], list[zmq.Socket], HandshakeServer]]:
-    """A handshake service for simulation 3 of a study with the field "field", and two bare PULL sockets (behind
-    the study's gates) standing for two server ranks; yields the client's environment, the sockets and the
-    handshake service."""
+                 ) -> Iterator[tuple[dict[str, str], list[RawRank], HandshakeServer]]:
+    """A handshake service for simulation 3 of a study with the field "field", and two raw ranks standing for
+    two server ranks; yields the client's environment, the ranks and the handshake service."""
     security = Security.generate(level, token, 10.0)
-    sockets = [zmq.Context.instance().socket(zmq.PULL) for _ in range(2)]
-    gates = [Gate(socket, security, RejectionLog(), "data", 1 << 20) for socket in sockets]
-    endpoints = [f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}" for socket in sockets]
-    handshake = HandshakeServer(token=token, fields=["field"], simulations=4, endpoints=endpoints,
+    ranks = [RawRank(security) for _ in range(2)]
+    for rank in ranks:
+        rank.start_and_bind()
+        rank.delivery.start_and_bind()
+    handshake = HandshakeServer(token=token, fields=["field"], simulations=4,
+                                endpoints=[(f"tcp://127.0.0.1:{r.port}", f"tcp://127.0.0.1:{r.delivery.port}")
+                                           for r in ranks],
                                 bind_simulation=bind, max_message_bytes=1 << 20, bind_address="127.0.0.1",
                                 security=security)
     handshake.expect(3, 0)
     try:
         yield {"MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}", "MELISSA_TOKEN": token.hex(),
                "MELISSA_SIMULATION_ID": "3", "MELISSA_PARAMETERS": "[0.5]", "MELISSA_CLIENT_TIMEOUT": "10",
-               **security.client_environment()}, sockets, handshake
+               **security.client_environment()}, ranks, handshake
     finally:
         handshake.stop()
-        for socket in sockets:
-            socket.close(linger=0)
-        for gate in gates:
-            gate.close()
+        for rank in ranks:
+            rank.delivery.stop()
+            rank.stop()
 
 
 def run_c_client(native: Path, environ: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -220,15 +243,15 @@ def run_c_client(native: Path, environ: dict[str, str], *args: str) -> subproces
 @pytest.mark.parametrize("token_bytes, bind", [(32, False), (120, True)])
 def test_the_c_client_sends_the_python_clients_bytes(native: Path, token_bytes: int, bind: bool) -> None:
     token = bytes((7 * i + 3) % 256 for i in range(token_bytes))  # a key longer than SHA-256's block, too
-    with data_sockets(token, bind) as (environ, sockets, handshake):
+    with data_sockets(token, bind) as (environ, ranks, handshake):
         done = run_c_client(native, environ, "--steps", "5", "--count", "6")
         assert done.returncode == 0, done.stdout + done.stderr
-        from_c = receive_until_finalize(sockets)
+        from_c = receive_until_finalize(ranks)
         handshake.expect(3, 0)  # the same attempt again: its client rank may say hello once more
         with Client({"field": ("float32", (6,))}, environ=environ) as client:
             for t in range(5):
                 client.send("field", t, np.full(6, 3000 + t, np.float32))
-        from_python = receive_until_finalize(sockets)
+        from_python = receive_until_finalize(ranks)
     assert from_c == from_python
     kinds = [[unpack_header(message[0]).kind for message in messages] for messages in from_c]
     steps = [2, 3] if not bind else [0, 5]  # step t goes to rank (3 + t) mod 2, or every step to rank 3 mod 2
@@ -256,7 +279,7 @@ def test_the_c_client_links_the_static_library_and_the_solvers_the_shared_one(na
 
 @pytest.mark.parametrize("level", ["token", "curve"])
 def test_a_c_client_without_the_studys_credentials_is_refused_at_the_door(native: Path, level: str) -> None:
-    with data_sockets(b"secret", bind=False, level=level) as (environ, sockets, handshake):
+    with data_sockets(b"secret", bind=False, level=level) as (environ, ranks, handshake):
         public, secret = (key.decode() for key in zmq.curve_keypair())
         wrong = {"token": {"MELISSA_TOKEN": "00" * 6},
                  "curve": {"MELISSA_CURVE_PUBLIC_KEY": public, "MELISSA_CURVE_SECRET_KEY": secret}}[level]
@@ -273,10 +296,11 @@ def test_a_c_client_without_the_studys_credentials_is_refused_at_the_door(native
                                 r"1 s \(\d+ ZeroMQ handshakes with it failed: another security level or CURVE server "
                                 r"key than MELISSA_SECURITY=curve\?\)\n", done.stderr)
             assert wait_until(lambda: handshake.rejections.counts()["handshake_auth"] > 1)  # it cannot decrypt
-        assert not any(socket.poll(200) for socket in sockets)  # nothing reached a data socket
+        time.sleep(0.2)
+        assert all(rank.messages.empty() for rank in ranks)  # nothing reached a data socket
         done = run_c_client(native, environ, "--steps", "2", "--count", "4")  # the study's credentials pass
         assert done.returncode == 0, done.stderr
-        kinds = [[unpack_header(m[0]).kind for m in messages] for messages in receive_until_finalize(sockets)]
+        kinds = [[unpack_header(m[0]).kind for m in messages] for messages in receive_until_finalize(ranks)]
         assert kinds == [[Kind.DECLARE, Kind.DATA, Kind.FINALIZE]] * 2
 
 
@@ -321,5 +345,5 @@ def test_a_blocked_c_client_of_a_dead_server_fails_within_its_timeout(native: Pa
         assert process.wait(10) == -signal.SIGKILL
     assert client.returncode == 1
     assert re.fullmatch(r"c_client: melissa_dl error 8: simulation 1: server rank 0 \(tcp://127\.0\.0\.1:\d+\) has "
-                        r"been unreachable for 1 s \(no connection, no heartbeat\)\n", stderr)
+                        r"been unreachable for 1 s \(no connection, no answer\)\n", stderr)
     assert bound - 0.2 < elapsed < bound + 1.5, elapsed

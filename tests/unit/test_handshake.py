@@ -17,7 +17,8 @@ GOOD = {"u": ["float32", [4, 8]], "v": ["int64", []]}
 
 
 def service(client_size: int = 1, layouts: dict[str, Any] | None = None) -> HandshakeServer:
-    handshake = HandshakeServer(token=TOKEN, fields=FIELDS, simulations=4, endpoints=["tcp://a:1", "tcp://a:2"],
+    handshake = HandshakeServer(token=TOKEN, fields=FIELDS, simulations=4,
+                                endpoints=[("tcp://a:1", "tcp://a:3"), ("tcp://a:2", "tcp://a:4")],
                                 bind_simulation=False, max_message_bytes=1 << 20, bind_address="127.0.0.1",
                                 client_size=client_size, layouts=layouts)
     for sim in range(3):
@@ -35,14 +36,15 @@ def ask(handshake: HandshakeServer, message: Any) -> dict[str, Any]:
     return handshake.answer([request])
 
 
-def test_a_good_hello_gets_the_endpoints() -> None:
+def test_a_good_hello_gets_the_data_and_delivery_endpoints() -> None:
     reply = ask(service(), hello())
-    assert reply == {"ok": True, "endpoints": ["tcp://a:1", "tcp://a:2"], "fields": FIELDS, "bind_simulation": False}
+    assert reply == {"ok": True, "endpoints": ["tcp://a:1", "tcp://a:2"], "acks": ["tcp://a:3", "tcp://a:4"],
+                     "fields": FIELDS, "bind_simulation": False}
 
 
 BAD_HELLOS: dict[str, tuple[Any, str, str]] = {
     # name: (request, kind, part of the message)
-    "lone surrogate token": (b'{"protocol": 2, "token": "\\ud800"}', "credentials", "bad or missing token"),
+    "lone surrogate token": (b'{"protocol": 3, "token": "\\ud800"}', "credentials", "bad or missing token"),
     "non-ASCII token": (hello(token="\u00e9" * 64), "credentials", "bad or missing token"),
     "token not a string": (hello(token=[1]), "credentials", "bad or missing token"),
     "deep JSON": (b"[" * 100_000 + b"]" * 100_000, "malformed", "invalid JSON"),

@@ -17,9 +17,11 @@ from melissa_dl.status import HISTORY, STATUS
 pytestmark = pytest.mark.timeout(60)
 
 
-def study(done: int, running: int, queued: int, failed: int = 0) -> SimpleNamespace:
+def study(done: int, running: int, queued: int, failed: int = 0, ending: int = 0) -> SimpleNamespace:
+    """``running`` counts the ``ending`` ones, as Study.counts() does."""
     counts = {"queued": queued, "running": running, "done": done, "failed": failed}
-    return SimpleNamespace(simulations=[None] * sum(counts.values()), counts=lambda: counts)
+    return SimpleNamespace(simulations=[None] * sum(counts.values()), counts=lambda: dict(counts),
+                           ending=lambda: ending)
 
 
 def reports(samples: int) -> list[ReceiverReport]:
@@ -34,15 +36,16 @@ def test_a_status_every_interval_with_share_eta_rates_and_training(tmp_path: Pat
     board = StatusBoard(tmp_path, interval=2.0, start=start, expected_samples=400)
     board.update(start + 1.0, study(0, 4, 0), reports(50), 20, {"batches": 5, "loss": 0.5, "validation_loss": None})
     assert not (tmp_path / STATUS).exists()  # within the interval: nothing yet
-    board.update(start + 4.0, study(1, 3, 0), reports(100), 80, {"batches": 40, "loss": 0.25, "validation_loss": 0.3})
+    board.update(start + 4.0, study(1, 3, 0, ending=1), reports(100), 80,
+                 {"batches": 40, "loss": 0.25, "validation_loss": 0.3})
     status = json.loads((tmp_path / STATUS).read_text())
     assert (status["state"], status["percent"], status["eta_s"]) == ("running", 25.0, 12.0)
-    assert status["simulations"] == {"queued": 0, "running": 3, "done": 1, "failed": 0, "total": 4}
+    assert status["simulations"] == {"queued": 0, "running": 2, "ending": 1, "done": 1, "failed": 0, "total": 4}
     assert status["samples"] == {"received": 100, "expected": 400, "consumed": 80}
     assert (status["MB_per_s"], status["buffers"], status["refused"]) == (0.025, [3, 2], 1)
     assert status["training"] == {"batches": 40, "loss": 0.25, "validation_loss": 0.3, "batches_per_s": 10.0}
-    assert "25% done, 4 s elapsed, about 12 s left | simulations 1 done, 3 running, 0 queued, 0 failed of 4" \
-        in caplog.text
+    assert ("25% done, 4 s elapsed, about 12 s left | simulations 1 done, 2 running, 1 ending, 0 queued, 0 failed "
+            "of 4") in caplog.text
     board.finish(study(4, 0, 0), reports(400), 500, {"batches": 90, "loss": 0.1, "validation_loss": 0.2})
     shown = show_status(tmp_path)
     assert shown.startswith(f"study in {tmp_path}: finished") and "100% done" in shown and "about" not in shown

@@ -224,6 +224,18 @@ def test_exit_0_without_finalize_is_relaunched_after_a_short_grace_not_the_timeo
     assert h.study.simulations[0].reason == "exited 0 without finalize"
 
 
+def test_the_grace_after_an_exit_counts_from_the_exit_not_from_the_last_frame(h: Harness) -> None:
+    """A simulation that waited long before its last steps: its exit and its announcements are seen a round
+    apart (a rank's report was gathered before its FINALIZE was read); it had failed at once, long after its
+    previous frame."""
+    h.running(0.0, 0)
+    h.launcher.exit(0, 0)
+    h.tick(10 * EXIT_GRACE)  # nothing new from the ranks in this round
+    assert h.state(0) is State.RUNNING
+    h.tick(10 * EXIT_GRACE + 0.2, *reports({0: [(3, 3), (2, 2)]}))
+    assert h.state(0) is State.DONE and h.launcher.attempts(0) == [0]
+
+
 def test_silent_simulation_is_killed_and_relaunched_after_the_timeout(h: Harness) -> None:
     h.running(0.0, 0, 1)
     h.tick(TIMEOUT, *reports(active=[1]))
@@ -517,3 +529,13 @@ def test_a_generation_is_pictured_once_the_study_has_drawn_all_of_it() -> None:
     [generation] = h.study.take_generations()
     assert generation.number == 0 and not np.isnan(generation.drawn).any() and len(generation.drawn) == 4
     assert h.study.take_generations() == []
+
+
+def test_a_simulation_whose_process_ended_before_its_steps_were_counted_is_ending_not_running(h: Harness) -> None:
+    """Its job slot is free, so the running ones alone stay within job_limit."""
+    h.running(0.0, 0, 1)
+    h.launcher.exit(0, 0)
+    h.tick(1.0, *reports({0: [(3, 3), (1, None)]}))  # its last announcement is still on its way
+    assert (h.state(0), h.study.counts()["running"], h.study.ending()) == (State.RUNNING, 2, 1)
+    h.tick(2.0, *reports({0: [None, (2, 2)]}))
+    assert (h.state(0), h.study.counts()["running"], h.study.ending()) == (State.DONE, 1, 0)
