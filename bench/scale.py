@@ -175,6 +175,12 @@ def memory_slope(memory: list[tuple[int, int]], simulations: int) -> float:
     return float(np.polyfit(points[:, 0], points[:, 1], 1)[0]) if len(points) > 2 else float("nan")
 
 
+def rss_at(memory: list[tuple[int, int]], simulations: int) -> list[str]:
+    """Rank 0's resident MB when 10%, 50% and all of the simulations were done."""
+    return [f"{next((m for d, m in memory if d >= share * simulations), float('nan')) / 1e6:.0f}"
+            for share in (0.1, 0.5, 1.0)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--simulations", type=int, default=10_000)
@@ -206,7 +212,7 @@ def main() -> None:
     print(f"RESULT scale_round_p99 ratio={p99 / STATUS_INTERVAL:.2f} target=2 p99_s={p99:.2f} "
           f"interval_s={STATUS_INTERVAL} intervals={intervals}")
     print(f"RESULT scale_memory_per_simulation ratio={memory_slope(large.memory, args.simulations):.0f} target=2048 "
-          f"unit=bytes rank0_rss_end_mb={large.memory[-1][1] / 1e6 if large.memory else float('nan'):.0f}")
+          f"unit=bytes rank0_rss_mb_at_10_50_100_percent={'/'.join(rss_at(large.memory, args.simulations))}")
     print(f"RESULT scale_cost_growth ratio={per_sim_large / per_sim_small:.2f} target=1.2 "
           f"cpu_ms_per_simulation_large={per_sim_large * 1e3:.1f} cpu_ms_per_simulation_small={per_sim_small * 1e3:.1f}")
 

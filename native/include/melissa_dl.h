@@ -90,7 +90,10 @@ MELISSA_DL_API int melissa_dl_parameter(const char *name, double *value);
 
 /* Declare a field: its name in the study, its dtype and the number of
  * elements this rank sends per step. All fields share one communicator
- * (the same rank and size); comm is only asked for its rank and size. */
+ * (the same rank and size); comm is only asked for its rank and size.
+ * A serial program may pass MPI_COMM_NULL without calling MPI_Init (one
+ * rank): MPI_Init alone costs a process about 20 ms, which a study of many
+ * short simulations feels. */
 MELISSA_DL_API int melissa_dl_init(const char *field, int dtype, size_t local_count, MPI_Comm comm);
 
 /* Send this rank's slice of a field at a time step (an integer in

@@ -848,10 +848,11 @@ int melissa_dl_init(const char *name, int dtype, size_t local_count, MPI_Comm co
     for (size_t i = 0; i < client.nfields; i++)
         if (strcmp(client.fields[i].name, name) == 0)
             return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s' is declared twice", name);
-    int initialized, rank, size;
-    if (MPI_Initialized(&initialized) != MPI_SUCCESS || !initialized)
-        return fail(MELISSA_DL_ERR_MPI, "field '%s': MPI is not initialised: call MPI_Init first", name);
-    if (MPI_Comm_rank(comm, &rank) != MPI_SUCCESS || MPI_Comm_size(comm, &size) != MPI_SUCCESS)
+    int initialized, rank = 0, size = 1; /* MPI_COMM_NULL: a serial program, which need not pay MPI_Init */
+    if (comm != MPI_COMM_NULL && (MPI_Initialized(&initialized) != MPI_SUCCESS || !initialized))
+        return fail(MELISSA_DL_ERR_MPI, "field '%s': MPI is not initialised: call MPI_Init first (or pass "
+                    "MPI_COMM_NULL from a serial program)", name);
+    if (comm != MPI_COMM_NULL && (MPI_Comm_rank(comm, &rank) != MPI_SUCCESS || MPI_Comm_size(comm, &size) != MPI_SUCCESS))
         return fail(MELISSA_DL_ERR_MPI, "field '%s': the communicator gives no rank or size", name);
     if (size > UINT16_MAX)
         return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': %d client ranks, the protocol allows at most 65535", name,
