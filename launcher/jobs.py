@@ -81,6 +81,8 @@ class Launcher:
         # simulation -> (attempt, env), in start order: a dict, so that studies of 10^5 simulations queue in O(1)
         self._queue: dict[int, tuple[int, dict[str, str]]] = {}
         self._jobs: dict[int, RunningJob] = {}
+        self._starting: int | None = None  # the simulation whose job is being started, outside the lock
+        self._cancelled = False  # that one was killed meanwhile
         self._exits: dict[int, int] = {}  # a job's exit_fd -> its simulation
         self._polled: set[int] = set()  # simulations whose job has no exit_fd: polled at every look
         self._exit_poll = select.epoll() if hasattr(select, "epoll") else None
@@ -104,7 +106,7 @@ class Launcher:
             with self._lock:
                 if self._closed:
                     return
-                self._reap_and_start()
+            self._reap_and_start()
 
     def submit(self, simulation_id: int, attempt: int, env: dict[str, str]) -> None:
         """Queue an attempt, started when a slot is free.
@@ -128,13 +130,43 @@ class Launcher:
         failed attempt; the error is written to its log, so that its failure
         reason says why.
         """
+        if self._thread is None:
+            self._reap_and_start()
         with self._lock:
-            if self._thread is None:
-                self._reap_and_start()
             ended, self._ended = self._ended, []
             return ended
 
     def _reap_and_start(self) -> None:
+        """Reap the jobs that ended, then start queued ones into the free slots, each outside the lock: a wave
+        of starts (a fork and exec each, writing the log's first line) must not hold up the server's calls."""
+        with self._lock:
+            self._reap()
+        while (picked := self._next_to_start()) is not None:
+            simulation_id, attempt, env = picked
+            log_path = self.log_path(simulation_id, attempt)
+            try:
+                job: RunningJob | None = self._scheduler.start(simulation_id, attempt, env, log_path)
+                error = None
+            except OSError as failure:
+                job, error = None, failure
+                logger.error("simulation %d attempt %d could not start: %s", simulation_id, attempt, error)
+                with open_log(log_path) as log:
+                    log.write(f"could not start: {error}\n".encode())
+            with self._lock:
+                self._starting = None
+                if job is None:
+                    if not self._cancelled:
+                        self._ended.append((simulation_id, _start_failure_code(error)))  # type: ignore[arg-type]
+                elif self._cancelled or self._closed:  # killed, or the launcher shut down, while it started
+                    job.terminate()
+                    self._dying.append((job, time.monotonic() + KILL_GRACE))
+                else:
+                    self._register(simulation_id, job, log_path)
+                self._cancelled = False
+            if self._closed:
+                self._finish_dying_now()
+
+    def _reap(self) -> None:
         self._dying = [(job, deadline) for job, deadline in self._dying if not job.finish_kill(deadline)]
         for simulation_id in self._maybe_ended():
             job = self._jobs[simulation_id]
@@ -145,28 +177,35 @@ class Launcher:
                 logger.info(
                     "simulation %d attempt %d ended with code %d", simulation_id, job.attempt, code
                 )
-        while self._queue and len(self._jobs) + len(self._dying) < self._job_limit:
+
+    def _next_to_start(self) -> tuple[int, int, dict[str, str]] | None:
+        """Take the next queued attempt if a slot is free; it is ``_starting`` until registered."""
+        with self._lock:
+            if self._closed or not self._queue or len(self._jobs) + len(self._dying) >= self._job_limit:
+                return None
             simulation_id = next(iter(self._queue))
             attempt, env = self._queue.pop(simulation_id)
-            log_path = self.log_path(simulation_id, attempt)
-            try:
-                job = self._scheduler.start(simulation_id, attempt, env, log_path)
-            except OSError as error:
-                logger.error("simulation %d attempt %d could not start: %s", simulation_id, attempt, error)
-                with open_log(log_path) as log:
-                    log.write(f"could not start: {error}\n".encode())
-                self._ended.append((simulation_id, _start_failure_code(error)))
-                continue
-            self._jobs[simulation_id] = job
-            if job.exit_fd is not None and self._exit_poll is not None:
-                self._exit_poll.register(job.exit_fd, select.EPOLLIN)
-                self._exits[job.exit_fd] = simulation_id
-            else:
-                self._polled.add(simulation_id)
-            logger.info(
-                "simulation %d attempt %d started (%s, log %s)",
-                simulation_id, attempt, job.label, log_path,
-            )
+            self._starting = simulation_id
+            return simulation_id, attempt, env
+
+    def _register(self, simulation_id: int, job: RunningJob, log_path: Path) -> None:
+        self._jobs[simulation_id] = job
+        if job.exit_fd is not None and self._exit_poll is not None:
+            self._exit_poll.register(job.exit_fd, select.EPOLLIN)
+            self._exits[job.exit_fd] = simulation_id
+        else:
+            self._polled.add(simulation_id)
+        logger.info(
+            "simulation %d attempt %d started (%s, log %s)",
+            simulation_id, job.attempt, job.label, log_path,
+        )
+
+    def _finish_dying_now(self) -> None:
+        """After a shutdown: a job that started meanwhile is killed like the others."""
+        with self._lock:
+            dying, self._dying = self._dying, []
+        for job, deadline in dying:
+            job.kill(deadline)
 
     def _maybe_ended(self) -> list[int]:
         """The jobs whose exit descriptor says they ended, and those without one (polled every time)."""
@@ -202,6 +241,8 @@ class Launcher:
         the simulation has neither, e.g. its end was already reported.
         """
         with self._lock:
+            if simulation_id == self._starting:
+                self._cancelled = True
             job = self._forget(simulation_id)
             if job is not None:
                 job.terminate()

@@ -314,6 +314,7 @@ class Assembler:
         self._finished.add(sim)
         self._drop(sim)
         self._read.pop(sim, None)
+        self._attempts.pop(sim, None)  # its frames are refused as finished from now on, whatever their attempt
 
     def delivery(self, sim: int, attempt: int, client_rank: int) -> Delivery:
         """What this rank has read of one client rank of one attempt, for the client's acknowledged finalize."""

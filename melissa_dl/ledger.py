@@ -2,10 +2,13 @@
 
 A study of 10,000 simulations of 1,000 steps would hold ten million Python
 ints in sets (hundreds of MB). Each simulation instead keeps bitmaps of
-``CHUNK_STEPS`` steps, allocated only for the chunks its steps fall in: dense
-studies cost one bit per step, and a peer that sends step 2**32-1 costs one
-chunk (512 bytes), not a bitmap up to that step. "Seen before?" is O(1),
-which is what dropping duplicated steps of relaunched simulations needs.
+``CHUNK_STEPS`` steps, allocated only for the chunks its steps fall in and
+only up to the highest step seen in each (so a simulation of 5 steps costs a
+byte of bitmap, not 512): dense studies cost one bit per step, and a peer
+that sends step 2**32-1 costs one chunk (512 bytes), not a bitmap up to that
+step. "Seen before?" is O(1), which is what dropping duplicated steps of
+relaunched simulations needs, and so is the total, which every bookkeeping
+round reports.
 
 The saved state is each simulation's sorted steps as little-endian uint32
 (steps are 32-bit on the wire), so saving and restoring take time and space
@@ -27,32 +30,36 @@ class Ledger:
     def __init__(self) -> None:
         self._chunks: dict[int, dict[int, bytearray]] = {}  # simulation -> chunk index -> bitmap
         self._counts: dict[int, int] = {}
+        self._total = 0
 
     def add(self, simulation_id: int, time_step: int) -> bool:
         """Record a step; False if it was already there."""
         chunk, bit = divmod(time_step, CHUNK_STEPS)
         chunks = self._chunks.setdefault(simulation_id, {})
+        byte, mask = divmod(bit, 8)
         bits = chunks.get(chunk)
         if bits is None:
-            bits = chunks[chunk] = bytearray(CHUNK_STEPS // 8)
-        byte, mask = divmod(bit, 8)
+            bits = chunks[chunk] = bytearray(byte + 1)
+        elif len(bits) <= byte:  # grown by doubling: a simulation's steps mostly come in order
+            bits.extend(bytes(max(byte + 1, min(2 * len(bits), CHUNK_STEPS // 8)) - len(bits)))
         if bits[byte] >> mask & 1:
             return False
         bits[byte] |= 1 << mask
         self._counts[simulation_id] = self._counts.get(simulation_id, 0) + 1
+        self._total += 1
         return True
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         simulation_id, time_step = key
         chunk, bit = divmod(time_step, CHUNK_STEPS)
         bits = self._chunks.get(simulation_id, {}).get(chunk)
-        return bits is not None and bool(bits[bit >> 3] >> (bit & 7) & 1)
+        return bits is not None and bit >> 3 < len(bits) and bool(bits[bit >> 3] >> (bit & 7) & 1)
 
     def count(self, simulation_id: int) -> int:
         return self._counts.get(simulation_id, 0)
 
     def total(self) -> int:
-        return sum(self._counts.values())
+        return self._total
 
     def steps(self, simulation_id: int) -> list[int]:
         return self._step_array(simulation_id).tolist()
@@ -68,7 +75,7 @@ class Ledger:
         return {s: self._step_array(s).astype(_STEP).tobytes() for s in self._chunks}
 
     def load_state_dict(self, state: dict[int, bytes]) -> None:
-        self._chunks, self._counts = {}, {}
+        self._chunks, self._counts, self._total = {}, {}, 0
         for simulation_id, steps in state.items():
             self._add_steps(simulation_id, np.frombuffer(steps, dtype=_STEP))
 
@@ -103,6 +110,8 @@ class Ledger:
             merged = np.packbits(wanted, bitorder="little")
             old = chunks.get(chunk)
             if old is not None:
-                merged |= np.frombuffer(old, dtype=np.uint8)
-            chunks[chunk] = bytearray(merged.tobytes())
-        self._counts[simulation_id] = sum(int.from_bytes(b, "little").bit_count() for b in chunks.values())
+                merged[: len(old)] |= np.frombuffer(old, dtype=np.uint8)
+            chunks[chunk] = bytearray(merged[: int(np.flatnonzero(merged)[-1]) + 1].tobytes())
+        count = sum(int.from_bytes(b, "little").bit_count() for b in chunks.values())
+        self._total += count - self._counts.get(simulation_id, 0)
+        self._counts[simulation_id] = count

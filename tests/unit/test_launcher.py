@@ -124,6 +124,37 @@ def test_only_the_jobs_that_ended_are_polled(tmp_path: Path, monkeypatch: pytest
         launcher.shutdown()
 
 
+def test_the_servers_calls_do_not_wait_for_a_start_and_a_job_killed_while_it_starts_is_stopped(
+        tmp_path: Path) -> None:
+    """A wave of a thousand starts held the launcher's lock for seconds, and rank 0's round with it."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowStart(LocalScheduler):
+        def start(self, *args: Any) -> Job:
+            entered.set()
+            release.wait(10)
+            return super().start(*args)
+
+    launcher = Launcher(SlowStart([sys.executable, "-c", SLEEPER], tmp_path), 2, tmp_path / "logs")
+    launcher.start_thread()
+    try:
+        launcher.submit(0, 0, {})
+        assert entered.wait(10)
+        answers: list[object] = []
+        caller = threading.Thread(target=lambda: answers.extend([launcher.queued(), launcher.running()]))
+        caller.start()
+        caller.join(5)
+        assert answers == [[], set()]  # answered while the start is under way
+        launcher.kill(0)
+        release.set()
+        pid = read_pids(log_of(tmp_path, 0), 1)[0]
+        wait_for(lambda: not alive(pid))
+        assert launcher.poll() == [] and launcher.running() == set()
+    finally:
+        release.set()
+        launcher.shutdown()
+
+
 def test_exit_code_output_cwd_and_env_reach_the_server(tmp_path: Path) -> None:
     code = (
         "import os, sys; print('out', os.getcwd()); print('err', os.environ['MELISSA_X'], "
