@@ -75,6 +75,7 @@ class Watch:
     ranks: dict[int, int] = field(default_factory=dict)  # rank -> pid
     cpu: dict[int, float] = field(default_factory=dict)  # rank -> CPU seconds at the last look
     memory: list[tuple[int, int]] = field(default_factory=list)  # (done, rank 0's resident bytes)
+    other: list[tuple[int, int]] = field(default_factory=list)  # (done, rank 1's): no study, the same stream
     done: threading.Event = field(default_factory=threading.Event)
 
     def follow(self) -> None:
@@ -84,10 +85,9 @@ class Watch:
                 try:
                     stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                     self.cpu[rank] = (int(stat[11]) + int(stat[12])) / TICKS  # utime, stime
-                    if rank == 0:
-                        resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
-                        status = json.loads((self.output / "status.json").read_text())
-                        self.memory.append((status["simulations"]["done"], resident))
+                    resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+                    done = json.loads((self.output / "status.json").read_text())["simulations"]["done"]
+                    (self.memory if rank == 0 else self.other).append((done, resident))
                 except (OSError, ValueError, KeyError):
                     pass  # not yet there, or gone: the last look stands
 
@@ -114,6 +114,7 @@ class Study:
     history: list[dict[str, Any]]
     cpu_s: float
     memory: list[tuple[int, int]]
+    other: list[tuple[int, int]]
 
 
 def run(simulations: int, job_limit: int, pause: float, client: Path, kill_at: float | None = None) -> Study:
@@ -144,7 +145,7 @@ def run(simulations: int, job_limit: int, pause: float, client: Path, kill_at: f
             print((Path(folder) / "server.log").read_text()[-3000:], file=sys.stderr)
         report = json.loads((output / "report.json").read_text()) if (output / "report.json").exists() else {}
         history = [json.loads(line) for line in (output / "progress.jsonl").read_text().splitlines()]
-        return Study(code, seconds, report, history, sum(watch.cpu.values()), watch.memory)
+        return Study(code, seconds, report, history, sum(watch.cpu.values()), watch.memory, watch.other)
 
 
 def kill_when_done(watch: Watch, done: float) -> None:
@@ -212,7 +213,9 @@ def main() -> None:
     print(f"RESULT scale_round_p99 ratio={p99 / STATUS_INTERVAL:.2f} target=2 p99_s={p99:.2f} "
           f"interval_s={STATUS_INTERVAL} intervals={intervals}")
     print(f"RESULT scale_memory_per_simulation ratio={memory_slope(large.memory, args.simulations):.0f} target=2048 "
-          f"unit=bytes rank0_rss_mb_at_10_50_100_percent={'/'.join(rss_at(large.memory, args.simulations))}")
+          f"unit=bytes rank0_rss_mb_at_10_50_100_percent={'/'.join(rss_at(large.memory, args.simulations))} "
+          f"rank1_bytes_per_simulation={memory_slope(large.other, args.simulations):.0f} "
+          f"rank1_rss_mb_at_10_50_100_percent={'/'.join(rss_at(large.other, args.simulations))}")
     print(f"RESULT scale_cost_growth ratio={per_sim_large / per_sim_small:.2f} target=1.2 "
           f"cpu_ms_per_simulation_large={per_sim_large * 1e3:.1f} cpu_ms_per_simulation_small={per_sim_small * 1e3:.1f}")
 
