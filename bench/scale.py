@@ -199,7 +199,8 @@ def main() -> None:
         sims = study.report["simulations"]
         print(f"RESULT scale_kill_completed ratio={sims['done'] / args.simulations:.4f} target=1.0 "
               f"failed={sims['failed']} exit={study.code} samples={study.report['samples_received']} "
-              f"expected={args.simulations * STEPS} duplicates_dropped={study.report['duplicate_frames_dropped']}")
+              f"expected={args.simulations * STEPS} consumed={study.report['samples_consumed']} "
+              f"duplicates_dropped={study.report['duplicate_frames_dropped']}")
         return
     small = run(args.small, args.job_limit, args.pause, client)
     large = run(args.simulations, args.job_limit, args.pause, client)
