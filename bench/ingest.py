@@ -132,9 +132,9 @@ def server_throughput(clients: int, steps: int, nbytes: int, c_client: bool, lev
                       max_message_bytes=nbytes)
     buffer = make_buffer("fifo", capacity_samples=64, capacity_bytes=None, watermark=1, seed=0)
     receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=RECEIVE_QUEUE * nbytes, security=security)
-    port = receiver.start_and_bind()
+    receiver.start_and_bind()
     handshake = HandshakeServer(token=token, fields=["field"], simulations=clients,
-                                endpoints=[f"tcp://127.0.0.1:{port}"], bind_simulation=False,
+                                endpoints=[receiver.endpoints("127.0.0.1")], bind_simulation=False,
                                 max_message_bytes=nbytes, bind_address="127.0.0.1", security=security)
     endpoint = f"tcp://127.0.0.1:{handshake.start_and_bind()}"
     for sim in range(clients):
