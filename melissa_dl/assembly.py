@@ -318,12 +318,14 @@ class Assembler:
 
     def delivery(self, sim: int, attempt: int, client_rank: int) -> Delivery:
         """What this rank has read of one client rank of one attempt, for the client's acknowledged finalize."""
-        if sim in self._finished or attempt < self._attempts.get(sim, 0):
+        current = self._attempts.get(sim, 0)
+        if sim in self._finished or attempt < current:
             return Delivery(0, False, ended=True)
+        if attempt > current:  # none of its frames read yet
+            return Delivery(0, False, ended=False)
         stream = self._streams.get(sim)
-        finalized = stream is not None and client_rank in stream.finalized and attempt == self._attempts.get(sim, 0)
-        read = self._read.get(sim, {}).get(client_rank, 0) if attempt == self._attempts.get(sim, 0) else 0
-        return Delivery(read, finalized, ended=False)
+        finalized = stream is not None and client_rank in stream.finalized
+        return Delivery(self._read.get(sim, {}).get(client_rank, 0), finalized, ended=False)
 
     def commit(self, sample: Sample) -> None:
         """Record a sample once the buffer has taken it."""
