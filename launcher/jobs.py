@@ -174,9 +174,7 @@ class Launcher:
             if code is not None:
                 self._forget(simulation_id)
                 self._ended.append((simulation_id, code))
-                logger.info(
-                    "simulation %d attempt %d ended with code %d", simulation_id, job.attempt, code
-                )
+                logger.debug("simulation %d attempt %d ended with code %d", simulation_id, job.attempt, code)
 
     def _next_to_start(self) -> tuple[int, int, dict[str, str]] | None:
         """Take the next queued attempt if a slot is free; it is ``_starting`` until registered."""
@@ -195,7 +193,7 @@ class Launcher:
             self._exits[job.exit_fd] = simulation_id
         else:
             self._polled.add(simulation_id)
-        logger.info(
+        logger.debug(  # at INFO, each simulation's "done" (or its failure) is enough: a line costs the server
             "simulation %d attempt %d started (%s, log %s)",
             simulation_id, job.attempt, job.label, log_path,
         )

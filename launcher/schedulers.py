@@ -231,22 +231,19 @@ def _spawn(
     """Start ``argv`` in a new session, stdin closed, stdout and stderr to ``log_path``, to receive
     ``death_signal`` when the server dies.
 
-    Where ``setsid`` and ``setpriv`` can (util-linux 2.33 and later), they open
-    the session and set the death signal in the child and exec the command, so
-    that Python starts it with vfork, which it does not for
-    ``start_new_session``: 0.18 ms against 31 ms for a preexec_fn's full fork
-    of a server holding 2 GiB (``bench/spawn.py``), and 0.3 ms against 2.5 ms
-    for ``start_new_session`` from one holding 0.8 GiB (about 8 ms from rank 0
-    of ``bench/scale.py``, a third of the launcher thread's time at 40 starts a
-    second). Unlike the preexec_fn, they cannot see a server that died before
-    the signal was set.
+    Where ``setpriv`` can (util-linux 2.33 and later), it sets the death signal
+    in the child and execs the command, so that Python starts the child with
+    vfork (which a preexec_fn rules out): from a server holding 0.8 GiB,
+    0.19 ms of the server's time and 1.05 ms of CPU in all a start, against
+    about 8 ms for the full fork a preexec_fn needs (a third of the launcher
+    thread's time at 40 starts a second, in ``bench/scale.py``). Unlike the
+    preexec_fn, it cannot see a server that died before the signal was set.
     """
-    setpriv, setsid = _setpriv(), _setsid()
-    if setpriv is not None and setsid is not None:
-        argv = [setsid, setpriv, f"--pdeathsig={death_signal.name.removeprefix('SIG')}", "--", *argv]
-        preexec, new_session = None, False
+    setpriv = _setpriv()
+    if setpriv is not None:
+        argv, preexec = [setpriv, f"--pdeathsig={death_signal.name.removeprefix('SIG')}", "--", *argv], None
     else:
-        preexec, new_session = die_with_parent(death_signal), True
+        preexec = die_with_parent(death_signal)
     with open_log(log_path) as log:  # append: a restarted server may launch an attempt number again
         return subprocess.Popen(
             argv,
@@ -255,7 +252,7 @@ def _spawn(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=new_session,
+            start_new_session=True,
             preexec_fn=preexec,
         )
 
@@ -266,12 +263,6 @@ def _pidfd(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):  # not Linux, or a kernel before 5.3
         return None
-
-
-@functools.cache
-def _setsid() -> str | None:
-    """The ``setsid`` program (util-linux), if this machine has one."""
-    return shutil.which("setsid")
 
 
 @functools.cache

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from melissa_dl.allocator import FreedMemory
 from melissa_dl.buffers import Buffer
 from melissa_dl.dataset import END
 from melissa_dl.errors import TrainingStalled
@@ -67,7 +68,8 @@ class Outcome(Enum):
 
 
 class Bookkeeping:
-    """The ranks' bookkeeping round: reports to rank 0, the study's decisions, the end of reception.
+    """The ranks' bookkeeping round: reports to rank 0, the study's decisions, the end of reception, and every
+    rank's freed memory given back to the kernel from time to time.
 
     ``study``, ``handshake`` and ``status`` are rank 0's; the other ranks pass none.
     """
@@ -83,6 +85,7 @@ class Bookkeeping:
         self.handshake = handshake
         self.status = status
         self.next_sync = time.monotonic() + interval
+        self.freed = FreedMemory()
         self.over = False
         self.losses: Callable[[], Records | None] = lambda: None  # this rank's losses per sample, when learning
         self.on_generations: Callable[[list[Generation]], None] = lambda generations: None  # rank 0
@@ -113,6 +116,7 @@ class Bookkeeping:
         self.over, news = self.comm.bcast((over, news))
         self.receiver.follow(*news)
         self.beat()
+        self.freed.release_if_due()
         if self.over and not was_over:  # every simulation is done or failed: what is buffered is all there will be
             self.receiver.stop()
             self.receiver.buffer.close()

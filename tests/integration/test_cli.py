@@ -91,7 +91,8 @@ def test_check_prints_the_resolved_configuration(tmp_path: Path) -> None:
 def test_killing_one_server_rank_ends_the_job_and_its_simulations(tmp_path: Path) -> None:
     output = tmp_path / "out"
     config = study_config(output, [sys.executable, TOY_SIM, "--fail", "hang", "--fail-simulation", "0",
-                                   "--fail-at", "2"], launcher={"simulation_timeout": 100})
+                                   "--fail-at", "2"], launcher={"simulation_timeout": 100},
+                          server={"log_level": {"launcher": "DEBUG"}})  # the jobs' pids
     process = subprocess.Popen([MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)], env=clean_environment(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60

@@ -53,3 +53,34 @@ def test_freed_blocks_are_reused_without_faulting_their_pages_in_again() -> None
 def test_a_users_own_malloc_setting_wins(environ: dict[str, str]) -> None:
     kept, faults = churn("set", **environ)
     assert kept == "False" and faults > PAGES // 2
+
+
+RELEASE = """
+import sys
+from melissa_dl.allocator import FreedMemory, keep_freed_memory
+assert keep_freed_memory()
+def resident():
+    return int(open("/proc/self/statm").read().split()[1])
+blocks = [bytearray(64 << 10) for _ in range(2048)]  # 128 MiB of the heap, each page touched
+del blocks[::2]  # every other block freed: holes that no trim of the heap's top reaches
+before = resident()
+freed = FreedMemory(interval=float(sys.argv[1]))
+print(freed.release_if_due(), before - resident())
+"""
+
+
+def release(interval: float) -> tuple[str, int]:
+    """Whether freed memory was given back at once, and by how many pages resident memory fell."""
+    result = subprocess.run([sys.executable, "-c", RELEASE, str(interval)], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    released, pages = result.stdout.split()
+    return released, int(pages)
+
+
+def test_freed_memory_kept_for_messages_goes_back_to_the_kernel_once_an_interval() -> None:
+    held = (64 << 20) // os.sysconf("SC_PAGE_SIZE")  # the freed half
+    released, pages = release(0.0)
+    assert released == "True" and pages > held // 2
+    released, pages = release(3600.0)  # not yet due: nothing changes
+    assert released == "False" and abs(pages) < held // 10

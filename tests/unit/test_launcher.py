@@ -128,12 +128,14 @@ def test_the_servers_calls_do_not_wait_for_a_start_and_a_job_killed_while_it_sta
         tmp_path: Path) -> None:
     """A wave of a thousand starts held the launcher's lock for seconds, and rank 0's round with it."""
     entered, release = threading.Event(), threading.Event()
+    started: list[Job] = []
 
     class SlowStart(LocalScheduler):
         def start(self, *args: Any) -> Job:
             entered.set()
             release.wait(10)
-            return super().start(*args)
+            started.append(super().start(*args))
+            return started[0]
 
     launcher = Launcher(SlowStart([sys.executable, "-c", SLEEPER], tmp_path), 2, tmp_path / "logs")
     launcher.start_thread()
@@ -147,8 +149,8 @@ def test_the_servers_calls_do_not_wait_for_a_start_and_a_job_killed_while_it_sta
         assert answers == [[], set()]  # answered while the start is under way
         launcher.kill(0)
         release.set()
-        pid = read_pids(log_of(tmp_path, 0), 1)[0]
-        wait_for(lambda: not alive(pid))
+        wait_for(lambda: bool(started))
+        wait_for(lambda: not alive(started[0].pid))  # maybe before it could print a line: its pid is the job's
         assert launcher.poll() == [] and launcher.running() == set()
     finally:
         release.set()
