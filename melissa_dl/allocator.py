@@ -68,7 +68,13 @@ class FreedMemory:
 
     def release_if_due(self) -> bool:
         """Whether freed pages were given back now."""
-        if self._trim is None or self.clock() < self._next:
+        if self.clock() < self._next:
+            return False
+        return self.release()
+
+    def release(self) -> bool:
+        """Give freed pages back now (whether this is glibc)."""
+        if self._trim is None:
             return False
         self._trim(0)
         self._next = self.clock() + self.interval

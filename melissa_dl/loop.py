@@ -116,10 +116,12 @@ class Bookkeeping:
         self.over, news = self.comm.bcast((over, news))
         self.receiver.follow(*news)
         self.beat()
-        self.freed.release_if_due()
         if self.over and not was_over:  # every simulation is done or failed: what is buffered is all there will be
             self.receiver.stop()
             self.receiver.buffer.close()
+            self.freed.release()  # the connections' memory, freed with the sockets
+        else:
+            self.freed.release_if_due()
         self.next_sync = time.monotonic() + self.interval
 
     def gather(self) -> list[ReceiverReport]:
