@@ -187,7 +187,7 @@ def memory_slope(memory: list[tuple[int, int]], simulations: int, start: float =
 def resident_when_done(memory: list[tuple[int, int]], simulations: int) -> float:
     """The least resident memory seen once every simulation was done: after reception ended, the server gives
     the connections' freed memory back, and before the report and plots take some."""
-    return min((float(m) for d, m in memory if d >= simulations), default=float("nan"))
+    return min((float(m) for d, m in memory if d >= simulations and m > 0), default=float("nan"))  # 0: exiting
 
 
 def kept_per_simulation(small: list[tuple[int, int]], large: list[tuple[int, int]], sizes: tuple[int, int]) -> float:

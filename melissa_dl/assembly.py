@@ -94,9 +94,9 @@ class _Stream:
     pending: dict[int, dict[tuple[int, int], np.ndarray]] = field(default_factory=dict)  # step -> pieces
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Progress:
-    """A rank's view of one simulation, as reported to rank 0."""
+    """A rank's view of one simulation, as reported to rank 0 (immutable: the study shares the first one)."""
 
     received: int
     expected: int | None  # None until every client rank has finalized

@@ -89,7 +89,10 @@ class State(str, Enum):
     FAILED = "failed"
 
 
-@dataclass
+NOTHING_YET = Progress(0, None)
+
+
+@dataclass(slots=True)  # a study builds one per declared simulation at its start: 10^5 of them
 class Simulation:
     id: int
     ranks: int
@@ -107,7 +110,7 @@ class Simulation:
     progress: list[Progress] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.progress = [Progress(0, None) for _ in range(self.ranks)]
+        self.progress = [NOTHING_YET] * self.ranks
 
     @property
     def received(self) -> int:
