@@ -18,15 +18,14 @@ the status history (``progress.jsonl``) and the report. Prints:
   (target <= 2);
 - ``scale_memory_per_simulation``: what rank 0 keeps per finished
   simulation, in bytes (target <= 2048): its least resident memory once
-  every simulation is done (reception over, the connections' memory given
-  back), large study minus small, over the difference in simulations. Like the CPU figure below, the difference
-  leaves out what both studies pay alike: the start-up, and the memory that
-  follows the simulations running at once (an open connection holds about
-  80 KB of ZeroMQ's in a rank) together with the allocators' high water it
-  leaves, both reached in the first seconds of either study. The line also
-  gives rank 1's figure and the slope of rank 0's resident memory against
-  done simulations from 20% to 90% of the large study (``slope_20_to_90``),
-  which that high water dominates;
+  every simulation is done (reception over, the connections' freed memory
+  given back), large study minus small, over the difference in simulations.
+  Like the CPU figure below, the difference leaves out what both studies pay
+  alike, the start-up above all. The line also gives rank 1's figure and the
+  slope of rank 0's resident memory against done simulations from 20% to 90%
+  of the large study (``slope_20_to_90``): that slope follows the heaps'
+  pages as they are touched for the first time (their size stays flat once
+  ``--job-limit`` run), not what a simulation leaves;
 - ``scale_cost_growth``: the ranks' CPU seconds per simulation in the large
   study over the same in the small one (target <= 1.2).
 

@@ -31,7 +31,6 @@ import ctypes
 import logging
 import os
 import time
-from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -56,28 +55,25 @@ def keep_freed_memory() -> bool:
 
 
 class FreedMemory:
-    """Gives the kernel back the pages of every block freed in any heap (glibc's ``malloc_trim``), at most once
-    every ``interval`` seconds, so that resident memory follows the memory in use. Elsewhere than glibc it does
-    nothing."""
+    """Gives the kernel back the pages of every block freed in any heap (glibc's ``malloc_trim``), now or at most
+    once every ``interval`` seconds, so that resident memory follows the memory in use. Elsewhere than glibc it
+    does nothing."""
 
-    def __init__(self, interval: float = RELEASE_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, interval: float = RELEASE_INTERVAL) -> None:
         self.interval = interval
-        self.clock = clock
         self._trim = ctypes.CDLL(None).malloc_trim if _glibc() else None
-        self._next = clock() + interval
+        self._next = time.monotonic() + interval
 
     def release_if_due(self) -> bool:
         """Whether freed pages were given back now."""
-        if self.clock() < self._next:
-            return False
-        return self.release()
+        return time.monotonic() >= self._next and self.release()
 
     def release(self) -> bool:
-        """Give freed pages back now (whether this is glibc)."""
+        """Whether freed pages were given back (False elsewhere than glibc)."""
         if self._trim is None:
             return False
         self._trim(0)
-        self._next = self.clock() + self.interval
+        self._next = time.monotonic() + self.interval
         return True
 
 
