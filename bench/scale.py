@@ -5,12 +5,22 @@ Runs ``mpirun -n 2 melissa-server`` on a study of ``--simulations`` C clients
 after a ``--pause`` that stands for the solver, so that ``--job-limit``
 simulations are running at once), scheduler ``local``, FIFO buffer, a small
 model trained on what arrives; then the same study with ``--small``
-simulations. Meanwhile it reads rank 0's resident memory and both ranks' CPU
-time from ``/proc`` and the study's done count from ``status.json``; after,
-the status history (``progress.jsonl``) and the report. Prints:
+simulations, and one of ``--simulations`` shorter ones for the start rate.
+Meanwhile it reads rank 0's resident memory and both ranks' CPU time from
+``/proc`` and the study's done count from ``status.json``; after, the status
+history (``progress.jsonl``) and the report. Prints:
 
 - ``scale_starts_per_s``: simulations started per second, from the first
-  status with one started to the first with all started (target >= 100);
+  status with one started to the first with all started (target >= 100), in
+  a third study of ``--simulations`` whose simulations pause ``--rate-pause``
+  seconds a step. With ``--job-limit`` simulations running at once, starts
+  can be no faster than ``--job-limit`` over a simulation's life (Little's
+  law): 1,024 over the 5 x 2 s of the large study is 102.4 a second, however
+  fast the server, so that study measures the job limit, not the server. The
+  shorter simulations leave the slots free, and starts wait only for the
+  server and the two cores. The line also gives that study's most
+  simulations running at once (``running_max``), and the large study's own
+  rate beside its ceiling (``at_job_limit``, ``ceiling_at_job_limit``);
 - ``scale_completed``: done / simulations of the large study (target 1.0, with
   0 failed and exit 0, both said on the line);
 - ``scale_round_p99``: p99 of the interval between status lines while at least
@@ -206,6 +216,8 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=1_000)
     parser.add_argument("--job-limit", type=int, default=1024)
     parser.add_argument("--pause", type=float, default=2.0, help="seconds before each of the 5 steps")
+    parser.add_argument("--rate-pause", type=float, default=1.0,
+                        help="the same in the study that measures starts per second")
     parser.add_argument("--native", type=Path, default=ROOT / "build" / "native" / "bin")
     parser.add_argument("--launcher-kill", action="store_true")
     args = parser.parse_args()
@@ -222,13 +234,20 @@ def main() -> None:
         return
     small = run(args.small, args.job_limit, args.pause, client)
     large = run(args.simulations, args.job_limit, args.pause, client)
+    rate = run(args.simulations, args.job_limit, args.rate_pause, client)
     sims = large.report.get("simulations", {"done": 0, "failed": -1})
     p99, intervals = round_p99(large.history, args.job_limit)
     per_sim_small, per_sim_large = small.cpu_s / args.small, large.cpu_s / args.simulations
-    print(f"RESULT scale_starts_per_s ratio={starts_per_s(large.history, args.simulations):.1f} target=100 "
-          f"simulations={args.simulations} job_limit={args.job_limit} study_s={large.seconds:.1f}")
+    rate_sims = rate.report.get("simulations", {"done": 0, "failed": -1})
+    print(f"RESULT scale_starts_per_s ratio={starts_per_s(rate.history, args.simulations):.1f} target=100 "
+          f"simulations={args.simulations} job_limit={args.job_limit} pause_s={args.rate_pause} "
+          f"running_max={max(h['simulations']['running'] for h in rate.history)} done={rate_sims['done']} "
+          f"failed={rate_sims['failed']} exit={rate.code} study_s={rate.seconds:.1f} "
+          f"at_job_limit={starts_per_s(large.history, args.simulations):.1f} "
+          f"ceiling_at_job_limit={args.job_limit / (STEPS * args.pause):.1f}")
     print(f"RESULT scale_completed ratio={sims['done'] / args.simulations:.4f} target=1.0 failed={sims['failed']} "
-          f"exit={large.code} samples={large.report.get('samples_received')} expected={args.simulations * STEPS}")
+          f"exit={large.code} samples={large.report.get('samples_received')} expected={args.simulations * STEPS} "
+          f"study_s={large.seconds:.1f}")
     print(f"RESULT scale_round_p99 ratio={p99 / STATUS_INTERVAL:.2f} target=2 p99_s={p99:.2f} "
           f"interval_s={STATUS_INTERVAL} intervals={intervals}")
     sizes = (args.small, args.simulations)

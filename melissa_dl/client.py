@@ -46,7 +46,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
 from melissa_dl.mpi import Comm
@@ -59,7 +58,7 @@ from melissa_dl.protocol import (
     owner_rank,
     simulation_key,
 )
-from melissa_dl.security import ENV_SECURITY, configure_client, describe_handshake_failure
+from melissa_dl.security import ENV_SECURITY, configure_client, describe_handshake_failure, monitor_event
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +106,11 @@ class _Link:
     def update(self) -> None:
         """Take the monitor's pending events."""
         while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            kind = event["event"]
+            kind, value = monitor_event(self.monitor)
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.up, self.since = True, time.monotonic()
             elif kind in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-                self.refused = describe_handshake_failure(kind, event["value"])
+                self.refused = describe_handshake_failure(kind, value)
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                 self.failed_handshakes += 1
             elif self.up:  # disconnected: the server closed or died

@@ -36,10 +36,9 @@ import threading
 from abc import ABC, abstractmethod
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from melissa_dl.rejections import RejectionLog
-from melissa_dl.security import Gate, Security, describe_handshake_failure
+from melissa_dl.security import Gate, Security, describe_handshake_failure, monitor_event
 
 logger = logging.getLogger(__name__)
 
@@ -86,26 +85,25 @@ class ConnectionGuard:
     def check(self) -> None:
         """Handle the monitor's pending events without waiting."""
         while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            kind = event["event"]
+            kind, value = monitor_event(self.monitor)
             if kind == zmq.EVENT_ACCEPTED:
                 self.open += 1
                 if self.open > self.cap:
-                    self._shut(event["value"])
+                    self._shut(value)
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.open = max(0, self.open - 1)
             elif kind == zmq.EVENT_ACCEPT_FAILED:
                 self._rejections.reject(f"{self._name}_accept_failed",
-                                        f"{self._name} socket: accept failed: {os.strerror(event['value'])}")
+                                        f"{self._name} socket: accept failed: {os.strerror(value)}")
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:  # wrong credentials are counted by the ZAP handler
                 self._rejections.reject(f"{self._name}_auth", f"{self._name} socket: a peer without the study's "
-                                        f"credentials: {describe_handshake_failure(kind, event['value'])}")
+                                        f"credentials: {describe_handshake_failure(kind, value)}")
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                 if self._shut_in_handshake > 0:  # one this guard closed, counted already
                     self._shut_in_handshake -= 1
                 else:
                     self._rejections.reject(f"{self._name}_noauth", f"{self._name} socket: a connection ended before "
-                                            f"ZeroMQ's security handshake was done ({os.strerror(event['value'])})")
+                                            f"ZeroMQ's security handshake was done ({os.strerror(value)})")
 
     def _shut(self, fd: int) -> None:
         """End a connection ZeroMQ just accepted; ZeroMQ sees it close and releases the descriptor."""

@@ -39,6 +39,7 @@ import itertools
 import json
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -163,6 +164,19 @@ def configure_client(socket: zmq.Socket, environ: Mapping[str, str] | None = Non
 
 _PROTOCOL_ERRORS = {getattr(zmq, name): name[len("PROTOCOL_ERROR_"):].lower()
                     for name in dir(zmq) if name.startswith("PROTOCOL_ERROR_")}
+
+
+_MONITOR_EVENT = struct.Struct("=Hi")  # a monitor message's first frame: event, value
+
+
+def monitor_event(monitor: zmq.Socket) -> tuple[int, int]:
+    """The next event of a socket monitor: its kind and its value (a descriptor, an errno, a status).
+
+    Not pyzmq's ``recv_monitor_message``, which makes the value a ``zmq.Event`` flag: every new
+    descriptor number becomes a pseudo-member that the enum keeps for good, after decomposing it into
+    flags (thousands of them, and their cost, on a rank that serves a thousand simulations at once).
+    """
+    return _MONITOR_EVENT.unpack(monitor.recv_multipart()[0])  # type: ignore[return-value]
 
 
 def describe_handshake_failure(event: int, value: int) -> str:

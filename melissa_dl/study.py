@@ -173,6 +173,7 @@ class Study:
         self.gave_up = ""  # why the study stopped before every simulation ran, if it did
         self._attempts_started: dict[int, int] = {}
         self._ended: list[int] = []
+        self._announced: dict[Progress, Progress] = {}  # see _kept
 
     def start(self) -> None:
         """After ``load_state_dict``: the unfinished simulations whose parameters were drawn run again, once the
@@ -221,7 +222,9 @@ class Study:
         self._set_state(sim, State.QUEUED)
         sim.exit_code = None
         # the new attempt announces its steps anew; a stale announcement could fail it before its frames are read
-        sim.progress = [Progress(p.received, None) for p in sim.progress]
+        for rank, progress in enumerate(sim.progress):
+            if progress.expected is not None:
+                sim.progress[rank] = Progress(progress.received, None)
         sim.last_activity = None
         sim.refused = None
         self._expect(sim.id, sim.attempts)
@@ -372,12 +375,17 @@ class Study:
         """What each rank received of each simulation; whether a rank's buffer made it wait."""
         for rank, report in enumerate(reports):
             for sid, progress in report.progress.items():
-                self.simulations[sid].progress[rank] = progress
+                self.simulations[sid].progress[rank] = self._kept(progress)
             for sid in report.active:
                 self.simulations[sid].last_activity = now
             for sid, refused in report.refused.items():
                 self.simulations[sid].refused = self.simulations[sid].refused or refused  # the first says most
         return any(r.blocked for r in reports)
+
+    def _kept(self, progress: Progress) -> Progress:
+        """One object per value of an announced progress, which a done simulation keeps to the end of the study
+        (two objects a simulation otherwise, per rank)."""
+        return self._announced.setdefault(progress, progress) if progress.expected is not None else progress
 
     def _failed(self, sim: Simulation, cause: str, retry: bool = True) -> None:
         """An attempt failed for ``cause``: relaunch it, unless retries are spent, the study gave up, or a relaunch

@@ -65,7 +65,7 @@ enum melissa_dl_status {
     MELISSA_DL_ERR_REFUSED = 7,     /* the server refused the handshake or the credentials (the message says why) */
     MELISSA_DL_ERR_UNREACHABLE = 8, /* no answer, or a server rank unreachable, for MELISSA_CLIENT_TIMEOUT seconds */
     MELISSA_DL_ERR_PROTOCOL = 9,    /* the server's answer is not what the protocol says */
-    MELISSA_DL_ERR_MPI = 10,        /* MPI is not initialised */
+    MELISSA_DL_ERR_MPI = 10,        /* MPI is not initialised, or not linked: see melissa_dl_init */
     MELISSA_DL_ERR_SYSTEM = 11      /* out of memory, or a ZeroMQ failure */
 };
 
@@ -93,7 +93,9 @@ MELISSA_DL_API int melissa_dl_parameter(const char *name, double *value);
  * (the same rank and size); comm is only asked for its rank and size.
  * A serial program may pass MPI_COMM_NULL without calling MPI_Init (one
  * rank): MPI_Init alone costs a process about 20 ms, which a study of many
- * short simulations feels. */
+ * short simulations feels. The library's MPI calls are weak symbols, so such
+ * a program need not link MPI at all (then MELISSA_DL_ERR_MPI for any other
+ * communicator). */
 MELISSA_DL_API int melissa_dl_init(const char *field, int dtype, size_t local_count, MPI_Comm comm);
 
 /* Send this rank's slice of a field at a time step (an integer in

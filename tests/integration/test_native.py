@@ -277,6 +277,38 @@ def test_the_c_client_links_the_static_library_and_the_solvers_the_shared_one(na
     assert "[libmelissa_dl_fortran.so.0]" in needed("heat_fortran")
 
 
+SERIAL_PROGRAM = r"""
+#include <stdio.h>
+#include <melissa_dl.h>
+int main(void) {
+    int code = melissa_dl_init("field", MELISSA_DL_FLOAT32, 4, MPI_COMM_WORLD);
+    fprintf(stderr, "%d %s\n", code, melissa_dl_error_message());
+    return code == MELISSA_DL_ERR_MPI ? 0 : 1;
+}
+"""
+
+
+def test_a_serial_program_loads_no_mpi_and_a_communicator_without_mpi_is_named(tmp_path: Path, native: Path) -> None:
+    prefix = native.parent
+
+    def loaded(program: Path) -> str:
+        return subprocess.run(["ldd", str(program)], capture_output=True, text=True, check=True).stdout
+
+    assert "libmpich" not in loaded(prefix / "lib" / "libmelissa_dl.so")
+    assert "libmpich" not in loaded(native / "scale_client")  # MPI_COMM_NULL, no MPI_Init
+    assert "libmpich" in loaded(native / "heat_c")  # an MPI program: the library's MPI calls resolve to its MPI
+    source = tmp_path / "serial.c"
+    source.write_text(SERIAL_PROGRAM)
+    mpi_include = subprocess.run(["pkg-config", "--cflags", "mpich"], capture_output=True, text=True,
+                                 check=True).stdout.split()
+    subprocess.run(["cc", "-Wl,--as-needed", "-o", str(tmp_path / "serial"), str(source), f"-I{prefix / 'include'}",
+                    *mpi_include, f"-L{prefix / 'lib'}", "-lmelissa_dl", f"-Wl,-rpath,{prefix / 'lib'}"], check=True)
+    done = subprocess.run([str(tmp_path / "serial")], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ("10 field 'field': a communicator was passed, but this program is not linked with MPI "
+                           "(build it with mpicc, or pass MPI_COMM_NULL from a serial program)\n")
+
+
 @pytest.mark.parametrize("level", ["token", "curve"])
 def test_a_c_client_without_the_studys_credentials_is_refused_at_the_door(native: Path, level: str) -> None:
     with data_sockets(b"secret", bind=False, level=level) as (environ, ranks, handshake):
