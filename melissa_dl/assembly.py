@@ -14,7 +14,10 @@ simulation drops its older attempt's pieces and refuses its later frames, and
 a finished simulation's pieces are freed. A single-rank client's field of at
 least ``COPY_FROM`` bytes is a view on the received frame (no copy); smaller
 payloads are copied, because a view would pin the whole ZeroMQ receive chunk
-it sits in and make the buffer's byte count a lie. Slices of MPI-parallel
+it sits in and make the buffer's byte count a lie. A slice larger than
+``PART_BYTES`` arrives in parts (:mod:`melissa_dl.protocol`): its array is
+allocated at the first part, counted in the budget from then on, and filled
+part by part (each offset once). Slices of MPI-parallel
 clients are concatenated along axis 0 in client-rank order. Every assembled
 field must match the study's pinned dtype and shape (from the configuration,
 or from the first complete sample), so one odd simulation cannot break a batch.
@@ -33,6 +36,7 @@ from melissa_dl.errors import ProtocolError
 from melissa_dl.finite import all_finite
 from melissa_dl.ledger import Ledger
 from melissa_dl.protocol import (
+    PART_BYTES,
     Header,
     Kind,
     Layout,
@@ -40,6 +44,7 @@ from melissa_dl.protocol import (
     decode_json,
     describe,
     owner_rank,
+    parts,
     payload_bytes,
     quote,
     simulation_key,
@@ -74,6 +79,11 @@ class StreamSpec:
     def simulations(self) -> int:
         return len(self.parameters)
 
+    @property
+    def part_bytes(self) -> int:
+        """The largest payload of one DATA message in this study (a larger slice comes in parts)."""
+        return min(self.max_message_bytes, PART_BYTES)
+
     @classmethod
     def from_config(cls, config: Config, parameters: np.ndarray, token: bytes, rank: int, size: int) -> StreamSpec:
         """Rank ``rank`` of ``size``'s view of the study ``config`` describes."""
@@ -85,13 +95,29 @@ class StreamSpec:
 
 
 @dataclass
+class _Parts:
+    """A slice arriving in parts: its array, filled so far, and the offsets of the parts still missing."""
+
+    array: np.ndarray
+    missing: set[int]
+
+
+@dataclass
 class _Stream:
     """One simulation as seen by this rank."""
 
     client_size: int
     layouts: dict[int, dict[int, Layout]] = field(default_factory=dict)  # client rank -> field -> layout
     finalized: dict[int, int] = field(default_factory=dict)  # client rank -> steps announced
-    pending: dict[int, dict[tuple[int, int], np.ndarray]] = field(default_factory=dict)  # step -> pieces
+    pending: dict[int, dict[tuple[int, int], np.ndarray]] = field(default_factory=dict)  # step -> whole pieces
+    parts: dict[tuple[int, int, int], _Parts] = field(default_factory=dict)  # (step, field, client rank) -> a slice
+
+    def drop_parts(self, step: int) -> int:
+        """Forget the slices of ``step`` still arriving in parts; returns how many there were."""
+        keys = [key for key in self.parts if key[0] == step]
+        for key in keys:
+            del self.parts[key]
+        return len(keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +170,9 @@ class Assembler:
             raise ProtocolError(f"simulation {sim} is not in the study", "unknown_simulation")
         if not hmac.compare_digest(header.key, simulation_key(self.spec.token, sim, attempt)):
             raise ProtocolError(f"simulation {sim}: bad credentials", "credentials")
-        if header.payload_bytes != len(payload):
-            raise ProtocolError(
-                f"simulation {sim}: payload of {len(payload)} bytes, header says {header.payload_bytes}", "malformed"
-            )
+        if len(payload) != _part_bytes(header):
+            raise ProtocolError(f"simulation {sim}: payload of {len(payload)} bytes at offset {header.offset}, header "
+                                f"says {header.payload_bytes} in all", "malformed")
         if sim in self._finished:
             raise ProtocolError(f"simulation {sim} is already done or failed", "finished")
         current = self._attempts.get(sim, 0)
@@ -215,6 +240,43 @@ class Assembler:
 
     def _data(self, header: Header, payload: bytes | memoryview) -> Sample | None:
         sim, step, crank, fid = header.simulation_id, header.time_step, header.client_rank, header.field_id
+        where, stream, (dtype, shape) = self._check_data(header)
+        if (sim, step) in self.ledger:
+            self.duplicates += 1
+            return None
+        pending = stream.pending.setdefault(step, {})
+        if header.payload_bytes <= PART_BYTES:
+            array = np.frombuffer(payload, dtype=dtype).reshape(shape)
+            held = array.nbytes  # counted in the budget once the step waits for other pieces
+        else:
+            if (fid, crank) in pending:
+                raise ProtocolError(f"{where}: this slice is already pending", "duplicate")
+            whole = self._gather(stream, header, payload, where)
+            if whole is None:
+                return None
+            array, held = whole, 0  # counted from its first part
+        if self.spec.reject_non_finite and array.dtype.kind == "f" and not all_finite(array):
+            raise ProtocolError(f"{where}: NaN or infinite values", "non_finite")
+        if (fid, crank) in pending:
+            raise ProtocolError(f"{where}: this slice is already pending", "duplicate")
+        if array.nbytes < COPY_FROM:
+            array = array.copy()
+        pending[(fid, crank)] = array
+        if held:
+            self.bytes_received += len(payload)
+        if len(pending) < len(self.spec.fields) * stream.client_size:
+            if held:
+                self._hold((sim, step), held)
+            return None
+        del stream.pending[step]
+        self._release((sim, step))
+        fields = self._join(pending, stream.client_size)
+        self._check_pins(sim, step, fields)
+        return Sample(sim, step, self.spec.parameters[sim], fields)
+
+    def _check_data(self, header: Header) -> tuple[str, _Stream, Layout]:
+        """Where a DATA message belongs (its words for refusals), its stream and its declared layout."""
+        sim, step, crank, fid = header.simulation_id, header.time_step, header.client_rank, header.field_id
         spec = self.spec
         where = f"simulation {sim}, step {step}"
         if owner_rank(sim, step, spec.server_size, spec.bind_simulation) != spec.server_rank:
@@ -223,8 +285,7 @@ class Assembler:
             raise ProtocolError(f"{where}: the study has {spec.time_steps} steps", "time_step")
         if fid >= len(spec.fields):
             raise ProtocolError(f"{where}: unknown field id {fid}", "unknown_field")
-        name = spec.fields[fid]
-        where += f", field '{name}', client rank {crank}"
+        where += f", field '{spec.fields[fid]}', client rank {crank}"
         stream = self._streams.get(sim)
         if stream is None or crank not in stream.layouts or stream.client_size != header.client_size:
             raise ProtocolError(f"{where}: no declaration from this client rank", "undeclared")
@@ -233,31 +294,31 @@ class Assembler:
             raise ProtocolError(f"{where}: dtype {header.dtype}, declared {dtype}", "dtype")
         if header.shape != shape:
             raise ProtocolError(f"{where}: shape {list(header.shape)}, declared {list(shape)}", "shape")
-        if len(payload) != payload_bytes(dtype, shape):
-            raise ProtocolError(f"{where}: payload of {len(payload)} bytes for {dtype}{list(shape)}", "malformed")
-        if (sim, step) in self.ledger:
-            self.duplicates += 1
-            return None
-        array = np.frombuffer(payload, dtype=dtype).reshape(shape)
-        if spec.reject_non_finite and array.dtype.kind == "f" and not all_finite(array):
-            raise ProtocolError(f"{where}: NaN or infinite values", "non_finite")
-        if array.nbytes < COPY_FROM:
-            array = array.copy()
-        pending = stream.pending.setdefault(step, {})
-        if (fid, crank) in pending:
-            raise ProtocolError(f"{where}: this slice is already pending", "duplicate")
-        pending[(fid, crank)] = array
-        self.bytes_received += len(payload)
-        if len(pending) < len(spec.fields) * stream.client_size:
-            self._hold((sim, step), array.nbytes)
-            return None
-        del stream.pending[step]
-        self._release((sim, step))
-        fields = self._join(pending, stream.client_size)
-        self._check_pins(sim, step, fields)
-        return Sample(sim, step, spec.parameters[sim], fields)
+        if header.payload_bytes != payload_bytes(dtype, shape):
+            raise ProtocolError(f"{where}: {header.payload_bytes} bytes for {dtype}{list(shape)}", "malformed")
+        return where, stream, (dtype, shape)
 
-    def _join(self, pending: dict[tuple[int, int], np.ndarray], client_size: int) -> dict[str, np.ndarray]:
+    def _gather(self, stream: _Stream, header: Header, payload: bytes | memoryview, where: str) -> np.ndarray | None:
+        """Copy one part of a slice into place; the slice once its last part is in."""
+        sim, step, key = header.simulation_id, header.time_step, (header.time_step, header.field_id, header.client_rank)
+        piece = stream.parts.get(key)
+        if piece is None:
+            piece = stream.parts[key] = _Parts(np.empty(header.shape, header.dtype), set(parts(header.payload_bytes)))
+            self._hold((sim, step), piece.array.nbytes)
+            if (sim, step) not in self._partial:
+                return None  # alone over the budget: evicted at once, and counted
+        if header.offset not in piece.missing:
+            raise ProtocolError(f"{where}: the part at offset {header.offset} is already pending", "duplicate")
+        octets = piece.array.reshape(-1).view(np.uint8)
+        octets[header.offset : header.offset + len(payload)] = np.frombuffer(payload, np.uint8)
+        piece.missing.discard(header.offset)
+        self.bytes_received += len(payload)
+        if piece.missing:
+            return None
+        del stream.parts[key]  # refused by the caller if not finite: its bytes stay counted with the step
+        return piece.array
+
+    def _join(self, pending: Mapping[tuple[int, int], np.ndarray], client_size: int) -> dict[str, np.ndarray]:
         if client_size == 1:
             return {name: pending[(fid, 0)] for fid, name in enumerate(self.spec.fields)}
         return {
@@ -284,11 +345,12 @@ class Assembler:
         self.partial_bytes += nbytes
         while self.partial_bytes > self.spec.max_partial_bytes:
             (sim, step), held = next(iter(self._partial.items()))
-            pieces = self._streams[sim].pending.pop(step)
+            stream = self._streams[sim]
+            pieces = len(stream.pending.pop(step, ())) + stream.drop_parts(step)
             self._release((sim, step))
             self.rejections.reject(
                 "incomplete",
-                f"simulation {sim}, step {step}: {len(pieces)} pieces evicted incomplete ({held} bytes) to keep "
+                f"simulation {sim}, step {step}: {pieces} pieces evicted incomplete ({held} bytes) to keep "
                 f"partial steps under server.max_partial_bytes={self.spec.max_partial_bytes}",
             )
 
@@ -363,3 +425,12 @@ class Assembler:
         if stream is not None and len(stream.finalized) == stream.client_size:
             expected = max(stream.finalized.values())
         return Progress(self.ledger.count(sim), expected)
+
+
+def _part_bytes(header: Header) -> int | None:
+    """The payload length a message with this header must have (None: its offset is not a part's)."""
+    if header.kind is not Kind.DATA or header.payload_bytes <= PART_BYTES:
+        return header.payload_bytes if header.offset == 0 else None
+    if header.offset % PART_BYTES or header.offset >= header.payload_bytes:
+        return None
+    return min(PART_BYTES, header.payload_bytes - header.offset)

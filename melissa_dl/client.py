@@ -14,7 +14,8 @@ rank order by the server). Every socket carries the study's credentials
 raises ``HandshakeRefused`` at once.
 
 ``send`` copies the array into ZeroMQ's queue, so the simulation may overwrite
-it at once; it blocks when the queue is full (back-pressure) for as long as
+it at once (a slice over :data:`~melissa_dl.protocol.PART_BYTES` goes as
+several messages, one per part); it blocks when the queue is full (back-pressure) for as long as
 the server lives, however long that is, and raises ``ServerUnreachable`` once
 the rank it sends to has been unreachable for ``client_timeout`` seconds. The
 client knows a rank lives from two sources: a socket monitor shows its
@@ -50,12 +51,14 @@ import zmq
 from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
 from melissa_dl.mpi import Comm
 from melissa_dl.protocol import (
+    PART_BYTES,
     PROTOCOL_VERSION,
     Header,
     Kind,
     encode_json,
     keepalive,
     owner_rank,
+    parts,
     simulation_key,
 )
 from melissa_dl.security import ENV_SECURITY, configure_client, describe_handshake_failure, monitor_event
@@ -270,10 +273,10 @@ class Client:
         if time.monotonic() - questions.heard >= keepalive(self._timeout):
             questions.ask(self._question(rank, wait=False))
 
-    def _header(self, kind: Kind, time_step: int, field_id: int, dtype: str, shape: tuple[int, ...], size: int) -> bytes:
-        return Header(
-            kind, self._key, self.simulation_id, self.attempt, time_step, self.rank, self.size, field_id, dtype, shape, size
-        ).pack()
+    def _header(self, kind: Kind, time_step: int, field_id: int, dtype: str, shape: tuple[int, ...], size: int,
+                offset: int = 0) -> bytes:
+        return Header(kind, self._key, self.simulation_id, self.attempt, time_step, self.rank, self.size, field_id,
+                      dtype, shape, size, offset).pack()
 
     def _send(self, rank: int, header: bytes, payload: Any) -> None:
         """Queue a message for a server rank; while the queue is full, wait as long as that rank lives."""
@@ -301,8 +304,14 @@ class Client:
                 f"field '{field}': got {data.dtype.name}{list(data.shape)}, declared {layout[0]}{list(layout[1])}"
             )
         rank = owner_rank(self.simulation_id, time_step, len(self._links), self._bind_simulation)
-        header = self._header(Kind.DATA, time_step, self._field_ids[field], layout[0], layout[1], data.nbytes)
-        self._send(rank, header, data)
+        field_id, (dtype, shape) = self._field_ids[field], layout
+        if data.nbytes <= PART_BYTES:
+            self._send(rank, self._header(Kind.DATA, time_step, field_id, dtype, shape, data.nbytes), data)
+        else:
+            octets = data.reshape(-1).view(np.uint8)
+            for offset in parts(data.nbytes):
+                header = self._header(Kind.DATA, time_step, field_id, dtype, shape, data.nbytes, offset)
+                self._send(rank, header, octets[offset : offset + PART_BYTES])
         self._steps[rank].add(time_step)
 
     def finalize(self) -> None:

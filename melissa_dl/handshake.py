@@ -2,7 +2,7 @@
 
 A client rank sends one JSON object::
 
-    {"protocol": 3, "token": "<hex>", "simulation_id": 3, "attempt": 0, "client_rank": 0,
+    {"protocol": 4, "token": "<hex>", "simulation_id": 3, "attempt": 0, "client_rank": 0,
      "client_size": 2, "fields": {"temperature": ["float32", [16, 32]]}}
 
 and receives ``{"ok": true, "endpoints": [...], "acks": [...], "fields": [...],

@@ -13,12 +13,13 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from melissa_dl.files import write_atomic
 from melissa_dl.receiver import ReceiverReport
+from melissa_dl.rejections import merge_rejections
 from melissa_dl.status import HISTORY, STATUS
 from melissa_dl.study import Study
 
@@ -30,8 +31,10 @@ MB = 1e6
 class StatusBoard:
     """Rank 0's progress: ``update`` every round, at most one status per ``interval`` seconds; ``finish`` at the end."""
 
-    def __init__(self, output: Path, interval: float, start: float, expected_samples: int | None) -> None:
+    def __init__(self, output: Path, interval: float, start: float, expected_samples: int | None,
+                 refusals: Callable[[], dict[str, int]] = dict) -> None:
         self.output = output
+        self.refusals = refusals  # of what is not a rank's receiver: the handshake socket's
         self.interval = interval
         self.start = start
         self.expected_samples = expected_samples
@@ -90,7 +93,7 @@ class StatusBoard:
             "samples": {"received": received, "expected": self.expected_samples, "consumed": consumed},
             "MB_per_s": round((nbytes - bytes_then) / interval / MB, 3),
             "buffers": [r.buffer_size for r in reports],
-            "refused": sum(sum(r.rejected.values()) for r in reports),
+            "refused": merge_rejections([*(r.rejected for r in reports), self.refusals()]),
             "training": None if training is None else {
                 **training, "batches_per_s": round((batches - batches_then) / interval, 2)},
         }
@@ -120,7 +123,7 @@ def describe(status: dict[str, Any]) -> list[str]:
         f"samples {samples['received']} received"
         + (f" of {samples['expected']}" if samples["expected"] else "")
         + f", {samples['consumed']} consumed | {status['MB_per_s']:.1f} MB/s | buffers {sum(status['buffers'])} "
-        f"samples | {status['refused']} frames refused",
+        f"samples | {_refused(status['refused'])}",
     ]
     if training is not None:
         loss = training.get("loss")
@@ -129,6 +132,15 @@ def describe(status: dict[str, Any]) -> list[str]:
                      + (f", loss {loss:.4g}" if loss is not None else "")
                      + (f", validation loss {validation:.4g}" if validation is not None else ""))
     return lines
+
+
+def _refused(counts: dict[str, int] | int) -> str:
+    """``3 refused (data_cut 2, handshake_auth 1)``: the most frequent kinds first (an older status: a total)."""
+    if isinstance(counts, int):
+        return f"{counts} refused"
+    kinds = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    shown = ", ".join(f"{kind} {n}" for kind, n in kinds[:3]) + (", ..." if len(kinds) > 3 else "")
+    return f"{sum(counts.values())} refused" + (f" ({shown})" if kinds else "")
 
 
 def _duration(seconds: float) -> str:

@@ -1,4 +1,4 @@
-"""The wire protocol between simulation clients and the server (version 1).
+"""The wire protocol between simulation clients and the server (version 4).
 
 Handshake: a client rank sends one JSON object to rank 0 over REQ/REP and gets
 the data endpoints back, or a refusal saying why. Data: every message on the
@@ -9,7 +9,13 @@ payload without copying it. Three message kinds share the header:
 - ``DECLARE`` (payload: JSON of the client rank's fields) opens a client rank's
   stream on a server rank; ZeroMQ keeps one connection's messages in order, so
   it arrives before that rank's data.
-- ``DATA`` (payload: the array's bytes) carries one field slice of one step.
+- ``DATA`` (payload: the array's bytes) carries one field slice of one step,
+  or, for a slice larger than ``PART_BYTES``, one part of it: the slice goes
+  as consecutive messages of ``PART_BYTES`` (the last one shorter), each
+  giving the slice's size and its own ``offset`` in it. Every server socket
+  caps a message part at about ``PART_BYTES`` (ZeroMQ's ``ZMQ_MAXMSGSIZE``,
+  which applies to the login too), so that a peer without the study's
+  credentials can make a rank hold at most that much (:mod:`melissa_dl.security`).
 - ``FINALIZE`` (payload: JSON ``{"steps": n}``) tells the server rank how many
   distinct time steps the client rank sent to it.
 
@@ -38,10 +44,11 @@ import numpy as np
 
 from melissa_dl.errors import ProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = b"MLDL"
 MAX_NDIM = 6
 KEY_BYTES = 8
+PART_BYTES = 1 << 20  # the most payload one DATA message carries: a larger slice goes in parts
 
 QUOTE_CHARS = 200  # peer text quoted in refusals and logs is cut to this
 MAX_KEEPALIVE = 5.0  # seconds: the longest a delivery service holds a question, and a blocked client's ping interval
@@ -59,7 +66,7 @@ class Kind(IntEnum):
 
 
 _KINDS = {kind.value: kind for kind in Kind}
-_HEADER = struct.Struct(f"<4sHBB{KEY_BYTES}sIIIHHHB{MAX_NDIM}IQ")
+_HEADER = struct.Struct(f"<4sHBB{KEY_BYTES}sIIIHHHB{MAX_NDIM}IQQ")
 HEADER_BYTES = _HEADER.size
 
 
@@ -74,7 +81,8 @@ class Header(NamedTuple):
     field_id: int
     dtype: str
     shape: tuple[int, ...]
-    payload_bytes: int
+    payload_bytes: int  # of the whole slice (a DATA message may carry one part of it)
+    offset: int = 0  # of this message's payload in the slice
 
     def pack(self) -> bytes:
         ndim = len(self.shape)
@@ -83,7 +91,7 @@ class Header(NamedTuple):
         return _HEADER.pack(
             MAGIC, PROTOCOL_VERSION, self.kind, DTYPE_CODES[self.dtype], self.key,
             self.simulation_id, self.attempt, self.time_step, self.client_rank, self.client_size,
-            self.field_id, ndim, *dims, self.payload_bytes,
+            self.field_id, ndim, *dims, self.payload_bytes, self.offset,
         )
 
 
@@ -101,7 +109,13 @@ def unpack_header(buffer: bytes | memoryview) -> Header:
         raise ProtocolError(f"kind {kind}, dtype code {dtype}, ndim {ndim}", "malformed")
     if crank >= csize:
         raise ProtocolError(f"client rank {crank} of {csize}", "malformed")
-    return Header(known, key, sim, attempt, step, crank, csize, fid, DTYPES[dtype], tuple(rest[:ndim]), rest[-1])
+    return Header(known, key, sim, attempt, step, crank, csize, fid, DTYPES[dtype], tuple(rest[:ndim]), rest[-2],
+                  rest[-1])
+
+
+def parts(payload_bytes: int) -> range:
+    """The offsets of the messages that carry a slice of ``payload_bytes`` (one for an empty slice)."""
+    return range(0, max(payload_bytes, 1), PART_BYTES)
 
 
 @functools.lru_cache(maxsize=4096)  # checked for every data frame

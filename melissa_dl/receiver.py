@@ -58,14 +58,14 @@ class Receiver(ServerSocketThread):
                  security: Security | None = None) -> None:
         super().__init__(f"receiver-{spec.server_rank}", bind_address,
                          security=security if security is not None else Security("token", spec.token),
-                         message_cap=max(spec.max_message_bytes, hello_bytes(spec.fields)))  # DECLARE: fields' JSON
+                         message_cap=max(spec.part_bytes, hello_bytes(spec.fields)))  # DECLARE: fields' JSON
         self.spec = spec
         self.buffer = buffer
         self._assembler = Assembler(spec, self.rejections)
         self.delivery = DeliveryServer(spec.server_rank, spec.token, self._delivery, self.rejections, bind_address,
                                        self.security)
-        # ZeroMQ counts messages, not bytes: size the queue for the largest slice allowed
-        self._hwm = max(2, receive_queue_bytes // spec.max_message_bytes)
+        # ZeroMQ counts messages, not bytes: size the queue for the largest part allowed
+        self._hwm = max(2, receive_queue_bytes // spec.part_bytes)
         self._lock = threading.Lock()
         self._blocked = False
         self._last_scalars = (time.monotonic(), 0)  # time, bytes received

@@ -24,7 +24,11 @@ by the socket's monitor in :mod:`melissa_dl.connections`, which counts
 connections that end before the handshake is done as ``<socket>_noauth``).
 
 A gate also caps every message part at ZeroMQ's level (``ZMQ_MAXMSGSIZE``: a
-larger part ends the connection before it is buffered). No server socket sends
+larger part ends the connection before it is buffered). libzmq applies that
+cap to the login too, before the credentials are checked, so a socket's cap
+is what its own traffic needs and no more (``PART_BYTES`` on a data socket,
+:func:`hello_bytes` on the handshake socket), and the sockets' guards
+(:mod:`melissa_dl.connections`) bound how many logins may be under way. No server socket sends
 ZeroMQ heartbeats: on a connection that back-pressure stalls, a heartbeat to a
 client that has exited trips an assertion in libzmq 4.3.5 that aborts the rank
 (libzmq issues #3937, #4364, #4767). A client learns that a rank lives from
@@ -42,7 +46,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -67,8 +71,9 @@ BIND_TIMEOUT = 5.0  # a previous handler's endpoint is released asynchronously
 
 # The largest hello (and DECLARE payload) a socket reads: a fixed part with room
 # for odd but harmless input, plus each field's JSON-escaped name and a
-# declaration of six 10-digit dimensions.
-HELLO_BASE_BYTES = 256 << 10
+# declaration of six 10-digit dimensions. It is also what a peer that has not
+# logged in may make the handshake socket read (the cap applies to the login).
+HELLO_BASE_BYTES = 64 << 10
 HELLO_FIELD_BYTES = 128
 
 # what a mechanism adds to a message part on the wire (CURVE: command name, nonce, MAC and flags, 33 bytes);
@@ -193,17 +198,19 @@ class Gate:
 
     Sets the security mechanism and a ZAP domain of its own and the message
     size cap (``max_message_bytes`` of payload per part, plus the mechanism's
-    framing), and registers with its context's ZAP handler
-    so that refusals are counted in ``rejections`` as ``<name>_auth``.
+    framing; ZeroMQ applies it to the login too), and registers with its
+    context's ZAP handler so that refusals are counted in ``rejections`` as
+    ``<name>_auth`` and admissions told to ``admitted``.
     """
 
     _numbers = itertools.count()
 
     def __init__(self, socket: zmq.Socket, security: Security, rejections: RejectionLog, name: str,
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, admitted: Callable[[str], None] = lambda host: None) -> None:
         self.name = name
         self.security = security
         self.rejections = rejections
+        self.admitted = admitted  # told the host of every peer let in (from the handler's thread)
         self.domain = f"melissa-{name}-{os.getpid()}-{next(self._numbers)}".encode()
         self.context = socket.context
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + MECHANISM_OVERHEAD)
@@ -298,6 +305,7 @@ class _Gatekeeper(threading.Thread):
         with self._lock:
             gate = self.gates.get(domain)
         if gate is not None and gate.security.admits(mechanism, credentials):
+            gate.admitted(address.decode(errors="replace"))
             return [b"1.0", request_id, b"200", b"OK", b"", b""]
         if gate is not None:
             gate.refuse(mechanism, address)

@@ -152,13 +152,12 @@ class Server:
             if self.rank == 0:
                 logger.error("%s", error)
             return EXIT_CONFIG
-        self.receiver.start_and_bind()
-        endpoints = self.comm.gather(self.receiver.endpoints(self.host))
+        endpoints = self.comm.gather(self._start_receiving())
         handshake = launcher = study = None
         try:
             if self.rank == 0:
                 handshake, launcher, study = self._open_study(endpoints, version, sampler)
-            status = self._status_board(start) if self.rank == 0 else None
+            status = self._status_board(start, handshake) if self.rank == 0 else None
             bookkeeping = Bookkeeping(self.comm, self.receiver, self.config.server.control_interval,
                                       self.config.output_path / HEARTBEAT, study, handshake, status)
             bookkeeping.beat()  # the restore and the start of the study may have taken a while
@@ -215,6 +214,14 @@ class Server:
             logger.info("model of checkpoint %s written to %s", version.path, model)
         return 0
 
+    def _start_receiving(self) -> tuple[str, str]:
+        """Bind and start the receiver; its data and delivery endpoints, also logged (what a firewall must let
+        through)."""
+        self.receiver.start_and_bind()
+        data, delivery = self.receiver.endpoints(self.host)
+        logger.info("data at %s, delivery service at %s", data, delivery)
+        return data, delivery
+
     def _open_study(self, endpoints: list[tuple[str, str]], version: Version | None,
                     sampler: Sampler) -> tuple[HandshakeServer, Launcher, Study]:
         """Rank 0: the handshake socket, the launcher and the study, restored from ``version``."""
@@ -263,10 +270,12 @@ class Server:
                            checkpoint_root(self.config))
         return None
 
-    def _status_board(self, start: float) -> StatusBoard:
+    def _status_board(self, start: float, handshake: HandshakeServer | None) -> StatusBoard:
         study = self.config.study
         expected = study.simulations * study.time_steps if study.time_steps is not None else None
-        return StatusBoard(self.config.output_path, self.config.server.status_interval, start, expected)
+        assert handshake is not None
+        return StatusBoard(self.config.output_path, self.config.server.status_interval, start, expected,
+                           handshake.rejections.counts)
 
     def _report(self, trainer: Trainer | None, bookkeeping: Bookkeeping, consumed: int, duration: float) -> int:
         """The final model, config and report; the exit code, the same on every rank. Rank 0 beats the heart

@@ -39,7 +39,7 @@ extern "C" {
 #endif
 
 #define MELISSA_DL_VERSION "0.1.0"      /* this header's library version */
-#define MELISSA_DL_PROTOCOL_VERSION 3   /* the wire protocol it speaks */
+#define MELISSA_DL_PROTOCOL_VERSION 4   /* the wire protocol it speaks */
 
 #if defined(__GNUC__)
 #define MELISSA_DL_API __attribute__((visibility("default")))

@@ -41,7 +41,9 @@
 #include "link.h"
 #include "sha256.h"
 
-enum { HEADER_BYTES = 67, KEY_BYTES = 8, MAX_NDIM = 6, DTYPE_UINT8 = 7, MESSAGE_BYTES = 1024 };
+enum { HEADER_BYTES = 75, KEY_BYTES = 8, MAX_NDIM = 6, DTYPE_UINT8 = 7, MESSAGE_BYTES = 1024 };
+/* The most payload one DATA message carries: a larger slice goes as consecutive parts (protocol 4). */
+static const size_t PART_BYTES = (size_t)1 << 20;
 enum { KIND_DATA = 1, KIND_DECLARE = 2, KIND_FINALIZE = 3 };
 
 static const char *const DTYPE_NAMES[] = {"float32", "float64"};
@@ -346,7 +348,7 @@ static uint8_t *put(uint8_t *at, uint64_t value, int bytes) {
 }
 
 static void pack_header(uint8_t out[HEADER_BYTES], int kind, uint32_t time_step, uint16_t field_id, int dtype,
-                        const size_t *shape, int ndim, uint64_t payload_bytes) {
+                        const size_t *shape, int ndim, uint64_t payload_bytes, uint64_t offset) {
     uint8_t *at = out;
     memcpy(at, "MLDL", 4);
     at = put(at + 4, MELISSA_DL_PROTOCOL_VERSION, 2);
@@ -362,7 +364,8 @@ static void pack_header(uint8_t out[HEADER_BYTES], int kind, uint32_t time_step,
     at = put(at, (uint64_t)ndim, 1);
     for (int i = 0; i < MAX_NDIM; i++)
         at = put(at, i < ndim ? shape[i] : 0, 4);
-    put(at, payload_bytes, 8);
+    at = put(at, payload_bytes, 8);
+    put(at, offset, 8);
 }
 
 /* The connection failed with ``code``: refuse further sends, saying why. */
@@ -493,7 +496,7 @@ static int send_message(size_t rank, const uint8_t *header, const void *payload,
 /* A control message (DECLARE or FINALIZE): a JSON payload, no shape. */
 static int send_control(size_t rank, int kind, const strbuf *body) {
     uint8_t header[HEADER_BYTES];
-    pack_header(header, kind, 0, 0, DTYPE_UINT8, NULL, 0, body->size);
+    pack_header(header, kind, 0, 0, DTYPE_UINT8, NULL, 0, body->size, 0);
     return send_message(rank, header, body->data, body->size);
 }
 
@@ -939,8 +942,14 @@ static int send_field(const char *name, int64_t time_step, const void *data, siz
     uint32_t step = (uint32_t)time_step;
     size_t bytes = count * ITEM_BYTES[dtype];
     uint8_t header[HEADER_BYTES];
-    pack_header(header, KIND_DATA, step, f->id, dtype, &count, 1, bytes);
-    int code = send_message(owner_rank(step), header, data, bytes);
+    int code = MELISSA_DL_OK;
+    size_t offset = 0;
+    do { /* one message per part; an empty slice is one message too */
+        size_t size = bytes - offset < PART_BYTES ? bytes - offset : PART_BYTES;
+        pack_header(header, KIND_DATA, step, f->id, dtype, &count, 1, bytes, offset);
+        code = send_message(owner_rank(step), header, bytes ? (const char *)data + offset : data, size);
+        offset += size;
+    } while (code == MELISSA_DL_OK && offset < bytes);
     if (code == MELISSA_DL_OK && !steps_add(&client.steps, step))
         code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     return code;

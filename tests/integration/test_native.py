@@ -24,7 +24,7 @@ from melissa_dl.client import Client
 from melissa_dl.connections import ConnectionGuard, ServerSocketThread
 from melissa_dl.delivery import DeliveryServer
 from melissa_dl.handshake import HandshakeServer
-from melissa_dl.protocol import PROTOCOL_VERSION, Kind, unpack_header
+from melissa_dl.protocol import PROTOCOL_VERSION, Kind, parts, unpack_header
 from melissa_dl.security import Security
 from test_security import assert_received_every_step, stub_server, wait_until
 from test_studies import assert_clean_study, assert_every_step_once
@@ -209,7 +209,7 @@ def receive_until_finalize(ranks: list[RawRank]) -> list[list[list[bytes]]]:
 
 
 @contextlib.contextmanager
-def data_sockets(token: bytes, bind: bool, level: str = "token"
+def data_sockets(token: bytes, bind: bool, level: str = "token", max_message_bytes: int = 1 << 20,
                  ) -> Iterator[tuple[dict[str, str], list[RawRank], HandshakeServer]]:
     """A handshake service for simulation 3 of a study with the field "field", and two raw ranks standing for
     two server ranks; yields the client's environment, the ranks and the handshake service."""
@@ -221,7 +221,7 @@ def data_sockets(token: bytes, bind: bool, level: str = "token"
     handshake = HandshakeServer(token=token, fields=["field"], simulations=4,
                                 endpoints=[(f"tcp://127.0.0.1:{r.port}", f"tcp://127.0.0.1:{r.delivery.port}")
                                            for r in ranks],
-                                bind_simulation=bind, max_message_bytes=1 << 20, bind_address="127.0.0.1",
+                                bind_simulation=bind, max_message_bytes=max_message_bytes, bind_address="127.0.0.1",
                                 security=security)
     handshake.expect(3, 0)
     try:
@@ -240,22 +240,26 @@ def run_c_client(native: Path, environ: dict[str, str], *args: str) -> subproces
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("token_bytes, bind", [(32, False), (120, True)])
-def test_the_c_client_sends_the_python_clients_bytes(native: Path, token_bytes: int, bind: bool) -> None:
+@pytest.mark.parametrize("token_bytes, bind, count", [(32, False, 6), (120, True, 6), (32, False, 300_000)])
+def test_the_c_client_sends_the_python_clients_bytes(native: Path, token_bytes: int, bind: bool, count: int) -> None:
+    """300,000 float32 are 1.2 MB: a slice over PART_BYTES, which both clients send as the same two parts."""
     token = bytes((7 * i + 3) % 256 for i in range(token_bytes))  # a key longer than SHA-256's block, too
-    with data_sockets(token, bind) as (environ, ranks, handshake):
-        done = run_c_client(native, environ, "--steps", "5", "--count", "6")
+    with data_sockets(token, bind, max_message_bytes=4 << 20) as (environ, ranks, handshake):
+        done = run_c_client(native, environ, "--steps", "5", "--count", str(count))
         assert done.returncode == 0, done.stdout + done.stderr
         from_c = receive_until_finalize(ranks)
         handshake.expect(3, 0)  # the same attempt again: its client rank may say hello once more
-        with Client({"field": ("float32", (6,))}, environ=environ) as client:
+        with Client({"field": ("float32", (count,))}, environ=environ) as client:
             for t in range(5):
-                client.send("field", t, np.full(6, 3000 + t, np.float32))
+                client.send("field", t, np.full(count, 3000 + t, np.float32))
         from_python = receive_until_finalize(ranks)
     assert from_c == from_python
     kinds = [[unpack_header(message[0]).kind for message in messages] for messages in from_c]
     steps = [2, 3] if not bind else [0, 5]  # step t goes to rank (3 + t) mod 2, or every step to rank 3 mod 2
-    assert kinds == [[Kind.DECLARE, *[Kind.DATA] * n, Kind.FINALIZE] for n in steps]
+    per_step = len(parts(4 * count))
+    assert kinds == [[Kind.DECLARE, *[Kind.DATA] * (n * per_step), Kind.FINALIZE] for n in steps]
+    offsets = [unpack_header(message[0]).offset for message in from_c[0][1:-1]]
+    assert offsets == [offset for _ in range(steps[0]) for offset in parts(4 * count)]
 
 
 def test_names_are_escaped_in_json_both_ways(native: Path) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,8 +23,9 @@ from test_studies import assert_clean_study
 
 from melissa_dl.buffers import make_buffer
 from melissa_dl.client import Client
+from melissa_dl.connections import PENDING_IN_ALL
 from melissa_dl.errors import HandshakeRefused, ServerUnreachable
-from melissa_dl.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, simulation_key
+from melissa_dl.protocol import PART_BYTES, PROTOCOL_VERSION, Header, Kind, encode_json, simulation_key
 from melissa_dl.rejections import RejectionLog
 
 pytestmark = pytest.mark.timeout(120)
@@ -143,6 +145,83 @@ def test_a_slice_of_exactly_max_message_bytes_passes_zeromqs_cap_at_each_level(l
                 client.send("b", t, np.zeros(1, np.float32))
         assert sorted(s.time_step for s in server.drain(2)) == [0, 1]
         assert server.receiver.rejections.counts() == {}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_slice_over_part_bytes_arrives_whole_from_its_parts_at_each_level(level: str) -> None:
+    """Every server socket caps a message part at about PART_BYTES; a larger slice is sent, and joined, in parts."""
+    count = 5 * PART_BYTES // 8 + 1  # float32: 2.5 MiB and 4 bytes, three parts
+    with serving(level, max_message_bytes=4 * MIB) as (server, _):
+        with Client({"a": ("float32", (count,)), "b": ("float32", (1,))}, environ=server.environ) as client:
+            for t in range(2):
+                client.send("a", t, np.arange(count, dtype=np.float32) + t)
+                client.send("b", t, np.zeros(1, np.float32))
+        samples = sorted(server.drain(2), key=lambda sample: sample.time_step)
+        for t, sample in enumerate(samples):
+            np.testing.assert_array_equal(sample.fields["a"], np.arange(count, dtype=np.float32) + t)
+        assert server.receiver.rejections.counts() == {}
+
+
+def zmtp_greeting(mechanism: str) -> bytes:
+    """What a ZeroMQ peer says first (ZMTP 3.0): signature, version, mechanism, as-server, filler."""
+    return b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + mechanism.encode().ljust(20, b"\0") + bytes(32)
+
+
+def oversize_login(mechanism: str) -> bytes:
+    """A greeting, then a command frame announced just under 64 MiB and its first 64 KiB."""
+    return zmtp_greeting(mechanism) + b"\x06" + ((64 << 20) - 1).to_bytes(8, "big") + bytes(64 << 10)
+
+
+def until_closed(port: int, message: bytes) -> None:
+    """Connect, say ``message`` and wait until the server closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as peer:
+        try:
+            peer.sendall(message)
+            while peer.recv(1 << 16):
+                pass
+        except ConnectionError:
+            pass  # reset: closed with bytes unread
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_garbage_and_parts_over_the_cap_before_login_are_cut_and_counted_at_every_socket(level: str) -> None:
+    mechanism = "PLAIN" if level == "token" else "CURVE"
+    with serving(level, max_message_bytes=64 * MIB) as (server, handshake):
+        doors = {"data": (server.receiver.port, server.receiver.rejections),
+                 "ack": (server.receiver.delivery.port, server.receiver.rejections),
+                 "handshake": (handshake.port, handshake.rejections)}
+        for port, _ in doors.values():
+            for _ in range(3):
+                until_closed(port, b"GET / HTTP/1.1\r\nHost: melissa\r\n\r\n")  # not ZMTP
+                until_closed(port, oversize_login(mechanism))
+        for name, (_, log) in doors.items():
+            assert wait_until(lambda: count(log, f"{name}_cut") == 6), log.counts()
+        assert set(server.receiver.rejections.counts()) == {"data_cut", "ack_cut"}
+        assert set(handshake.rejections.counts()) == {"handshake_cut"}
+        with Client(FIELDS, environ=server.environ) as client:  # the doors still open for the study's clients
+            client.send("a", 0, np.ones(3, np.float32))
+            client.send("b", 0, np.ones(1, np.float32))
+        assert [s.time_step for s in server.drain(1)] == [0]
+
+
+def test_logins_beyond_the_pending_cap_are_shut_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    """Peers of this host (127.0.0.1) are under the cap of all; the cap of one host is for the others."""
+    with serving("token") as (server, _):
+        idle = [socket.create_connection(("127.0.0.1", server.receiver.port), timeout=10)
+                for _ in range(PENDING_IN_ALL + 10)]
+        try:
+            log = server.receiver.rejections
+            assert wait_until(lambda: count(log, "data_connections") == 10), log.counts()
+            assert any(f"{PENDING_IN_ALL} connections still logging in, at most {PENDING_IN_ALL}: closing a new one"
+                       in record.getMessage() for record in caplog.records)
+        finally:
+            for peer in idle:
+                peer.close()
+        assert wait_until(lambda: count(log, "data_noauth") == PENDING_IN_ALL), log.counts()
+        with Client(FIELDS, environ=server.environ) as client:
+            client.send("a", 0, np.ones(3, np.float32))
+            client.send("b", 0, np.ones(1, np.float32))
+        assert [s.time_step for s in server.drain(1)] == [0]
 
 
 def reset_peak_rss() -> None:

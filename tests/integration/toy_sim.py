@@ -5,7 +5,8 @@ what the server assembled). ``--fail`` makes simulation ``--fail-simulation``
 misbehave on its first ``--fail-attempts`` attempts, at step ``--fail-at``:
 ``crash`` exits 1, ``hang`` sleeps forever, ``no-finalize`` exits 0 without
 announcing its steps. ``--step-delay`` paces the steps, so that a test can
-interrupt the server in the middle of a study. Simulation ``--odd-simulation``
+interrupt the server in the middle of a study, and ``--go FILE`` holds the
+first step until FILE exists. Simulation ``--odd-simulation``
 declares and sends ``--odd-dtype`` and ``--odd-shape`` instead.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--odd-dtype", default="float32")
     parser.add_argument("--odd-shape", type=int, nargs="+")
     parser.add_argument("--nan-at", type=int, default=-1, help="send NaN values from this step on")
+    parser.add_argument("--go", help="a file to wait for before the first step")
     args = parser.parse_args()
     comm = None
     if args.mpi:
@@ -46,6 +48,8 @@ def main() -> None:
     client = Client({"field": (dtype, shape)}, comm=comm)
     failing = client.simulation_id == args.fail_simulation and client.attempt < args.fail_attempts
     rank = comm.Get_rank() if comm is not None else 0
+    while args.go is not None and not os.path.exists(args.go):
+        time.sleep(0.05)
     for t in range(args.steps):
         if failing and t == args.fail_at:
             if args.fail == "crash":

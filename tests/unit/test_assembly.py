@@ -10,7 +10,7 @@ import pytest
 
 from melissa_dl.assembly import COPY_FROM, Assembler, Progress, StreamSpec
 from melissa_dl.errors import ProtocolError
-from melissa_dl.protocol import Header, Kind, encode_json, simulation_key
+from melissa_dl.protocol import PART_BYTES, Header, Kind, encode_json, simulation_key
 from melissa_dl.rejections import RejectionLog
 from melissa_dl.sample import Sample
 
@@ -196,7 +196,8 @@ BAD_FRAMES: dict[str, tuple[Callable[[Sender], list[bytes]], str, str]] = {
     "three frames": (lambda s: s.data(0, "u", U_OTHER) + [b""], "malformed", "message of 3 frames"),
     "short header": (lambda s: [b"MLDL", b""], "malformed", "header of 4 bytes"),
     "payload length": (
-        lambda s: s.data(0, "u", U_OTHER, payload_bytes=15), "malformed", "payload of 16 bytes, header says 15",
+        lambda s: s.data(0, "u", U_OTHER, payload_bytes=15), "malformed",
+        "payload of 16 bytes at offset 0, header says 15 in all",
     ),
     "declaration JSON": (lambda s: s.message(Kind.DECLARE, b"{fields"), "malformed", "declaration: invalid JSON"),
     "declaration body": (lambda s: s.control(Kind.DECLARE, {"field": {}}), "malformed", "declaration without fields"),
@@ -406,6 +407,87 @@ def test_partial_steps_are_bounded_by_a_byte_budget_oldest_evicted_first() -> No
     arrays = step_arrays(0, 1)
     assembler.handle(sender.data(1, "u", arrays["u"]))
     assert_fields(assembler.handle(sender.data(1, "v", arrays["v"])), arrays)
+
+
+PARTED_LAYOUTS: Layouts = {"u": ("float64", (5 * PART_BYTES // 16 + 3,)), "v": ("int64", (2,))}  # u: 3 parts
+
+
+def parts_of(sender: Sender, step: int, name: str, array: np.ndarray) -> list[list[bytes]]:
+    """The messages of a slice over PART_BYTES, as the clients send them."""
+    octets = array.tobytes()
+    return [sender.data(step, name, array, offset=offset, payload_bytes=len(octets))[:1] + [octets[offset:offset +
+            PART_BYTES]] for offset in range(0, len(octets), PART_BYTES)]
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
+def test_a_slice_over_part_bytes_is_assembled_from_its_parts_in_any_order(order: tuple[int, ...]) -> None:
+    assembler = Assembler(make_spec(max_message_bytes=8 * PART_BYTES))
+    sender = Sender(0)
+    assembler.handle(sender.declare(PARTED_LAYOUTS))
+    arrays = step_arrays(0, 0, PARTED_LAYOUTS)
+    u_parts = parts_of(sender, 0, "u", arrays["u"])
+    assert len(u_parts) == 3 and [len(p[1]) for p in u_parts] == [PART_BYTES, PART_BYTES, arrays["u"].nbytes % PART_BYTES]
+    assert assembler.handle(sender.data(0, "v", arrays["v"])) is None
+    for i in order[:-1]:
+        assert assembler.handle(u_parts[i]) is None
+    assert assembler.partial_bytes == arrays["u"].nbytes + arrays["v"].nbytes  # the slice, from its first part
+    assert_fields(assembler.handle(u_parts[order[-1]]), arrays)
+    assert assembler.partial_bytes == 0
+    assert assembler.bytes_received == arrays["u"].nbytes + arrays["v"].nbytes
+
+
+def test_parts_out_of_place_are_refused_and_the_slice_still_completes() -> None:
+    assembler = Assembler(make_spec(max_message_bytes=8 * PART_BYTES))
+    sender = Sender(0)
+    assembler.handle(sender.declare(PARTED_LAYOUTS))
+    arrays = step_arrays(0, 0, PARTED_LAYOUTS)
+    first, second, last = parts_of(sender, 0, "u", arrays["u"])
+    header = first[0]
+    assert assembler.handle(first) is None
+    refused(assembler, first, "duplicate", "field 'u', client rank 0: the part at offset 0 is already pending")
+    refused(assembler, [sender.data(0, "u", arrays["u"], offset=PART_BYTES // 2,
+                                    payload_bytes=arrays["u"].nbytes)[0], second[1]], "malformed", "at offset 524288")
+    refused(assembler, [second[0], second[1][:-1]], "malformed", f"payload of {PART_BYTES - 1} bytes at offset")
+    refused(assembler, [sender.data(0, "u", arrays["u"], offset=3 * PART_BYTES,
+                                    payload_bytes=arrays["u"].nbytes)[0], b""], "malformed", "at offset 3145728")
+    assert header == first[0]
+    assert assembler.handle(second) is None
+    assert assembler.handle(sender.data(0, "v", arrays["v"])) is None
+    assert_fields(assembler.handle(last), arrays)
+
+
+def test_a_slice_in_parts_is_checked_for_non_finite_values_once_whole() -> None:
+    assembler = Assembler(make_spec(max_message_bytes=8 * PART_BYTES))
+    sender = Sender(0)
+    assembler.handle(sender.declare(PARTED_LAYOUTS))
+    arrays = step_arrays(0, 0, PARTED_LAYOUTS)
+    u = arrays["u"].copy()
+    u[-1] = np.nan
+    *head, last = parts_of(sender, 0, "u", u)
+    for frames in head:
+        assert assembler.handle(frames) is None
+    refused(assembler, last, "non_finite", "step 0, field 'u', client rank 0: NaN or infinite values")
+    for frames in parts_of(sender, 0, "u", arrays["u"]):  # the same slice, finite: a fresh start
+        assembler.handle(frames)
+    assert_fields(assembler.handle(sender.data(0, "v", arrays["v"])), arrays)
+
+
+def test_a_slice_arriving_in_parts_counts_in_the_budget_and_is_evicted_whole() -> None:
+    arrays = {step: step_arrays(0, step, PARTED_LAYOUTS) for step in (0, 1)}
+    budget = arrays[0]["u"].nbytes + 100
+    rejections = RejectionLog()
+    assembler = Assembler(make_spec(max_message_bytes=8 * PART_BYTES, max_partial_bytes=budget), rejections)
+    sender = Sender(0)
+    assembler.handle(sender.declare(PARTED_LAYOUTS))
+    assert assembler.handle(parts_of(sender, 0, "u", arrays[0]["u"])[0]) is None
+    assert assembler.partial_bytes == arrays[0]["u"].nbytes
+    assert assembler.handle(parts_of(sender, 1, "u", arrays[1]["u"])[0]) is None  # step 0 goes
+    assert assembler.partial_bytes == arrays[1]["u"].nbytes
+    assert rejections.counts() == {"incomplete": 1}
+    for frames in parts_of(sender, 1, "u", arrays[1]["u"])[1:]:
+        assert assembler.handle(frames) is None
+    assert_fields(assembler.handle(sender.data(1, "v", arrays[1]["v"])), arrays[1])
+    assert assembler.partial_bytes == 0
 
 
 def test_a_newer_attempt_drops_the_older_ones_pieces_and_refuses_its_frames() -> None:

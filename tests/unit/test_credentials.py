@@ -52,4 +52,4 @@ def test_the_hello_cap_holds_the_largest_hello_of_the_studys_fields() -> None:
              "client_rank": 65534, "client_size": 65535,
              "fields": {name: ["float64", [2**32 - 1] * 6] for name in fields}}
     assert len(json.dumps(hello).encode()) < hello_bytes(fields)
-    assert hello_bytes(["field"]) < 300 << 10
+    assert hello_bytes(["field"]) < 80 << 10  # what a peer may make the socket read before it logs in

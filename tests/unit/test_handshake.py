@@ -44,7 +44,7 @@ def test_a_good_hello_gets_the_data_and_delivery_endpoints() -> None:
 
 BAD_HELLOS: dict[str, tuple[Any, str, str]] = {
     # name: (request, kind, part of the message)
-    "lone surrogate token": (b'{"protocol": 3, "token": "\\ud800"}', "credentials", "bad or missing token"),
+    "lone surrogate token": (b'{"protocol": 4, "token": "\\ud800"}', "credentials", "bad or missing token"),
     "non-ASCII token": (hello(token="\u00e9" * 64), "credentials", "bad or missing token"),
     "token not a string": (hello(token=[1]), "credentials", "bad or missing token"),
     "deep JSON": (b"[" * 100_000 + b"]" * 100_000, "malformed", "invalid JSON"),

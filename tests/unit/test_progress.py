@@ -33,7 +33,8 @@ def test_a_status_every_interval_with_share_eta_rates_and_training(tmp_path: Pat
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     start = time.monotonic()
-    board = StatusBoard(tmp_path, interval=2.0, start=start, expected_samples=400)
+    board = StatusBoard(tmp_path, interval=2.0, start=start, expected_samples=400,
+                        refusals=lambda: {"handshake_cut": 2})
     board.update(start + 1.0, study(0, 4, 0), reports(50), 20, {"batches": 5, "loss": 0.5, "validation_loss": None})
     assert not (tmp_path / STATUS).exists()  # within the interval: nothing yet
     board.update(start + 4.0, study(1, 3, 0, ending=1), reports(100), 80,
@@ -42,7 +43,9 @@ def test_a_status_every_interval_with_share_eta_rates_and_training(tmp_path: Pat
     assert (status["state"], status["percent"], status["eta_s"]) == ("running", 25.0, 12.0)
     assert status["simulations"] == {"queued": 0, "running": 2, "ending": 1, "done": 1, "failed": 0, "total": 4}
     assert status["samples"] == {"received": 100, "expected": 400, "consumed": 80}
-    assert (status["MB_per_s"], status["buffers"], status["refused"]) == (0.025, [3, 2], 1)
+    assert (status["MB_per_s"], status["buffers"]) == (0.025, [3, 2])
+    assert status["refused"] == {"dtype": 1, "handshake_cut": 2}  # every socket's, by kind
+    assert "buffers 5 samples | 3 refused (handshake_cut 2, dtype 1)" in caplog.text
     assert status["training"] == {"batches": 40, "loss": 0.25, "validation_loss": 0.3, "batches_per_s": 10.0}
     assert ("25% done, 4 s elapsed, about 12 s left | simulations 1 done, 2 running, 1 ending, 0 queued, 0 failed "
             "of 4") in caplog.text

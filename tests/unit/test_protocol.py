@@ -46,13 +46,14 @@ WIRE = {
     "field_id": (32, "<H"),
     "ndim": (34, "B"),
     "payload_bytes": (35 + 4 * MAX_NDIM, "<Q"),
+    "offset": (43 + 4 * MAX_NDIM, "<Q"),
 }
 
 
 def header(**overrides: object) -> Header:
     fields = dict(
         kind=Kind.DATA, key=simulation_key(TOKEN, 5, 7), simulation_id=5, attempt=7, time_step=11, client_rank=1,
-        client_size=3, field_id=2, dtype="float64", shape=(2, 3), payload_bytes=48,
+        client_size=3, field_id=2, dtype="float64", shape=(2, 3), payload_bytes=48, offset=0,
     )
     fields.update(overrides)
     return Header(**fields)  # type: ignore[arg-type]
@@ -80,18 +81,19 @@ def test_header_round_trip_at_the_field_limits() -> None:
     sent = header(
         simulation_id=(1 << 32) - 1, attempt=(1 << 32) - 1, time_step=(1 << 32) - 1, client_rank=(1 << 16) - 2, client_size=(1 << 16) - 1,
         field_id=(1 << 16) - 1, shape=((1 << 32) - 1,) * MAX_NDIM, payload_bytes=(1 << 64) - 1, dtype=DTYPES[-1],
+        offset=(1 << 64) - 1,
     )
     assert unpack_header(sent.pack()) == sent
 
 
 def test_header_wire_layout_is_fixed_little_endian() -> None:
     packed = header().pack()
-    assert HEADER_BYTES == 35 + 4 * MAX_NDIM + 8
+    assert HEADER_BYTES == 35 + 4 * MAX_NDIM + 16
     decoded = {name: struct.unpack_from(fmt, packed, offset)[0] for name, (offset, fmt) in WIRE.items()}
     assert decoded == {
         "magic": MAGIC, "version": PROTOCOL_VERSION, "kind": int(Kind.DATA), "dtype": DTYPES.index("float64"),
         "key": simulation_key(TOKEN, 5, 7), "simulation_id": 5, "attempt": 7, "time_step": 11, "client_rank": 1, "client_size": 3,
-        "field_id": 2, "ndim": 2, "payload_bytes": 48,
+        "field_id": 2, "ndim": 2, "payload_bytes": 48, "offset": 0,
     }
     assert struct.unpack_from(f"<{MAX_NDIM}I", packed, 35) == (2, 3, 0, 0, 0, 0)
 
