@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 RANKS ?= 2
 SOLVER ?= python
 
-.PHONY: demo test install install-test native clean
+.PHONY: demo test lint install install-test native clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,12 +37,18 @@ demo: install $(if $(filter-out python,$(SOLVER)),native)
 # from scripts/system-packages, installed when it may (root, passwordless sudo);
 # otherwise it prints the command, and those tests are skipped with that reason
 # (failed under CI=true).
-test: install-test
+test: install-test lint
 	-scripts/system-packages install native slurm
 	$(BIN)/python -m pytest tests/unit tests/integration
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 3 $(BIN)/python -m pytest tests/mpi
+
+# ruff's rules and format, and mypy on melissa_dl/ and launcher/ (pyproject.toml)
+lint: install-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # C and Fortran: the client library (native/) installed into $(NATIVE), and the
 # programs linked to it in $(NATIVE)/bin: the heat example's C and Fortran

@@ -30,6 +30,7 @@ Halton::
 
     python bench/active_sampling.py [--seeds 3] [--ranks 1] [--samplers uniform halton adaptive]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,14 +46,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from studies import ROOT, environment, mpirun, p99, per_sample_errors  # bench/ is the script's folder
 
 EXAMPLE = ROOT / "examples" / "burgers"
 PICTURE = ROOT / "bench" / "active_sampling.png"
 sys.path.insert(0, str(EXAMPLE))  # the surrogate imports solver.py from its folder
 
-from melissa_dl.module import load_module_class  # noqa: E402
+from melissa_dl.train.module import load_module_class  # noqa: E402
 
 SAMPLERS = ("uniform", "halton", "adaptive")
 HARD = 0.1  # the lowest tenth of the viscosity range: where the shocks are sharp
@@ -79,8 +79,14 @@ def config_for(args: argparse.Namespace, sampler: str, seed: int, folder: Path) 
     data.pop("$schema")
     data["output_dir"] = str(folder / f"{sampler}-{seed}")
     data["study"].update(sampler=sampler, seed=seed)
-    data["launcher"]["command"] = ["taskset", "-c", cpus(SIMULATION_CORES), sys.executable, str(EXAMPLE / "burgers.py"),
-                                   *data["launcher"]["command"][2:]]
+    data["launcher"]["command"] = [
+        "taskset",
+        "-c",
+        cpus(SIMULATION_CORES),
+        sys.executable,
+        str(EXAMPLE / "burgers.py"),
+        *data["launcher"]["command"][2:],
+    ]
     training = data["training"]
     training.update(module=str(EXAMPLE / "surrogate.py"), seed=seed)
     training["batch_size"] //= args.ranks  # the same global batch on every K
@@ -91,15 +97,29 @@ def config_for(args: argparse.Namespace, sampler: str, seed: int, folder: Path) 
 
 
 def module_options(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
-    return {**config["training"]["options"], "validation_simulations": args.validation_simulations,
-            "validation_seed": 1, "validation_cache": str(args.validation_cache)}
+    return {
+        **config["training"]["options"],
+        "validation_simulations": args.validation_simulations,
+        "validation_seed": 1,
+        "validation_cache": str(args.validation_cache),
+    }
 
 
-def run_study(args: argparse.Namespace, sampler: str, seed: int, folder: Path, module: Any,
-              held_out: list[Any]) -> Run:
+def run_study(args: argparse.Namespace, sampler: str, seed: int, folder: Path, module: Any, held_out: list[Any]) -> Run:
     config = config_for(args, sampler, seed, folder)
-    command = ["taskset", "-c", cpus(SERVER_CORES), mpirun(), "-n", str(args.ranks), sys.executable, "-m",
-               "melissa_dl", "--fresh", str(config)]
+    command = [
+        "taskset",
+        "-c",
+        cpus(SERVER_CORES),
+        mpirun(),
+        "-n",
+        str(args.ranks),
+        sys.executable,
+        "-m",
+        "melissa_dl",
+        "--fresh",
+        str(config),
+    ]
     start = time.perf_counter()
     with open(config.with_suffix(".log"), "w") as log:
         code = subprocess.run(command, env=environment(), stdout=log, stderr=subprocess.STDOUT, timeout=1800).returncode
@@ -109,13 +129,21 @@ def run_study(args: argparse.Namespace, sampler: str, seed: int, folder: Path, m
     output = Path(json.loads(config.read_text())["output_dir"])
     report = json.loads((output / "report.json").read_text())
     sims = report["per_simulation"]
-    run = Run(sampler, seed, wall, report["training"]["batches"],
-              np.array([[s["parameters"]["c"], s["parameters"]["nu"]] for s in sims]),
-              per_sample_errors(module, output / "model.pt", held_out))
+    run = Run(
+        sampler,
+        seed,
+        wall,
+        report["training"]["batches"],
+        np.array([[s["parameters"]["c"], s["parameters"]["nu"]] for s in sims]),
+        per_sample_errors(module, output / "model.pt", held_out),
+    )
     hard = float(np.mean(run.parameters[:, 1] < hard_viscosity(module)))
-    print(f"  seed {seed} {sampler:8s}: {len(sims)} simulations ({hard:.0%} in the hard slab), {run.batches} batches "
-          f"in {wall:.1f} s; held-out error mean {run.metric('mean'):.3g}, p99 {run.metric('p99'):.3g}, "
-          f"max {run.metric('max'):.3g}", flush=True)
+    print(
+        f"  seed {seed} {sampler:8s}: {len(sims)} simulations ({hard:.0%} in the hard slab), {run.batches} batches "
+        f"in {wall:.1f} s; held-out error mean {run.metric('mean'):.3g}, p99 {run.metric('p99'):.3g}, "
+        f"max {run.metric('max'):.3g}",
+        flush=True,
+    )
     return run
 
 
@@ -155,15 +183,20 @@ def draw(runs: list[Run], module: Any, held_out: list[Any]) -> None:
 
 def summarise(args: argparse.Namespace, runs: list[Run], module: Any) -> list[str]:
     """The table (medians over seeds) and the RESULT lines."""
-    print("\n| sampler | simulations | in the hard slab | wall time | batches | mean error | p99 error | max error |\n"
-          + "|---" * 8 + "|")
+    print(
+        "\n| sampler | simulations | in the hard slab | wall time | batches | mean error | p99 error | max error |\n"
+        + "|---" * 8
+        + "|"
+    )
     for sampler in [s for s in SAMPLERS if any(r.sampler == s for r in runs)]:
         mine = [r for r in runs if r.sampler == sampler]
         hard = statistics.median(float(np.mean(r.parameters[:, 1] < hard_viscosity(module))) for r in mine)
-        print(f"| {sampler} | {len(mine[0].parameters)} | {hard:.0%} | "
-              f"{statistics.median(r.wall_s for r in mine):.1f} s | {statistics.median(r.batches for r in mine):.0f} | "
-              + " | ".join(f"{statistics.median(r.metric(m) for r in mine):.3g}" for m in ("mean", "p99", "max"))
-              + " |")
+        print(
+            f"| {sampler} | {len(mine[0].parameters)} | {hard:.0%} | "
+            f"{statistics.median(r.wall_s for r in mine):.1f} s | {statistics.median(r.batches for r in mine):.0f} | "
+            + " | ".join(f"{statistics.median(r.metric(m) for r in mine):.3g}" for m in ("mean", "p99", "max"))
+            + " |"
+        )
     by = {(r.sampler, r.seed): r for r in runs}
     seeds = sorted({r.seed for r in runs})
     tail = f"seeds={len(seeds)} ranks={args.ranks} simulations={len(runs[0].parameters)}"
@@ -175,8 +208,9 @@ def summarise(args: argparse.Namespace, runs: list[Run], module: Any) -> list[st
             ratios = [by[reference, s].metric(metric) / by["adaptive", s].metric(metric) for s in seeds]
             per_seed = ",".join(f"{r:.2f}" for r in ratios)
             goal = f" target={target}" if reference == "uniform" else ""
-            lines.append(f"RESULT {prefix}_{metric} ratio={statistics.median(ratios):.3f}{goal} "
-                         f"per_seed={per_seed} {tail}")
+            lines.append(
+                f"RESULT {prefix}_{metric} ratio={statistics.median(ratios):.3f}{goal} per_seed={per_seed} {tail}"
+            )
     return lines
 
 

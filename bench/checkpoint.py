@@ -22,6 +22,7 @@ The scratch folder is on the disk of the project (``bench/.tmp``) and removed at
 
     python bench/checkpoint.py [--mib 256] [--steps 200] [--size 1024] [--repeat 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from melissa_dl.checkpoint import commit, version_dir, write_rank_files
-from melissa_dl.serialization import dumps
-from melissa_dl.snapshots import BackgroundCopy, BackgroundWriter, copy_to_cpu
+from melissa_dl.checkpoint.serialization import dumps
+from melissa_dl.checkpoint.snapshots import BackgroundCopy, BackgroundWriter, copy_to_cpu
+from melissa_dl.checkpoint.versions import commit, version_dir, write_rank_files
 
 
 def make_state(mib: int) -> tuple[dict[str, torch.Tensor], list[np.ndarray]]:
@@ -107,7 +108,7 @@ class Loop:
 
     def __init__(self, size: int, steps: int, tensors: dict[str, torch.Tensor], buffer: list[np.ndarray]) -> None:
         self.x = torch.randn(size, size, generator=torch.Generator().manual_seed(1))
-        self.w = torch.randn(size, size, generator=torch.Generator().manual_seed(2)) / size ** 0.5
+        self.w = torch.randn(size, size, generator=torch.Generator().manual_seed(2)) / size**0.5
         self.steps, self.tensors, self.buffer = steps, tensors, buffer
         self.snapshot_time = 0.0
         self.arena: Any = None
@@ -155,8 +156,12 @@ def bench_stall(scratch: Path, loop: Loop, repeat: int) -> tuple[float, float, f
             shutil.rmtree(root)
             blocking.append(loop.blocking_save(scratch / f"block{r}"))
             shutil.rmtree(scratch / f"block{r}")
-    return (statistics.median(plain), statistics.median(background), statistics.median(blocking),
-            statistics.median(snapshots))
+    return (
+        statistics.median(plain),
+        statistics.median(background),
+        statistics.median(blocking),
+        statistics.median(snapshots),
+    )
 
 
 def main() -> None:
@@ -165,8 +170,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) - 1),
-                        help="torch threads of the loop (default: leave one core to the I/O threads)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 1) - 1),
+        help="torch threads of the loop (default: leave one core to the I/O threads)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -182,18 +191,26 @@ def main() -> None:
         ours, base = bench_write(scratch, files, args.repeat)
         mb = nbytes / 1e6
         print(f"state {mb:.0f} MB in {len(files)} files; dumps {dumps_time:.3f} s ({mb / dumps_time:.0f} MB/s)")
-        print(f"checkpoint version {ours:.3f} s ({mb / ours:.0f} MB/s), plain write+fsync {base:.3f} s "
-              f"({mb / base:.0f} MB/s); with dumps the checkpoint is {base / (ours + dumps_time):.2f} of the baseline")
+        print(
+            f"checkpoint version {ours:.3f} s ({mb / ours:.0f} MB/s), plain write+fsync {base:.3f} s "
+            f"({mb / base:.0f} MB/s); with dumps the checkpoint is {base / (ours + dumps_time):.2f} of the baseline"
+        )
         loop = Loop(args.size, args.steps, tensors, buffer)
         plain, background, blocking, snapshot = bench_stall(scratch, loop, args.repeat)
         stall = max(background - plain, snapshot)  # the snapshot is on the loop even when noise hides it
-        print(f"loop {plain:.3f} s, with a background checkpoint {background:.3f} s (snapshot {snapshot * 1e3:.0f} ms "
-              f"on the loop), blocking save {blocking:.3f} s, torch threads {torch.get_num_threads()}, "
-              f"cpus {os.cpu_count()}")
-        print(f"RESULT checkpoint_write ratio={base / ours:.2f} target=0.7 checkpoint_mb_per_s={mb / ours:.0f} "
-              f"baseline_mb_per_s={mb / base:.0f}")
-        print(f"RESULT checkpoint_stall ratio={stall / blocking:.3f} target=0.1 stall_s={stall:.3f} "
-              f"snapshot_s={snapshot:.3f} blocking_save_s={blocking:.3f} loop_s={plain:.3f}")
+        print(
+            f"loop {plain:.3f} s, with a background checkpoint {background:.3f} s (snapshot {snapshot * 1e3:.0f} ms "
+            f"on the loop), blocking save {blocking:.3f} s, torch threads {torch.get_num_threads()}, "
+            f"cpus {os.cpu_count()}"
+        )
+        print(
+            f"RESULT checkpoint_write ratio={base / ours:.2f} target=0.7 checkpoint_mb_per_s={mb / ours:.0f} "
+            f"baseline_mb_per_s={mb / base:.0f}"
+        )
+        print(
+            f"RESULT checkpoint_stall ratio={stall / blocking:.3f} target=0.1 stall_s={stall:.3f} "
+            f"snapshot_s={snapshot:.3f} blocking_save_s={blocking:.3f} loop_s={plain:.3f}"
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         try:

@@ -4,7 +4,7 @@ All sides move the same bytes in the same run: ``--clients`` processes each
 send ``--steps`` messages of ``--mib`` MiB of float32. The baseline is a bare
 PULL socket receiving them (zero-copy) and dropping them, with the same
 high-water marks as the server's sockets. The server side is
-the real path: handshake, ``melissa_dl.client.Client.send``, the receiver
+the real path: handshake, ``melissa_dl.wire.client.Client.send``, the receiver
 thread (header checks, credentials, non-finite check, assembly), the FIFO
 buffer and a consumer thread draining it. The C-client side is the same
 server fed by ``bench/ingest_client.c`` through ``libmelissa_dl`` (built by
@@ -19,12 +19,13 @@ reported, one RESULT line per client language and security level.
 
 Every run has a fresh receiving process, so that no side inherits another's
 heap. The server's runs make the server's allocator setting
-(``melissa_dl.allocator``, as ``melissa-server`` does at start); the baseline
+(``melissa_dl.runtime.allocator``, as ``melissa-server`` does at start); the baseline
 runs as pyzmq does by default, and once more with that setting, whose ratios
 are printed too (``*_same_allocator``, no target).
 
     python bench/ingest.py [--clients 8] [--mib 1] [--steps 64] [--repeat 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,20 +34,21 @@ import secrets
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import zmq
 
-from melissa_dl.allocator import keep_freed_memory
-from melissa_dl.assembly import StreamSpec
-from melissa_dl.buffers import make_buffer
-from melissa_dl.client import Client
-from melissa_dl.handshake import HandshakeServer
-from melissa_dl.receiver import Receiver
-from melissa_dl.security import LEVELS, Security
+from melissa_dl.buffers.kinds import make_buffer
+from melissa_dl.ingest.assembly import StreamSpec
+from melissa_dl.ingest.handshake import HandshakeServer
+from melissa_dl.ingest.receiver import Receiver
+from melissa_dl.runtime.allocator import keep_freed_memory
+from melissa_dl.wire.client import Client
+from melissa_dl.wire.security import LEVELS, Security
 
 TIMEOUT = 60
 SEND_QUEUE, RECEIVE_QUEUE = 8, 64  # messages queued per connection, the same on both sides
@@ -95,8 +97,16 @@ class CSenders:
     """``ingest_client`` processes that connect, say "ready", then all send at once when told to."""
 
     def __init__(self, environs: list[dict[str, str]], steps: int, nbytes: int) -> None:
-        self._processes = [subprocess.Popen([str(C_CLIENT), str(steps), str(nbytes // 4)], env=env, text=True,
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE) for env in environs]
+        self._processes = [
+            subprocess.Popen(
+                [str(C_CLIENT), str(steps), str(nbytes // 4)],
+                env=env,
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
+            for env in environs
+        ]
         for p in self._processes:
             assert p.stdout is not None and p.stdout.readline() == "ready\n", "a C sender did not start"
         for p in self._processes:
@@ -128,21 +138,35 @@ def raw_throughput(clients: int, steps: int, nbytes: int) -> float:
 def server_throughput(clients: int, steps: int, nbytes: int, c_client: bool, level: str) -> float:
     token = secrets.token_bytes(32)
     security = Security.generate(level, token, TIMEOUT)
-    spec = StreamSpec(["field"], np.zeros((clients, 1)), token, server_rank=0, server_size=1,
-                      max_message_bytes=nbytes)
+    spec = StreamSpec(["field"], np.zeros((clients, 1)), token, server_rank=0, server_size=1, max_message_bytes=nbytes)
     buffer = make_buffer("fifo", capacity_samples=64, capacity_bytes=None, watermark=1, seed=0)
     receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=RECEIVE_QUEUE * nbytes, security=security)
     receiver.start_and_bind()
-    handshake = HandshakeServer(token=token, fields=["field"], simulations=clients,
-                                endpoints=[receiver.endpoints("127.0.0.1")], bind_simulation=False,
-                                max_message_bytes=nbytes, bind_address="127.0.0.1", security=security)
+    handshake = HandshakeServer(
+        token=token,
+        fields=["field"],
+        simulations=clients,
+        endpoints=[receiver.endpoints("127.0.0.1")],
+        bind_simulation=False,
+        max_message_bytes=nbytes,
+        bind_address="127.0.0.1",
+        security=security,
+    )
     endpoint = f"tcp://127.0.0.1:{handshake.start_and_bind()}"
     for sim in range(clients):
         handshake.expect(sim, 0)
-    environs = [{"MELISSA_SERVER": endpoint, "MELISSA_TOKEN": token.hex(), "MELISSA_SIMULATION_ID": str(sim),
-                 "MELISSA_PARAMETERS": "[0.0]", "MELISSA_SEND_QUEUE_BYTES": str(SEND_QUEUE * nbytes),
-                 "MELISSA_CLIENT_TIMEOUT": str(TIMEOUT), **security.client_environment()}
-                for sim in range(clients)]
+    environs = [
+        {
+            "MELISSA_SERVER": endpoint,
+            "MELISSA_TOKEN": token.hex(),
+            "MELISSA_SIMULATION_ID": str(sim),
+            "MELISSA_PARAMETERS": "[0.0]",
+            "MELISSA_SEND_QUEUE_BYTES": str(SEND_QUEUE * nbytes),
+            "MELISSA_CLIENT_TIMEOUT": str(TIMEOUT),
+            **security.client_environment(),
+        }
+        for sim in range(clients)
+    ]
     if c_client:
         senders: Senders | CSenders = CSenders(environs, steps, nbytes)
     else:
@@ -171,8 +195,10 @@ def throughput(side: tuple[str, bool, str], clients: int, steps: int, nbytes: in
     """One run of one side (``RAW``, ``RAW_KEPT`` or ``"server"``, C clients or not, security level)."""
     kind, c_client, level = side
     if kind != RAW and not keep_freed_memory():
-        raise SystemExit("the allocator setting was not made (not glibc, or GLIBC_TUNABLES / MALLOC_*_ set): "
-                         "the server side would not be the server's")
+        raise SystemExit(
+            "the allocator setting was not made (not glibc, or GLIBC_TUNABLES / MALLOC_*_ set): "
+            "the server side would not be the server's"
+        )
     if kind == "server":
         return server_throughput(clients, steps, nbytes, c_client, level)
     return raw_throughput(clients, steps, nbytes)
@@ -198,11 +224,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     nbytes = int(args.mib * (1 << 20))
-    missing = subprocess.run([str(ROOT / "scripts" / "system-packages"), "check", "native"], capture_output=True,
-                             text=True, check=True).stdout.strip()
+    missing = subprocess.run(
+        [str(ROOT / "scripts" / "system-packages"), "check", "native"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     if missing:
-        print(f"C clients: skipped, the build needs the Debian packages {missing} "
-              "(`scripts/system-packages install native` as root)")
+        print(
+            f"C clients: skipped, the build needs the Debian packages {missing} "
+            "(`scripts/system-packages install native` as root)"
+        )
     else:
         subprocess.run(["make", "-s", "-C", str(ROOT), "native"], check=True, stdout=subprocess.DEVNULL)
     servers = [("server", c_client, level) for c_client in ((False,) if missing else (False, True)) for level in LEVELS]
@@ -221,9 +250,11 @@ def main() -> None:
         if level == "token":
             baselines.append(("_same_allocator", "raw_pyzmq_allocator_set", kept_mb, "none"))
         for suffix, baseline, baseline_mb, target in baselines:
-            print(f"RESULT {name}{suffix} ratio={server_mb / baseline_mb:.3f} target={target} "
-                  f"server={server_mb:.0f}MB/s {baseline}={baseline_mb:.0f}MB/s security={level} "
-                  f"clients={args.clients} field={args.mib:g}MiB")
+            print(
+                f"RESULT {name}{suffix} ratio={server_mb / baseline_mb:.3f} target={target} "
+                f"server={server_mb:.0f}MB/s {baseline}={baseline_mb:.0f}MB/s security={level} "
+                f"clients={args.clients} field={args.mib:g}MiB"
+            )
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ the per-seed ratios (> 1: online better)::
 
     python bench/online_vs_offline.py [--experiments A B] [--seeds 3] [--seconds 60]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,15 +81,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from studies import ROOT, environment, mpirun, p99, per_sample_errors  # bench/ is the script's folder
 
 EXAMPLE = ROOT / "examples" / "heat_pde"
 PICTURE = ROOT / "bench" / "online_vs_offline.png"
 sys.path.insert(0, str(EXAMPLE))  # the surrogate imports solver.py from its folder
 
-from melissa_dl.module import load_module_class  # noqa: E402
-from melissa_dl.plots import read_losses  # noqa: E402
+from melissa_dl.study.plots import read_losses  # noqa: E402
+from melissa_dl.train.module import load_module_class  # noqa: E402
 
 DIFFUSIVITY = [0.2, 2.0]
 SAMPLE_BYTES = 64 * 64 * 4  # a float32 field; the six parameters and the step come on top, the same on both sides
@@ -104,8 +104,10 @@ class Experiment:
     dedicated: bool  # simulations on cores of their own, training on the others (on both sides), as on a cluster
 
 
-EXPERIMENTS = {"A": Experiment("A", refine=1, capacity=500, ranks=2, batch=64, dedicated=False),
-               "B": Experiment("B", refine=8, capacity=2000, ranks=1, batch=128, dedicated=True)}
+EXPERIMENTS = {
+    "A": Experiment("A", refine=1, capacity=500, ranks=2, batch=64, dedicated=False),
+    "B": Experiment("B", refine=8, capacity=2000, ranks=1, batch=128, dedicated=True),
+}
 CORES = sorted(os.sched_getaffinity(0))
 TRAINING_CORES, SIMULATION_CORES = CORES[:1], CORES[1:]  # of a dedicated experiment
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -140,17 +142,34 @@ def config_for(args: argparse.Namespace, experiment: Experiment, seed: int, side
     data["study"]["parameters"].append({"name": "diffusivity", "low": DIFFUSIVITY[0], "high": DIFFUSIVITY[1]})
     pinned = ["taskset", "-c", cpus(SIMULATION_CORES)] if experiment.dedicated else []
     data["launcher"].update(
-        command=[*pinned, "python", str(EXAMPLE / "heat.py"), "--nx", "64", "--ny", "64", "--steps", str(args.steps),
-                 "--refine", str(experiment.refine)],
+        command=[
+            *pinned,
+            "python",
+            str(EXAMPLE / "heat.py"),
+            "--nx",
+            "64",
+            "--ny",
+            "64",
+            "--steps",
+            str(args.steps),
+            "--refine",
+            str(experiment.refine),
+        ],
         # each simulation on one thread (BLAS threads spin when they share cores); dedicated: two per core
         # of their own, so that one computes while the next starts; otherwise one per core
-        job_limit=2 * len(SIMULATION_CORES) if experiment.dedicated else len(CORES), env=ONE_THREAD)
+        job_limit=2 * len(SIMULATION_CORES) if experiment.dedicated else len(CORES),
+        env=ONE_THREAD,
+    )
     per_rank = experiment.batch // experiment.ranks
     data["buffer"].update(kind="reservoir", capacity_samples=experiment.capacity, per_server_watermark=per_rank)
     training = data["training"]
-    training.update(module=str(EXAMPLE / "surrogate.py"), seed=seed, checkpoint_interval=0,
-                    batch_size=experiment.batch if offline else per_rank,
-                    nb_batches_update=args.validate_every)
+    training.update(
+        module=str(EXAMPLE / "surrogate.py"),
+        seed=seed,
+        checkpoint_interval=0,
+        batch_size=experiment.batch if offline else per_rank,
+        nb_batches_update=args.validate_every,
+    )
     training["options"] = module_options(args, experiment)
     path = folder / f"{side}.json"
     path.write_text(json.dumps(data, indent=2))
@@ -158,10 +177,19 @@ def config_for(args: argparse.Namespace, experiment: Experiment, seed: int, side
 
 
 def module_options(args: argparse.Namespace, experiment: Experiment) -> dict[str, Any]:
-    return {"hidden": 256, "depth": 3, "lr": 2e-3, "nx": 64, "ny": 64, "steps": args.steps,
-            "diffusivity": DIFFUSIVITY, "refine": experiment.refine,
-            "validation_simulations": args.validation_simulations, "validation_seed": 1,
-            "validation_cache": str(args.validation_cache)}
+    return {
+        "hidden": 256,
+        "depth": 3,
+        "lr": 2e-3,
+        "nx": 64,
+        "ny": 64,
+        "steps": args.steps,
+        "diffusivity": DIFFUSIVITY,
+        "refine": experiment.refine,
+        "validation_simulations": args.validation_simulations,
+        "validation_seed": 1,
+        "validation_cache": str(args.validation_cache),
+    }
 
 
 def cpus(cores: list[int]) -> str:
@@ -173,8 +201,17 @@ def run_online(config: Path, args: argparse.Namespace, experiment: Experiment) -
     data = json.loads(config.read_text())
     output = Path(data["output_dir"])
     pinned = ["taskset", "-c", cpus(TRAINING_CORES)] if experiment.dedicated else []
-    command = [*pinned, mpirun(), "-n", str(experiment.ranks), sys.executable, "-m", "melissa_dl", "--fresh",
-               str(config)]
+    command = [
+        *pinned,
+        mpirun(),
+        "-n",
+        str(experiment.ranks),
+        sys.executable,
+        "-m",
+        "melissa_dl",
+        "--fresh",
+        str(config),
+    ]
     launched = time.time()
     with open(config.with_suffix(".log"), "w") as log:
         server = subprocess.Popen(command, env=environment(), stdout=log, stderr=subprocess.STDOUT)
@@ -187,16 +224,28 @@ def run_online(config: Path, args: argparse.Namespace, experiment: Experiment) -
         code = server.wait(timeout=120)
     if code != 75:  # EXIT_STOPPED
         raise RuntimeError(f"the online study exited {code} on SIGTERM, not 75: see {config.with_suffix('.log')}")
-    export = subprocess.run([mpirun(), "-n", "1", sys.executable, "-m", "melissa_dl", "--export-model", str(config)],
-                            env=environment(), capture_output=True, text=True, timeout=300)
+    export = subprocess.run(
+        [mpirun(), "-n", "1", sys.executable, "-m", "melissa_dl", "--export-model", str(config)],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if export.returncode != 0:
         raise RuntimeError(f"--export-model exited {export.returncode}:\n{export.stderr[-2000:]}")
     _, times, values = read_losses(output / "tensorboard" / "rank0", launched, 1.0)["validation/loss"]
     status = json.loads((output / "status.json").read_text())  # the last one before the stop (no report then)
-    run = Run("online", list(zip(times, values)), stopped, experiment.ranks * experiment.capacity,
-              simulations=status["simulations"]["done"], unique_samples=status["samples"]["received"],
-              samples_trained=status["samples"]["consumed"], training_s=stopped - times[0],
-              batches=status["training"]["batches"])
+    run = Run(
+        "online",
+        list(zip(times, values)),
+        stopped,
+        experiment.ranks * experiment.capacity,
+        simulations=status["simulations"]["done"],
+        unique_samples=status["samples"]["received"],
+        samples_trained=status["samples"]["consumed"],
+        training_s=stopped - times[0],
+        batches=status["training"]["batches"],
+    )
     return run, output / "model.pt"
 
 
@@ -204,13 +253,31 @@ def run_offline(config: Path, args: argparse.Namespace, experiment: Experiment) 
     """offline.py within the budget, imports and generation included; its curve and its final model."""
     folder = config.parent
     model, report_path = folder / "offline_model.pt", folder / "offline_report.json"
-    command = [sys.executable, str(EXAMPLE / "offline.py"), "--config", str(config), "--quiet",
-               "--total-seconds", f"{args.seconds:.3f}", "--output", str(folder / "offline"),
-               "--report", str(report_path), "--save-model", str(model)]
+    command = [
+        sys.executable,
+        str(EXAMPLE / "offline.py"),
+        "--config",
+        str(config),
+        "--quiet",
+        "--total-seconds",
+        f"{args.seconds:.3f}",
+        "--output",
+        str(folder / "offline"),
+        "--report",
+        str(report_path),
+        "--save-model",
+        str(model),
+    ]
     env = environment()
     if experiment.dedicated:  # generation where the simulations run, training where the server does, one thread each
-        command += ["--generation-cpus", cpus(SIMULATION_CORES), "--training-cpus", cpus(TRAINING_CORES),
-                    "--threads", str(len(TRAINING_CORES))]
+        command += [
+            "--generation-cpus",
+            cpus(SIMULATION_CORES),
+            "--training-cpus",
+            cpus(TRAINING_CORES),
+            "--threads",
+            str(len(TRAINING_CORES)),
+        ]
         env.update(OPENBLAS_NUM_THREADS=str(len(SIMULATION_CORES)), OMP_NUM_THREADS=str(len(TRAINING_CORES)))
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.seconds + 300)
     if done.returncode != 0:
@@ -218,9 +285,18 @@ def run_offline(config: Path, args: argparse.Namespace, experiment: Experiment) 
     report = json.loads(report_path.read_text())
     training = report["training"]
     curve = [(t, loss) for _, loss, t in training["validation"]]
-    run = Run("offline", curve, curve[-1][0], report["samples"], simulations=report["simulations"],
-              unique_samples=report["samples"], samples_trained=training["samples_trained"],
-              training_s=training["duration_s"], batches=training["batches"], generation_s=report["generation_s"])
+    run = Run(
+        "offline",
+        curve,
+        curve[-1][0],
+        report["samples"],
+        simulations=report["simulations"],
+        unique_samples=report["samples"],
+        samples_trained=training["samples_trained"],
+        training_s=training["duration_s"],
+        batches=training["batches"],
+        generation_s=report["generation_s"],
+    )
     return run, model
 
 
@@ -234,7 +310,7 @@ def run_seed(args: argparse.Namespace, experiment: Experiment, seed: int, folder
     module = load_module_class(EXAMPLE / "surrogate.py", "HeatSurrogate")(**module_options(args, experiment))
     held_out = module.validation_samples()
     runs: dict[str, Run] = {}
-    for side in (("online", "offline") if seed % 2 == 0 else ("offline", "online")):
+    for side in ("online", "offline") if seed % 2 == 0 else ("offline", "online"):
         config = config_for(args, experiment, seed, side, folder)
         run, model = (run_online if side == "online" else run_offline)(config, args, experiment)
         run.errors = per_sample_errors(module, model, held_out)
@@ -245,12 +321,15 @@ def run_seed(args: argparse.Namespace, experiment: Experiment, seed: int, folder
         shutil.rmtree(folder / "offline", ignore_errors=True)
     online, offline = runs["online"], runs["offline"]
     for run in (online, offline):
-        print(f"  {experiment.name} seed {seed} {run.side:7s}: {run.simulations} simulations, "
-              f"{run.unique_samples} unique samples, {run.batches} steps in {run.training_s:.1f} s "
-              f"({run.samples_trained / run.training_s:.0f} samples/s trained), mean error "
-              f"{run.errors.mean():.4g}, p99 {p99(run.errors):.4g}, time to offline's final "
-              f"{time_to(run.curve, offline.curve[-1][1]):.1f} s"
-              + (f", generation {run.generation_s:.1f} s" if run.side == "offline" else ""), flush=True)
+        print(
+            f"  {experiment.name} seed {seed} {run.side:7s}: {run.simulations} simulations, "
+            f"{run.unique_samples} unique samples, {run.batches} steps in {run.training_s:.1f} s "
+            f"({run.samples_trained / run.training_s:.0f} samples/s trained), mean error "
+            f"{run.errors.mean():.4g}, p99 {p99(run.errors):.4g}, time to offline's final "
+            f"{time_to(run.curve, offline.curve[-1][1]):.1f} s"
+            + (f", generation {run.generation_s:.1f} s" if run.side == "offline" else ""),
+            flush=True,
+        )
     return online, offline
 
 
@@ -260,16 +339,26 @@ def draw(results: dict[str, list[tuple[Run, Run]]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), constrained_layout=True,
-                                squeeze=False)
+    figure, axes = plt.subplots(
+        1, len(results), figsize=(5.5 * len(results), 4), constrained_layout=True, squeeze=False
+    )
     for ax, (name, pairs) in zip(axes[0], results.items()):
         for i, (online, offline) in enumerate(pairs):
             for run, colour in ((online, "tab:blue"), (offline, "tab:orange")):
                 t, loss = zip(*run.curve)
-                ax.plot(t, loss, color=colour, alpha=0.8, marker="o", markersize=2, linewidth=1,
-                        label=run.side if i == 0 else None)
-        ax.set(title=f"experiment {name}", xlabel="seconds from launch", ylabel="held-out validation loss",
-               yscale="log")
+                ax.plot(
+                    t,
+                    loss,
+                    color=colour,
+                    alpha=0.8,
+                    marker="o",
+                    markersize=2,
+                    linewidth=1,
+                    label=run.side if i == 0 else None,
+                )
+        ax.set(
+            title=f"experiment {name}", xlabel="seconds from launch", ylabel="held-out validation loss", yscale="log"
+        )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     figure.savefig(PICTURE, dpi=110)
@@ -279,31 +368,43 @@ def draw(results: dict[str, list[tuple[Run, Run]]]) -> None:
 def summarise(args: argparse.Namespace, experiment: Experiment, pairs: list[tuple[Run, Run]]) -> list[str]:
     """The experiment's table of what each side got (medians over seeds) and its RESULT lines."""
     name, targets = experiment.name, [offline.curve[-1][1] for _, offline in pairs]
-    print("\n| exp. | side | budget | batch | stored samples | simulations | unique samples | generation"
-          " | epochs | samples/s trained | mean error | p99 error | time to offline's final loss |\n" + "|---" * 13 + "|")
+    print(
+        "\n| exp. | side | budget | batch | stored samples | simulations | unique samples | generation"
+        " | epochs | samples/s trained | mean error | p99 error | time to offline's final loss |\n" + "|---" * 13 + "|"
+    )
     for side in (0, 1):
         runs = [pair[side] for pair in pairs]
-        cells = [f"{statistics.median(values):{form}}" for form, values in (
-            (".1f", [r.stored_samples * SAMPLE_BYTES / 1e6 for r in runs]),
-            (".0f", [r.simulations for r in runs]),
-            (".0f", [r.unique_samples for r in runs]),
-            (".1f", [r.generation_s for r in runs]),
-            (".1f", [r.samples_trained / max(r.unique_samples, 1) for r in runs]),
-            (".0f", [r.samples_trained / r.training_s for r in runs]),
-            (".3g", [float(r.errors.mean()) for r in runs]),
-            (".3g", [p99(r.errors) for r in runs]),
-            (".1f", [time_to(r.curve, target) for r, target in zip(runs, targets)]))]
+        cells = [
+            f"{statistics.median(values):{form}}"
+            for form, values in (
+                (".1f", [r.stored_samples * SAMPLE_BYTES / 1e6 for r in runs]),
+                (".0f", [r.simulations for r in runs]),
+                (".0f", [r.unique_samples for r in runs]),
+                (".1f", [r.generation_s for r in runs]),
+                (".1f", [r.samples_trained / max(r.unique_samples, 1) for r in runs]),
+                (".0f", [r.samples_trained / r.training_s for r in runs]),
+                (".3g", [float(r.errors.mean()) for r in runs]),
+                (".3g", [p99(r.errors) for r in runs]),
+                (".1f", [time_to(r.curve, target) for r, target in zip(runs, targets)]),
+            )
+        ]
         cells[3] = f"{cells[3]} s" if runs[0].side == "offline" else "(streamed)"
-        print(f"| {name} | {runs[0].side} | {args.seconds:.0f} s | {experiment.batch} | {cells[0]} MB | "
-              + " | ".join(cells[1:-1]) + f" | {cells[-1]} s |")
+        print(
+            f"| {name} | {runs[0].side} | {args.seconds:.0f} s | {experiment.batch} | {cells[0]} MB | "
+            + " | ".join(cells[1:-1])
+            + f" | {cells[-1]} s |"
+        )
     validation = statistics.median([float(off.errors.mean() / on.errors.mean()) for on, off in pairs])
     tail_ratio = statistics.median([p99(off.errors) / p99(on.errors) for on, off in pairs])
-    speed = statistics.median([time_to(off.curve, target) / time_to(on.curve, target)
-                               for (on, off), target in zip(pairs, targets)])
+    speed = statistics.median(
+        [time_to(off.curve, target) / time_to(on.curve, target) for (on, off), target in zip(pairs, targets)]
+    )
     tail = f"seeds={len(pairs)} seconds={args.seconds:.0f} ranks={experiment.ranks} dedicated={experiment.dedicated}"
-    return [f"RESULT online_vs_offline_{name}_validation ratio={validation:.3f} target=1 {tail}",
-            f"RESULT online_vs_offline_{name}_p99 ratio={tail_ratio:.3f} target=1 {tail}",
-            f"RESULT online_vs_offline_{name}_time_to_target ratio={speed:.3f} target=1 {tail}"]
+    return [
+        f"RESULT online_vs_offline_{name}_validation ratio={validation:.3f} target=1 {tail}",
+        f"RESULT online_vs_offline_{name}_p99 ratio={tail_ratio:.3f} target=1 {tail}",
+        f"RESULT online_vs_offline_{name}_time_to_target ratio={speed:.3f} target=1 {tail}",
+    ]
 
 
 def main() -> int:

@@ -16,6 +16,7 @@ No target: the figure says what a smaller cap would cost the ingest.
 
     python bench/parts.py [--clients 8] [--steps 300] [--repeat 3] [--part 262144 65536]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,8 +98,10 @@ def main() -> None:
     whole = statistics.median(runs[MIB])
     for size in args.part:
         median = statistics.median(runs[size])
-        print(f"RESULT parts_{size >> 10}k ratio={median / whole:.3f} target=none in_parts={median:.0f}MB/s "
-              f"whole={whole:.0f}MB/s runs={[round(r) for r in runs[size]]} whole_runs={[round(r) for r in runs[MIB]]}")
+        print(
+            f"RESULT parts_{size >> 10}k ratio={median / whole:.3f} target=none in_parts={median:.0f}MB/s "
+            f"whole={whole:.0f}MB/s runs={[round(r) for r in runs[size]]} whole_runs={[round(r) for r in runs[MIB]]}"
+        )
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ another process takes a core, which would make the baseline meaningless.
 
     python bench/pipeline.py [--batch 32] [--repeat 5] [--samples 8192] [--large-samples 256] [--threads 1]
 """
+
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import time
@@ -39,9 +41,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from melissa_dl.buffers import BUFFER_KINDS, Buffer, make_buffer
-from melissa_dl.dataset import END, StreamDataset, collate
-from melissa_dl.sample import Sample
+from melissa_dl.buffers.kinds import BUFFER_KINDS, Buffer, make_buffer
+from melissa_dl.buffers.sample import Sample
+from melissa_dl.train.dataset import END, StreamDataset, collate
 
 TARGET = 0.8
 SHAPES = {"small": (32, 32), "large": (512, 512)}
@@ -57,8 +59,9 @@ def make_samples(n: int, shape: tuple[int, ...], seed: int = 0) -> list[Sample]:
     return [Sample(i, 0, params[i], {"f": rng.random(shape, dtype=np.float32)}) for i in range(n)]
 
 
-def filled(kind: str, samples: list[Sample], dataset: Callable[[Buffer], StreamDataset] | None = None
-           ) -> tuple[Buffer, StreamDataset | None]:
+def filled(
+    kind: str, samples: list[Sample], dataset: Callable[[Buffer], StreamDataset] | None = None
+) -> tuple[Buffer, StreamDataset | None]:
     """A closed buffer holding ``samples``, and the ``dataset`` made on it before they came (as the server's)."""
     buffer = make_buffer(kind, capacity_samples=len(samples), capacity_bytes=None, watermark=0, seed=1)
     made = dataset(buffer) if dataset is not None else None
@@ -119,9 +122,11 @@ def profile(samples: list[Sample], batch: int, kind: str = "firo") -> None:
         pass
     stages["get_batch"] = time.perf_counter() - start
     total = sum(stages.values())
-    print(f"profile ({kind}, small, batch={batch}, {batches} batches): "
-          f"{total / batches * 1e6:.1f} us/batch = "
-          + ", ".join(f"{k} {v / batches * 1e6:.1f} us ({v / total:.0%})" for k, v in stages.items()))
+    print(
+        f"profile ({kind}, small, batch={batch}, {batches} batches): "
+        f"{total / batches * 1e6:.1f} us/batch = "
+        + ", ".join(f"{k} {v / batches * 1e6:.1f} us ({v / total:.0%})" for k, v in stages.items())
+    )
 
 
 def main() -> None:
@@ -147,17 +152,25 @@ def main() -> None:
             indices = batch_indices(kind, n, args.batch, gen)
             pipe, base = [], []
             for _ in range(args.repeat):  # interleaved, so drifts hit both sides
-                pipe.append(run_for(args.min_seconds, lambda: pipeline_pass(kind, samples, args.batch, deterministic)))
-                base.append(run_for(args.min_seconds, lambda: baseline_pass(x, y, indices)))
+                pipe.append(
+                    run_for(
+                        args.min_seconds, functools.partial(pipeline_pass, kind, samples, args.batch, deterministic)
+                    )
+                )
+                base.append(run_for(args.min_seconds, functools.partial(baseline_pass, x, y, indices)))
             ratios = sorted(a / b for a, b in zip(pipe, base))
             p, b = statistics.median(pipe), statistics.median(base)
             name = f"{kind}_{size}" if deterministic else f"per_serving_{kind}_{size}"
-            print(f"{name:24s}: pipeline {p:10.0f}/s {p * nbytes / 1e6:7.0f} MB/s | "
-                  f"baseline {b:10.0f}/s {b * nbytes / 1e6:7.0f} MB/s | "
-                  f"ratios {ratios[0]:.3f}..{ratios[-1]:.3f}")
-            results.append(f"RESULT pipeline_{name} ratio={statistics.median(ratios):.3f} "
-                           f"target={TARGET if deterministic else 'none'} "
-                           f"pipeline={p:.0f} baseline={b:.0f} sample={nbytes}B batch={args.batch}")
+            print(
+                f"{name:24s}: pipeline {p:10.0f}/s {p * nbytes / 1e6:7.0f} MB/s | "
+                f"baseline {b:10.0f}/s {b * nbytes / 1e6:7.0f} MB/s | "
+                f"ratios {ratios[0]:.3f}..{ratios[-1]:.3f}"
+            )
+            results.append(
+                f"RESULT pipeline_{name} ratio={statistics.median(ratios):.3f} "
+                f"target={TARGET if deterministic else 'none'} "
+                f"pipeline={p:.0f} baseline={b:.0f} sample={nbytes}B batch={args.batch}"
+            )
         del samples, x, y
     print("\n".join(results))
 

@@ -44,6 +44,7 @@ kills rank 1 with SIGKILL once half the simulations are done, and prints
 ``scale_kill_completed``: done / simulations, with the report's samples
 against simulations x 5 (every sample once).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from studies import ROOT, environment, mpirun
 
 STEPS, SIDE = 5, 8
@@ -72,14 +72,30 @@ TICKS = os.sysconf("SC_CLK_TCK")
 def config(output: Path, simulations: int, job_limit: int, pause: float, client: Path) -> dict[str, Any]:
     return {
         "output_dir": str(output),
-        "study": {"fields": ["field"], "parameters": [{"name": "a", "low": 0.0, "high": 1.0}],
-                  "simulations": simulations, "time_steps": STEPS, "seed": 1},
+        "study": {
+            "fields": ["field"],
+            "parameters": [{"name": "a", "low": 0.0, "high": 1.0}],
+            "simulations": simulations,
+            "time_steps": STEPS,
+            "seed": 1,
+        },
         "server": {"status_interval": STATUS_INTERVAL},
         "buffer": {"kind": "fifo", "capacity_samples": 4096, "per_server_watermark": 32},
-        "launcher": {"command": [str(client), str(STEPS), str(SIDE * SIDE), str(pause)], "scheduler": "local",
-                     "job_limit": job_limit, "simulation_timeout": 120, "max_retries": 2, "client_timeout": 60},
-        "training": {"module": str(Path(__file__).with_name("scale_module.py")), "class_name": "ScaleModel",
-                     "batch_size": 32, "nb_batches_update": 1000, "seed": 0},
+        "launcher": {
+            "command": [str(client), str(STEPS), str(SIDE * SIDE), str(pause)],
+            "scheduler": "local",
+            "job_limit": job_limit,
+            "simulation_timeout": 120,
+            "max_retries": 2,
+            "client_timeout": 60,
+        },
+        "training": {
+            "module": str(Path(__file__).with_name("scale_module.py")),
+            "class_name": "ScaleModel",
+            "batch_size": 32,
+            "nb_batches_update": 1000,
+            "seed": 0,
+        },
     }
 
 
@@ -116,7 +132,9 @@ class Watch:
             try:
                 if str(self.config) not in (entry / "cmdline").read_text():
                     continue
-                environ = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
+                environ = dict(
+                    item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item
+                )
             except OSError:
                 continue
             if "PMI_RANK" in environ and "mpirun" not in (entry / "cmdline").read_text().split("\0")[0]:
@@ -147,8 +165,9 @@ def run(simulations: int, job_limit: int, pause: float, client: Path, kill_at: f
         follower = threading.Thread(target=watch.follow)
         follower.start()
         start = time.monotonic()
-        server = subprocess.Popen(command, env=environment(), stdout=subprocess.DEVNULL,
-                                  stderr=open(Path(folder) / "server.log", "w"))
+        server = subprocess.Popen(
+            command, env=environment(), stdout=subprocess.DEVNULL, stderr=open(Path(folder) / "server.log", "w")
+        )
         try:
             if kill_at is not None:
                 kill_when_done(watch, kill_at * simulations)
@@ -182,8 +201,9 @@ def starts_per_s(history: list[dict[str, Any]], simulations: int) -> float:
 
 def round_p99(history: list[dict[str, Any]], job_limit: int) -> tuple[float, int]:
     """p99 of the intervals between status lines while at least half of job_limit ran, and how many there were."""
-    times = [h["elapsed_s"] for h in history
-             if h["state"] == "running" and h["simulations"]["running"] >= job_limit / 2]
+    times = [
+        h["elapsed_s"] for h in history if h["state"] == "running" and h["simulations"]["running"] >= job_limit / 2
+    ]
     intervals = np.diff(times)
     return (float(np.quantile(intervals, 0.99)) if len(intervals) else float("nan")), len(intervals)
 
@@ -206,8 +226,10 @@ def kept_per_simulation(small: list[tuple[int, int]], large: list[tuple[int, int
 
 def rss_at(memory: list[tuple[int, int]], simulations: int) -> list[str]:
     """Resident MB when 10%, 50% and all of the simulations were done."""
-    return [f"{next((m for d, m in memory if d >= share * simulations), float('nan')) / 1e6:.0f}"
-            for share in (0.1, 0.5, 1.0)]
+    return [
+        f"{next((m for d, m in memory if d >= share * simulations), float('nan')) / 1e6:.0f}"
+        for share in (0.1, 0.5, 1.0)
+    ]
 
 
 def main() -> None:
@@ -216,8 +238,9 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=1_000)
     parser.add_argument("--job-limit", type=int, default=1024)
     parser.add_argument("--pause", type=float, default=2.0, help="seconds before each of the 5 steps")
-    parser.add_argument("--rate-pause", type=float, default=1.0,
-                        help="the same in the study that measures starts per second")
+    parser.add_argument(
+        "--rate-pause", type=float, default=1.0, help="the same in the study that measures starts per second"
+    )
     parser.add_argument("--native", type=Path, default=ROOT / "build" / "native" / "bin")
     parser.add_argument("--launcher-kill", action="store_true")
     args = parser.parse_args()
@@ -227,10 +250,12 @@ def main() -> None:
     if args.launcher_kill:
         study = run(args.simulations, args.job_limit, args.pause, client, kill_at=0.5)
         sims = study.report["simulations"]
-        print(f"RESULT scale_kill_completed ratio={sims['done'] / args.simulations:.4f} target=1.0 "
-              f"failed={sims['failed']} exit={study.code} samples={study.report['samples_received']} "
-              f"expected={args.simulations * STEPS} consumed={study.report['samples_consumed']} "
-              f"duplicates_dropped={study.report['duplicate_frames_dropped']}")
+        print(
+            f"RESULT scale_kill_completed ratio={sims['done'] / args.simulations:.4f} target=1.0 "
+            f"failed={sims['failed']} exit={study.code} samples={study.report['samples_received']} "
+            f"expected={args.simulations * STEPS} consumed={study.report['samples_consumed']} "
+            f"duplicates_dropped={study.report['duplicate_frames_dropped']}"
+        )
         return
     small = run(args.small, args.job_limit, args.pause, client)
     large = run(args.simulations, args.job_limit, args.pause, client)
@@ -239,25 +264,35 @@ def main() -> None:
     p99, intervals = round_p99(large.history, args.job_limit)
     per_sim_small, per_sim_large = small.cpu_s / args.small, large.cpu_s / args.simulations
     rate_sims = rate.report.get("simulations", {"done": 0, "failed": -1})
-    print(f"RESULT scale_starts_per_s ratio={starts_per_s(rate.history, args.simulations):.1f} target=100 "
-          f"simulations={args.simulations} job_limit={args.job_limit} pause_s={args.rate_pause} "
-          f"running_max={max(h['simulations']['running'] for h in rate.history)} done={rate_sims['done']} "
-          f"failed={rate_sims['failed']} exit={rate.code} study_s={rate.seconds:.1f} "
-          f"at_job_limit={starts_per_s(large.history, args.simulations):.1f} "
-          f"ceiling_at_job_limit={args.job_limit / (STEPS * args.pause):.1f}")
-    print(f"RESULT scale_completed ratio={sims['done'] / args.simulations:.4f} target=1.0 failed={sims['failed']} "
-          f"exit={large.code} samples={large.report.get('samples_received')} expected={args.simulations * STEPS} "
-          f"study_s={large.seconds:.1f}")
-    print(f"RESULT scale_round_p99 ratio={p99 / STATUS_INTERVAL:.2f} target=2 p99_s={p99:.2f} "
-          f"interval_s={STATUS_INTERVAL} intervals={intervals}")
+    print(
+        f"RESULT scale_starts_per_s ratio={starts_per_s(rate.history, args.simulations):.1f} target=100 "
+        f"simulations={args.simulations} job_limit={args.job_limit} pause_s={args.rate_pause} "
+        f"running_max={max(h['simulations']['running'] for h in rate.history)} done={rate_sims['done']} "
+        f"failed={rate_sims['failed']} exit={rate.code} study_s={rate.seconds:.1f} "
+        f"at_job_limit={starts_per_s(large.history, args.simulations):.1f} "
+        f"ceiling_at_job_limit={args.job_limit / (STEPS * args.pause):.1f}"
+    )
+    print(
+        f"RESULT scale_completed ratio={sims['done'] / args.simulations:.4f} target=1.0 failed={sims['failed']} "
+        f"exit={large.code} samples={large.report.get('samples_received')} expected={args.simulations * STEPS} "
+        f"study_s={large.seconds:.1f}"
+    )
+    print(
+        f"RESULT scale_round_p99 ratio={p99 / STATUS_INTERVAL:.2f} target=2 p99_s={p99:.2f} "
+        f"interval_s={STATUS_INTERVAL} intervals={intervals}"
+    )
     sizes = (args.small, args.simulations)
-    print(f"RESULT scale_memory_per_simulation ratio={kept_per_simulation(small.memory, large.memory, sizes):.0f} "
-          f"target=2048 unit=bytes rank1={kept_per_simulation(small.other, large.other, sizes):.0f} "
-          f"slope_20_to_90={memory_slope(large.memory, args.simulations):.0f} "
-          f"rank0_rss_mb_at_10_50_100_percent={'/'.join(rss_at(large.memory, args.simulations))} "
-          f"small_rank0_rss_mb_when_done={resident_when_done(small.memory, args.small) / 1e6:.0f}")
-    print(f"RESULT scale_cost_growth ratio={per_sim_large / per_sim_small:.2f} target=1.2 "
-          f"cpu_ms_per_simulation_large={per_sim_large * 1e3:.1f} cpu_ms_per_simulation_small={per_sim_small * 1e3:.1f}")
+    print(
+        f"RESULT scale_memory_per_simulation ratio={kept_per_simulation(small.memory, large.memory, sizes):.0f} "
+        f"target=2048 unit=bytes rank1={kept_per_simulation(small.other, large.other, sizes):.0f} "
+        f"slope_20_to_90={memory_slope(large.memory, args.simulations):.0f} "
+        f"rank0_rss_mb_at_10_50_100_percent={'/'.join(rss_at(large.memory, args.simulations))} "
+        f"small_rank0_rss_mb_when_done={resident_when_done(small.memory, args.small) / 1e6:.0f}"
+    )
+    print(
+        f"RESULT scale_cost_growth ratio={per_sim_large / per_sim_small:.2f} target=1.2 "
+        f"cpu_ms_per_simulation_large={per_sim_large * 1e3:.1f} cpu_ms_per_simulation_small={per_sim_small * 1e3:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The model of bench/scale.py: a small MLP that predicts a simulation's field (``s + t`` everywhere, scaled) from
 its parameter and the time step, cheap enough that training keeps up with ten thousand simulations."""
+
 from __future__ import annotations
 
 import torch

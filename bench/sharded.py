@@ -21,6 +21,7 @@ all-to-all waits for the descheduled rank).
 
     mpirun -n 2 python bench/sharded.py [--rows 1000000] [--dim 64] [--batch 4096] [--steps 30] [--repeat 9]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,9 @@ import traceback
 import torch
 from mpi4py import MPI
 
-from melissa_dl.collectives import MpiCollectives
-from melissa_dl.embedding import ShardedEmbedding
-from melissa_dl.sparse_optim import make_sparse_optimizer
+from melissa_dl.embeddings.sparse_optim import make_sparse_optimizer
+from melissa_dl.embeddings.table import ShardedEmbedding
+from melissa_dl.runtime.collectives import MpiCollectives
 
 OVERHEAD_TARGET = 0.30
 
@@ -63,10 +64,16 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))  # as the server does
     g = torch.Generator().manual_seed(12345)
     # batches[s][r]: rank r's ids at step s; every rank draws them all, identically.
-    batches = [[torch.randint(0, args.rows, (args.batch,), generator=g) for _ in range(size)]
-               for _ in range(args.steps)]
-    sharded = ShardedEmbedding(args.rows, args.dim, make_sparse_optimizer(args.optimizer, args.lr),
-                               collectives=MpiCollectives(comm), name="bench")
+    batches = [
+        [torch.randint(0, args.rows, (args.batch,), generator=g) for _ in range(size)] for _ in range(args.steps)
+    ]
+    sharded = ShardedEmbedding(
+        args.rows,
+        args.dim,
+        make_sparse_optimizer(args.optimizer, args.lr),
+        collectives=MpiCollectives(comm),
+        name="bench",
+    )
     whole = None
     if rank == 0:
         whole = ShardedEmbedding(args.rows, args.dim, make_sparse_optimizer(args.optimizer, args.lr), name="bench")
@@ -94,15 +101,22 @@ def main() -> None:
         ids = args.steps * args.batch * size
         t_k, t_1 = statistics.median(times_k), statistics.median(times_1)
         ratio = t_1 / t_k
-        print(f"K={size}: {[round(t * 1e3, 1) for t in times_k]} ms; K=1: {[round(t * 1e3, 1) for t in times_1]} ms "
-              f"({args.steps} steps x {size} batches of {args.batch} ids, {args.rows} x {args.dim}, "
-              f"{args.optimizer}, {torch.get_num_threads()} threads/rank)")
-        print(f"overhead = {1 / ratio - 1:+.1%} (target <= {OVERHEAD_TARGET:.0%}); best-of ratio "
-              f"{min(times_1) / min(times_k):.3f}; "
-              f"per K-rank step {t_k / args.steps * 1e3:.2f} ms, per batch on one rank "
-              f"{t_1 / (args.steps * size) * 1e3:.2f} ms")
-        print(f"RESULT sharded_lookup_update ratio={ratio:.3f} target={1 / (1 + OVERHEAD_TARGET):.3f} "
-              f"k{size if size > 1 else '1_sharded'}={ids / t_k:.0f}rows/s k1={ids / t_1:.0f}rows/s", flush=True)
+        print(
+            f"K={size}: {[round(t * 1e3, 1) for t in times_k]} ms; K=1: {[round(t * 1e3, 1) for t in times_1]} ms "
+            f"({args.steps} steps x {size} batches of {args.batch} ids, {args.rows} x {args.dim}, "
+            f"{args.optimizer}, {torch.get_num_threads()} threads/rank)"
+        )
+        print(
+            f"overhead = {1 / ratio - 1:+.1%} (target <= {OVERHEAD_TARGET:.0%}); best-of ratio "
+            f"{min(times_1) / min(times_k):.3f}; "
+            f"per K-rank step {t_k / args.steps * 1e3:.2f} ms, per batch on one rank "
+            f"{t_1 / (args.steps * size) * 1e3:.2f} ms"
+        )
+        print(
+            f"RESULT sharded_lookup_update ratio={ratio:.3f} target={1 / (1 + OVERHEAD_TARGET):.3f} "
+            f"k{size if size > 1 else '1_sharded'}={ids / t_k:.0f}rows/s k1={ids / t_1:.0f}rows/s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ run).
 
     python bench/sparse_optim.py [--rows 1000000] [--dim 64] [--batch 4096] [--batches 60] [--repeat 7] [--threads 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from melissa_dl import row_kernels
-from melissa_dl.sparse_optim import SparseOptimizer, make_sparse_optimizer
+from melissa_dl.embeddings import row_kernels
+from melissa_dl.embeddings.sparse_optim import SparseOptimizer, make_sparse_optimizer
 
 OPTIMIZERS = ("sgd", "adagrad", "rowadagrad", "adam")
 TARGETS = {"rowadagrad": "10", "adam": "4"}
@@ -97,12 +98,18 @@ def make_fbgemm(rows: int, dim: int) -> Callable[[torch.Tensor], None] | None:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen)
+            ComputeDevice,
+            EmbeddingLocation,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
     except ImportError:
         return None
     table = SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR["rowadagrad"], pooling_mode=PoolingMode.SUM)
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=LR["rowadagrad"],
+        pooling_mode=PoolingMode.SUM,
+    )
     offsets: dict[int, torch.Tensor] = {}
 
     def step(batch: torch.Tensor) -> None:
@@ -131,6 +138,7 @@ def breakdown(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor
         def run() -> None:
             for i in range(len(ids)):
                 fn(i)  # the result is dropped at once, as in the real pass
+
         return statistics.median(timed(run) for _ in range(3)) / len(ids) * 1e6
 
     gather = each(lambda i: weight.index_select(0, ids[i]))
@@ -138,8 +146,10 @@ def breakdown(opt: SparseOptimizer, weight: torch.Tensor, ids: list[torch.Tensor
     step = each(lambda i: opt.step(ids[i], ones))
     update = each(lambda i: opt.step(distinct[i], ones[: len(distinct[i])]))
     torch_step = each(lambda i: opt._torch_step(weight, ids[i], ones))
-    return (f"gather={gather:.0f} dedup={dedup:.0f} sum={step - update:.0f} update={update:.0f} "
-            f"(step={step:.0f}) torch_step={torch_step:.0f}")
+    return (
+        f"gather={gather:.0f} dedup={dedup:.0f} sum={step - update:.0f} update={update:.0f} "
+        f"(step={step:.0f}) torch_step={torch_step:.0f}"
+    )
 
 
 def main() -> None:
@@ -154,8 +164,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
-    print(f"torch {torch.__version__} threads={torch.get_num_threads()} "
-          f"table={args.rows}x{args.dim} float32 batch={args.batch} copy bandwidth={bandwidth / 1e9:.1f} GB/s")
+    print(
+        f"torch {torch.__version__} threads={torch.get_num_threads()} "
+        f"table={args.rows}x{args.dim} float32 batch={args.batch} copy bandwidth={bandwidth / 1e9:.1f} GB/s"
+    )
 
     weight = torch.randn(args.rows, args.dim)
     row_bytes = args.dim * weight.element_size()
@@ -173,8 +185,14 @@ def main() -> None:
             tensor.zero_()  # pre-fault
     ones = torch.ones(args.batch, args.dim)
     fbgemm = make_fbgemm(args.rows, args.dim)
-    print("FBGEMM baseline: " + ("fbgemm-gpu-cpu, exact row-wise Adagrad" if fbgemm else
-                                 "skipped (fbgemm-gpu-cpu is not installed: pip install -e '.[bench]')"))
+    print(
+        "FBGEMM baseline: "
+        + (
+            "fbgemm-gpu-cpu, exact row-wise Adagrad"
+            if fbgemm
+            else "skipped (fbgemm-gpu-cpu is not installed: pip install -e '.[bench]')"
+        )
+    )
 
     results: list[str] = []
     for d, dist in enumerate(("uniform", "zipf")):
@@ -202,18 +220,24 @@ def main() -> None:
             fbgemm_rate = n_ids / statistics.median(fbgemm_t)
             print(f"  FBGEMM row-wise Adagrad:       {fbgemm_rate:12.0f} rows/s (includes its lookup and backward)")
             ratio = statistics.median(f / o for f, o in zip(fbgemm_t, ours_t["rowadagrad"]))
-            results.append(f"RESULT sparse_rowadagrad_vs_fbgemm_{dist} ratio={ratio:.2f} "
-                           f"rows_per_s={n_ids / statistics.median(ours_t['rowadagrad']):.0f} "
-                           f"fbgemm_rows_per_s={fbgemm_rate:.0f}")
+            results.append(
+                f"RESULT sparse_rowadagrad_vs_fbgemm_{dist} ratio={ratio:.2f} "
+                f"rows_per_s={n_ids / statistics.median(ours_t['rowadagrad']):.0f} "
+                f"fbgemm_rows_per_s={fbgemm_rate:.0f}"
+            )
         for name in OPTIMIZERS:
             rate = n_ids / statistics.median(ours_t[name])
             ratio = statistics.median(b / o for b, o in zip(base_t, ours_t[name]))
             bytes_per_row = 2 * (row_bytes + opts[name].state_bytes_per_row)
             bound = args.batch * bandwidth / (bytes_per_row * mean_unique)
-            print(f"  {name:10s}: {rate:12.0f} rows/s  ratio {ratio:6.2f}  {bytes_per_row} B/unique row  "
-                  f"bound {bound:12.0f} rows/s  us/batch: {breakdown(opts[name], weight, ids, ones)}")
-            results.append(f"RESULT sparse_{name}_{dist} ratio={ratio:.2f} target={TARGETS.get(name, '-')} "
-                           f"rows_per_s={rate:.0f} baseline_rows_per_s={base_rate:.0f} bound_share={rate / bound:.3f}")
+            print(
+                f"  {name:10s}: {rate:12.0f} rows/s  ratio {ratio:6.2f}  {bytes_per_row} B/unique row  "
+                f"bound {bound:12.0f} rows/s  us/batch: {breakdown(opts[name], weight, ids, ones)}"
+            )
+            results.append(
+                f"RESULT sparse_{name}_{dist} ratio={ratio:.2f} target={TARGETS.get(name, '-')} "
+                f"rows_per_s={rate:.0f} baseline_rows_per_s={base_rate:.0f} bound_share={rate / bound:.3f}"
+            )
     print("\n".join(results))
 
 

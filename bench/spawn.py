@@ -6,6 +6,7 @@ server's memory; ``launcher.schedulers._spawn`` instead lets ``setpriv`` set
 the death signal after a vfork. Both start ``true`` in a new session, from
 this process holding ``--gib`` GiB of touched memory, median of ``--runs``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,10 @@ def main() -> None:
     held = torch.ones(int(args.gib * (1 << 28)))  # float32: 4 bytes each, every page touched
     fork = start_time(["true"], args.runs, preexec_fn=die_with_parent(signal.SIGTERM))
     vfork = start_time([setpriv, "--pdeathsig=TERM", "--", "true"], args.runs)
-    print(f"RESULT spawn ratio={fork / vfork:.1f} preexec_fn_ms={fork * 1e3:.2f} setpriv_ms={vfork * 1e3:.2f} "
-          f"held_gib={held.numel() * 4 / (1 << 30):.1f}")
+    print(
+        f"RESULT spawn ratio={fork / vfork:.1f} preexec_fn_ms={fork * 1e3:.2f} setpriv_ms={vfork * 1e3:.2f} "
+        f"held_gib={held.numel() * 4 / (1 << 30):.1f}"
+    )
 
 
 if __name__ == "__main__":

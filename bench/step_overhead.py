@@ -30,6 +30,7 @@ all-reduce of five counters).
 
     mpirun -n 2 python bench/step_overhead.py [--models small,large] [--steps 200] [--repeat 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,15 @@ from mpi4py import MPI
 from torch import nn
 
 from melissa_dl import Sample, TrainingModule
-from melissa_dl.assembly import StreamSpec
-from melissa_dl.buffers import make_buffer
+from melissa_dl.buffers.kinds import make_buffer
+from melissa_dl.checkpoint.recovery import Checkpointer
 from melissa_dl.config import Config, parse_config
-from melissa_dl.dataset import StreamDataset
-from melissa_dl.loop import Bookkeeping, Loop
-from melissa_dl.mpi import GracefulStop
-from melissa_dl.receiver import Receiver
-from melissa_dl.recovery import Checkpointer
-from melissa_dl.training import Trainer
+from melissa_dl.ingest.assembly import StreamSpec
+from melissa_dl.ingest.receiver import Receiver
+from melissa_dl.runtime.mpi import GracefulStop
+from melissa_dl.train.dataset import StreamDataset
+from melissa_dl.train.loop import Bookkeeping, Loop
+from melissa_dl.train.trainer import Trainer
 
 TARGET = 1.15
 MODELS = {  # name: hidden width, depth, field side, batch
@@ -93,23 +94,35 @@ class Surrogate(TrainingModule):
 
 def make_config(model: str, scratch: Path) -> Config:
     hidden, depth, side, batch = MODELS[model]
-    return parse_config({
-        "study": {"fields": {"f": {"dtype": "float32", "shape": [side, side]}},
-                  "parameters": [{"name": f"p{i}", "low": 0.0, "high": 1.0} for i in range(5)],
-                  "simulations": 1},
-        "launcher": {"command": ["true"]},
-        "buffer": {"kind": "fifo"},
-        "training": {"module": Path(__file__).name, "class_name": "Surrogate", "batch_size": batch,
-                     "options": {"hidden": hidden, "depth": depth, "side": side},
-                     "checkpoint_interval": 0, "log_interval": 1000, "nb_batches_update": 1 << 30},
-        "output_dir": str(scratch),
-    }, HERE)
+    return parse_config(
+        {
+            "study": {
+                "fields": {"f": {"dtype": "float32", "shape": [side, side]}},
+                "parameters": [{"name": f"p{i}", "low": 0.0, "high": 1.0} for i in range(5)],
+                "simulations": 1,
+            },
+            "launcher": {"command": ["true"]},
+            "buffer": {"kind": "fifo"},
+            "training": {
+                "module": Path(__file__).name,
+                "class_name": "Surrogate",
+                "batch_size": batch,
+                "options": {"hidden": hidden, "depth": depth, "side": side},
+                "checkpoint_interval": 0,
+                "log_interval": 1000,
+                "nb_batches_update": 1 << 30,
+            },
+            "output_dir": str(scratch),
+        },
+        HERE,
+    )
 
 
 def make_samples(side: int, rank: int) -> list[Sample]:
     rng = np.random.default_rng(rank)
-    return [Sample(i, 0, rng.random(5), {"f": rng.random((side, side), dtype=np.float32)})
-            for i in range(UNIQUE_SAMPLES)]
+    return [
+        Sample(i, 0, rng.random(5), {"f": rng.random((side, side), dtype=np.float32)}) for i in range(UNIQUE_SAMPLES)
+    ]
 
 
 def per_step(stamps: list[float], warmup: int) -> float:
@@ -133,8 +146,9 @@ def plain_side(config: Config, comm: MPI.Intracomm, samples: list[Sample], steps
     return comm.allreduce(per_step(stamps, warmup)) / comm.Get_size()
 
 
-def server_side(config: Config, comm: MPI.Intracomm, samples: list[Sample], steps: int, warmup: int,
-                scratch: Path) -> float:
+def server_side(
+    config: Config, comm: MPI.Intracomm, samples: list[Sample], steps: int, warmup: int, scratch: Path
+) -> float:
     """The server's loop over a pre-filled, closed FIFO of ``steps`` batches; per-step seconds."""
     rank, size = comm.Get_rank(), comm.Get_size()
     training = config.training
@@ -207,9 +221,10 @@ def pieces(config: Config, comm: MPI.Intracomm, samples: list[Sample]) -> dict[s
     flags = np.zeros(5, dtype=np.int64)
     result = {name: statistics.median(seconds) for name, seconds in times.items()}
     result["dense_step"] -= result["backward"]
-    result.update(batch=timed(dataset.next_batch),
-                  flags=timed(lambda: (comm.Barrier(), comm.Iallreduce(MPI.IN_PLACE, flags).Wait()))
-                  - timed(comm.Barrier))
+    result.update(
+        batch=timed(dataset.next_batch),
+        flags=timed(lambda: (comm.Barrier(), comm.Iallreduce(MPI.IN_PLACE, flags).Wait())) - timed(comm.Barrier),
+    )
     return {name: comm.allreduce(seconds, op=MPI.MAX) * 1e3 for name, seconds in result.items()}
 
 
@@ -242,13 +257,19 @@ def main() -> None:
         ratios = sorted(s / p for s, p in zip(server, plain))
         if rank == 0:
             hidden, depth, side, batch = MODELS[model]
-            print(f"{model}: MLP 5->{depth}x{hidden}->{side}x{side}, batch {batch}, {size} ranks: plain "
-                  f"{statistics.median(plain) * 1e3:.2f} ms/step, server {statistics.median(server) * 1e3:.2f} "
-                  f"ms/step, ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; alone: "
-                  + ", ".join(f"{name} {ms:.2f} ms" for name, ms in parts.items()), flush=True)
-            results.append(f"RESULT step_overhead_{model} ratio={statistics.median(ratios):.3f} target={TARGET} "
-                           f"plain_ms={statistics.median(plain) * 1e3:.2f} server_ms={statistics.median(server) * 1e3:.2f} "
-                           + " ".join(f"{name}_ms={ms:.2f}" for name, ms in parts.items()) + f" ranks={size}")
+            print(
+                f"{model}: MLP 5->{depth}x{hidden}->{side}x{side}, batch {batch}, {size} ranks: plain "
+                f"{statistics.median(plain) * 1e3:.2f} ms/step, server {statistics.median(server) * 1e3:.2f} "
+                f"ms/step, ratios {ratios[0]:.3f}..{ratios[-1]:.3f}; alone: "
+                + ", ".join(f"{name} {ms:.2f} ms" for name, ms in parts.items()),
+                flush=True,
+            )
+            results.append(
+                f"RESULT step_overhead_{model} ratio={statistics.median(ratios):.3f} target={TARGET} "
+                f"plain_ms={statistics.median(plain) * 1e3:.2f} server_ms={statistics.median(server) * 1e3:.2f} "
+                + " ".join(f"{name}_ms={ms:.2f}" for name, ms in parts.items())
+                + f" ranks={size}"
+            )
     if rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
         print("\n".join(results))

@@ -1,4 +1,5 @@
 """What the benches that run whole studies share: the server's command line and judging a model on held-out samples."""
+
 from __future__ import annotations
 
 import os

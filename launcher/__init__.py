@@ -1,14 +1,17 @@
 """Draws simulation parameters and starts, polls and kills simulation jobs for the server's rank 0.
 
-The server decides what runs, retries and states; this package only runs processes.
+The server decides what runs, retries and states; this package only runs processes. It imports nothing of
+``melissa_dl``: the dependency runs one way.
 """
+
 from __future__ import annotations
 
-from launcher.jobs import NOT_RUNNABLE, SCHEDULERS, START_FAILED, JobTemplate, Launcher, make_scheduler
+from launcher.jobs import NOT_RUNNABLE, SCHEDULERS, START_FAILED, Launcher, make_scheduler, scheduler_class
 from launcher.samplers import SAMPLERS, Breeding, Sampler, make_sampler
 from launcher.schedulers import (
     KILL_GRACE,
     Job,
+    JobTemplate,
     LocalScheduler,
     MpirunScheduler,
     Scheduler,
@@ -32,4 +35,5 @@ __all__ = [
     "child_environment",
     "make_sampler",
     "make_scheduler",
+    "scheduler_class",
 ]

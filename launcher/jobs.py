@@ -9,22 +9,18 @@ freed by a simulation is taken again at once rather than at the ranks' next
 bookkeeping round, which a validation, a checkpoint or the building of a
 held-out set can delay by seconds.
 """
+
 from __future__ import annotations
 
 import errno
+import importlib
 import logging
-import os
 import select
-import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from launcher.schedulers import KILL_GRACE, LocalScheduler, MpirunScheduler, RunningJob, Scheduler
-from launcher.slurm import SlurmScheduler
-from melissa_dl.files import open_log
+from launcher.schedulers import KILL_GRACE, JobTemplate, RunningJob, Scheduler, open_log
 
 logger = logging.getLogger(__name__)
 
@@ -41,33 +37,25 @@ REFILL = 0.01
 """Seconds between two looks of the launcher's thread at its jobs (a submit wakes it at once)."""
 
 
-@dataclass(frozen=True)
-class JobTemplate:
-    """What every simulation job of a study shares, whichever scheduler runs it (from a checked config)."""
-
-    command: list[str]  # run from ``cwd``
-    cwd: Path
-    ranks: int = 1  # MPI ranks of each simulation
-    sbatch_options: list[str] = field(default_factory=list)  # scheduler "slurm"
-    name: str = "melissa"  # of the study, in the jobs' names
-
-
-def _venv_mpirun() -> str:
-    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")  # the venv's, with the server's MPI
-    return mpirun if os.path.exists(mpirun) else "mpirun"
-
-
-SCHEDULERS: dict[str, Callable[[JobTemplate], Scheduler]] = {
-    "local": lambda job: LocalScheduler(job.command, job.cwd),
-    "mpirun": lambda job: MpirunScheduler(job.command, job.cwd, job.ranks, _venv_mpirun()),
-    "slurm": lambda job: SlurmScheduler(job.command, job.cwd, job.ranks, job.sbatch_options, job.name),
+SCHEDULERS = {
+    "local": "launcher.schedulers:LocalScheduler",
+    "mpirun": "launcher.schedulers:MpirunScheduler",
+    "slurm": "launcher.slurm:SlurmScheduler",
 }
-"""The schedulers by the name ``launcher.scheduler`` gives (the config's choices come from here)."""
+"""The schedulers by the name ``launcher.scheduler`` gives, as ``module:class`` (the config's choices and its
+sections ``launcher.<name>`` come from here)."""
+
+
+def scheduler_class(kind: str) -> type[Scheduler]:
+    """The class of the scheduler ``kind`` (a name of ``SCHEDULERS``)."""
+    module, _, name = SCHEDULERS[kind].partition(":")
+    found: type[Scheduler] = getattr(importlib.import_module(module), name)
+    return found
 
 
 def make_scheduler(kind: str, job: JobTemplate) -> Scheduler:
     """The scheduler ``kind`` (a name of ``SCHEDULERS``) running ``job``'s command."""
-    return SCHEDULERS[kind](job)
+    return scheduler_class(kind).from_job(job)
 
 
 class Launcher:
@@ -195,7 +183,10 @@ class Launcher:
             self._polled.add(simulation_id)
         logger.debug(  # at INFO, each simulation's "done" (or its failure) is enough: a line costs the server
             "simulation %d attempt %d started (%s, log %s)",
-            simulation_id, job.attempt, job.label, log_path,
+            simulation_id,
+            job.attempt,
+            job.label,
+            log_path,
         )
 
     def _finish_dying_now(self) -> None:
@@ -207,8 +198,9 @@ class Launcher:
 
     def _maybe_ended(self) -> list[int]:
         """The jobs whose exit descriptor says they ended, and those without one (polled every time)."""
-        ready = [self._exits[fd] for fd, _ in self._exit_poll.poll(0) if fd in self._exits] if self._exits else []
-        return ready + list(self._polled)  # type: ignore[union-attr]
+        if not self._exits or self._exit_poll is None:  # descriptors are followed only where epoll exists
+            return list(self._polled)
+        return [self._exits[fd] for fd, _ in self._exit_poll.poll(0) if fd in self._exits] + list(self._polled)
 
     def _forget(self, simulation_id: int) -> RunningJob | None:
         """Take a job out of the running ones (its exit descriptor is closed when it is reaped)."""

@@ -2,7 +2,7 @@
 
 The study asks its sampler for the parameters of its next simulations, in id
 order, shortly before it launches them, and tells it what training learnt of
-each finished one (its loss statistic, :mod:`melissa_dl.learning`). Every
+each finished one (its loss statistic, :mod:`melissa_dl.study.learning`). Every
 sampler's answers depend only on its seed and on what it was told, never on
 timing, and its state (``state_dict``) is part of every checkpoint, so a
 resumed study asks on exactly where it stopped. Kinds (``SAMPLERS``):
@@ -19,6 +19,7 @@ resumed study asks on exactly where it stopped. Kinds (``SAMPLERS``):
 
 A user's class (``study.custom_sampler``) subclasses :class:`Sampler`.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -142,8 +143,9 @@ class HaltonSampler(_SequenceSampler):
 class TableSampler(Sampler):
     """The rows of a table made once for the whole study."""
 
-    def __init__(self, low: Sequence[float], high: Sequence[float], seed: int, simulations: int,
-                 table: np.ndarray) -> None:
+    def __init__(
+        self, low: Sequence[float], high: Sequence[float], seed: int, simulations: int, table: np.ndarray
+    ) -> None:
         super().__init__(low, high, seed, simulations)
         self._table = table
 
@@ -167,13 +169,20 @@ class LhsSampler(TableSampler):
 class ListSampler(TableSampler):
     kind = "list"
 
-    def __init__(self, low: Sequence[float], high: Sequence[float], seed: int, simulations: int,
-                 values: Sequence[Sequence[float]]) -> None:
+    def __init__(
+        self,
+        low: Sequence[float],
+        high: Sequence[float],
+        seed: int,
+        simulations: int,
+        values: Sequence[Sequence[float]],
+    ) -> None:
         super().__init__(low, high, seed, simulations, np.array(values, dtype=np.float64))
 
 
-SPACE_FILLING: dict[str, type[Sampler]] = {cls.kind: cls for cls in (UniformSampler, SobolSampler, HaltonSampler,
-                                                                     LhsSampler)}
+SPACE_FILLING: dict[str, type[Sampler]] = {
+    cls.kind: cls for cls in (UniformSampler, SobolSampler, HaltonSampler, LhsSampler)
+}
 """The kinds that need nothing but bounds, a seed and a count: also the adaptive sampler's base."""
 
 
@@ -216,8 +225,9 @@ class AdaptiveSampler(Sampler):
     kind = "adaptive"
     learns = True
 
-    def __init__(self, low: Sequence[float], high: Sequence[float], seed: int, simulations: int,
-                 breeding: Breeding) -> None:
+    def __init__(
+        self, low: Sequence[float], high: Sequence[float], seed: int, simulations: int, breeding: Breeding
+    ) -> None:
         super().__init__(low, high, seed, simulations)
         self.breeding = breeding
         self._base = SPACE_FILLING[breeding.base](low, high, seed, simulations)
@@ -306,9 +316,15 @@ class AdaptiveSampler(Sampler):
         return {g: (range(*self._bounds(g)), fraction) for g, fraction in self._fractions.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "rng": self._rng.bit_generator.state, "rows": self._rows.copy(),
-                "statistics": dict(self._statistics), "parents": dict(self._parents),
-                "fractions": dict(self._fractions), "base": self._base.state_dict()}
+        return {
+            **super().state_dict(),
+            "rng": self._rng.bit_generator.state,
+            "rows": self._rows.copy(),
+            "statistics": dict(self._statistics),
+            "parents": dict(self._parents),
+            "fractions": dict(self._fractions),
+            "base": self._base.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -323,9 +339,18 @@ SAMPLERS = (*SPACE_FILLING, "list", "adaptive", "custom")
 """The names ``study.sampler`` takes (the config's choices come from here); ``custom`` is the user's class."""
 
 
-def make_sampler(kind: str, low: Sequence[float], high: Sequence[float], seed: int, simulations: int, *,
-                 values: Sequence[Sequence[float]] | None = None, breeding: Breeding | None = None,
-                 custom: type[Sampler] | None = None, options: dict[str, Any] | None = None) -> Sampler:
+def make_sampler(
+    kind: str,
+    low: Sequence[float],
+    high: Sequence[float],
+    seed: int,
+    simulations: int,
+    *,
+    values: Sequence[Sequence[float]] | None = None,
+    breeding: Breeding | None = None,
+    custom: type[Sampler] | None = None,
+    options: dict[str, Any] | None = None,
+) -> Sampler:
     """The sampler ``kind`` names, from a checked ``study`` section's values (``custom``: the user's class,
     built with ``options`` as keyword arguments)."""
     if kind == "list":

@@ -9,6 +9,7 @@ group reaches whatever the command spawned, e.g. a shell script's simulation
 signals the job when the server dies, so that a crashed server leaves no
 orphan simulations behind.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -21,10 +22,9 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-from melissa_dl.files import open_log
+from typing import Any, BinaryIO, ClassVar, Protocol
 
 KILL_GRACE = 2.0
 """Seconds a job gets between SIGTERM and SIGKILL to flush and clean up."""
@@ -38,6 +38,40 @@ _MPI_NAMES = frozenset({"MPI_LOCALNRANKS", "MPI_LOCALRANKID", "GFORTRAN_UNBUFFER
 _PR_SET_PDEATHSIG = 1
 # Resolved once in the parent so that the forked child does as little as possible.
 _prctl = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+
+
+class LogUnwritable(RuntimeError):
+    """A simulation's log cannot be opened: the output folder's fault (full, read-only), not the simulation's.
+
+    Not an ``OSError``, so that the launcher does not count it as an attempt
+    that could not start; the ``OSError`` is its ``__cause__``.
+    """
+
+
+def open_log(path: Path) -> BinaryIO:
+    """Open a simulation's log for appending, its folder made if needed; a failure is ``LogUnwritable``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "ab")
+    except OSError as error:
+        raise LogUnwritable(f"cannot open {path}: {error.strerror}") from error
+
+
+@dataclass(frozen=True)
+class JobTemplate:
+    """What every simulation job of a study shares, whichever scheduler runs it (from a checked config)."""
+
+    command: list[str]  # run from ``cwd``
+    cwd: Path
+    ranks: int = 1  # MPI ranks of each simulation
+    options: Any = None  # the scheduler's own section of the config (its ``Options``), if it has one
+    name: str = "melissa"  # of the study, in the jobs' names
+
+
+def venv_mpirun() -> str:
+    """The venv's ``mpirun`` (the server's MPI), or the first in ``PATH``."""
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return mpirun if os.path.exists(mpirun) else "mpirun"
 
 
 def child_environment(extra: dict[str, str]) -> dict[str, str]:
@@ -184,7 +218,40 @@ class Job:
 
 
 class Scheduler(ABC):
-    """Starts one simulation attempt as a :class:`Job`."""
+    """Starts one simulation attempt as a :class:`Job`.
+
+    A new scheduler is one module with a subclass of this and one line in
+    ``launcher.jobs.SCHEDULERS``; its options, if it has any, are its own
+    section of the config, ``launcher.<name>``.
+    """
+
+    summary: ClassVar[str]
+    """What it runs, for the reference of ``launcher.scheduler``."""
+    runs_mpi: ClassVar[bool] = False
+    """Whether it runs a simulation on several MPI ranks (``launcher.client_ranks``)."""
+    Options: ClassVar[type | None] = None
+    """A dataclass of its own options (each field documented in ``metadata["doc"]``), or None."""
+
+    @classmethod
+    @abstractmethod
+    def from_job(cls, job: JobTemplate) -> Scheduler:
+        """The scheduler running ``job``'s simulations (``job.options``: an instance of ``Options``)."""
+
+    def dry_run(self) -> str | None:
+        """Why the simulations' jobs would be refused, found without running any (``--check``); None if nothing
+        says so."""
+        return None
+
+    @classmethod
+    def server_launch(cls, ranks: int) -> list[str] | None:
+        """The command prefix that starts the server's ``ranks`` ranks when this process runs inside one of this
+        scheduler's allocations; None outside one."""
+        return None
+
+    @classmethod
+    def end_run(cls, marker: str) -> None:  # noqa: B027 (most schedulers leave nothing: their jobs are processes)
+        """End what a supervised run's simulations left with this scheduler that outlives their processes (batch
+        jobs on other nodes); ``marker``: the run's ``RUN_MARKER``. An ``OSError`` says it could not."""
 
     @abstractmethod
     def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> RunningJob:
@@ -198,11 +265,16 @@ class LocalScheduler(Scheduler):
     the command spawns outlives a dead server unless the command handles that.
     """
 
+    summary = "one subprocess per simulation"
     _death_signal = signal.SIGKILL
 
     def __init__(self, command: list[str], cwd: Path) -> None:
         self._argv = list(command)
         self._cwd = cwd
+
+    @classmethod
+    def from_job(cls, job: JobTemplate) -> Scheduler:
+        return cls(job.command, job.cwd)
 
     def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> Job:
         process = _spawn(self._argv, self._cwd, env, log_path, self._death_signal)
@@ -219,10 +291,16 @@ class MpirunScheduler(LocalScheduler):
     dies, and why :meth:`Job.kill` tries SIGTERM first.
     """
 
+    summary = "`mpirun -n client_ranks command`"
+    runs_mpi = True
     _death_signal = signal.SIGTERM
 
     def __init__(self, command: list[str], cwd: Path, ranks: int, mpirun: str = "mpirun") -> None:
         super().__init__([mpirun, "-n", str(ranks), *command], cwd)
+
+    @classmethod
+    def from_job(cls, job: JobTemplate) -> Scheduler:
+        return cls(job.command, job.cwd, job.ranks, venv_mpirun())
 
 
 def _spawn(

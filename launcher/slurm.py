@@ -13,6 +13,7 @@ Why it works this way:
 * A pending job has not started: the study's timeout clock starts when Slurm
   runs it, so a busy queue fails nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,11 +22,11 @@ import re
 import shlex
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from signal import SIGTERM
 
-from launcher.schedulers import RUN_MARKER, Scheduler, child_environment
-from melissa_dl.files import open_log
+from launcher.schedulers import RUN_MARKER, JobTemplate, Scheduler, child_environment, open_log
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,11 @@ def _slurm(*argv: str, env: dict[str, str] | None = None) -> str:
 
 def job_environment(extra: dict[str, str]) -> dict[str, str]:
     """``child_environment`` without the server's own Slurm job: a simulation's job gets its own."""
-    return {name: value for name, value in child_environment(extra).items()
-            if not name.startswith("SLURM_") or name == "SLURM_CONF"}
+    return {
+        name: value
+        for name, value in child_environment(extra).items()
+        if not name.startswith("SLURM_") or name == "SLURM_CONF"
+    }
 
 
 class SlurmJob:
@@ -99,8 +103,38 @@ class SlurmJob:
         return True
 
 
+@dataclass
+class SlurmOptions:
+    """Options of each simulation's job (scheduler `slurm`)."""
+
+    partition: str | None = field(
+        default=None, metadata={"doc": "`sbatch --partition` of each simulation's job (default: Slurm's)."}
+    )
+    time_limit: str | None = field(
+        default=None, metadata={"doc": '`sbatch --time` of each simulation\'s job, e.g. `"00:30:00"`.'}
+    )
+    account: str | None = field(default=None, metadata={"doc": "`sbatch --account` of each simulation's job."})
+    sbatch_args: list[str] = field(
+        default_factory=list,
+        metadata={"doc": 'More `sbatch` arguments of each simulation\'s job, e.g. `["--mem=4G", "--qos=short"]`.'},
+    )
+
+    def sbatch_options(self) -> list[str]:
+        """These options as ``sbatch`` arguments."""
+        return [
+            *([f"--partition={self.partition}"] if self.partition else []),
+            *([f"--time={self.time_limit}"] if self.time_limit else []),
+            *([f"--account={self.account}"] if self.account else []),
+            *self.sbatch_args,
+        ]
+
+
 class SlurmScheduler(Scheduler):
     """Runs ``command`` on ``ranks`` ranks as one Slurm job per attempt."""
+
+    summary = "one `sbatch` job per simulation attempt, running `srun --mpi=pmi2 -n client_ranks command`"
+    runs_mpi = True
+    Options = SlurmOptions
 
     def __init__(self, command: list[str], cwd: Path, ranks: int, sbatch_options: list[str], study_name: str) -> None:
         self._command = list(command)
@@ -113,15 +147,47 @@ class SlurmScheduler(Scheduler):
         self._uncancelled: set[str] = set()  # jobs whose scancel failed: tried again at each refresh
         self._polled = -POLL
 
+    @classmethod
+    def from_job(cls, job: JobTemplate) -> Scheduler:
+        options = job.options if job.options is not None else SlurmOptions()
+        return cls(job.command, job.cwd, job.ranks, options.sbatch_options(), job.name)
+
+    @classmethod
+    def server_launch(cls, ranks: int) -> list[str] | None:
+        """Inside an allocation (a batch job, salloc): ``srun --mpi=pmi2 -n K`` on its nodes; ``--kill-on-bad-exit``:
+        a rank that dies ends the others, as mpirun does."""
+        return ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "-n", str(ranks)] if inside_allocation() else None
+
+    @classmethod
+    def end_run(cls, marker: str) -> None:
+        """Cancel this user's jobs of one supervised server run (a dead server's simulations, on whatever node)."""
+        listed = _slurm("squeue", "--me", "--noheader", "--format=%i %k")
+        jobs = [
+            job_id
+            for job_id, _, comment in (line.strip().partition(" ") for line in listed.splitlines())
+            if comment == f"{RUN_COMMENT}{marker}"
+        ]
+        if jobs:
+            _slurm("scancel", *jobs)
+            logger.info("cancelled the Slurm jobs of the ended server's simulations: %s", " ".join(jobs))
+
     def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> SlurmJob:
         open_log(log_path).close()  # the folder exists and can be written before Slurm writes into it
         run = shlex.join(self._command)
         if self._ranks > 1:  # a rank that dies ends the others, as under mpirun
             run = f"srun --mpi=pmi2 --kill-on-bad-exit=1 -n {self._ranks} {run}"
         marker = os.environ.get(RUN_MARKER)  # set when a supervisor runs this server
-        argv = ["sbatch", "--parsable", f"--job-name={self._name}-s{simulation_id}a{attempt}",
-                f"--output={log_path}", "--open-mode=append", *self._options_argv(),
-                *([f"--comment={RUN_COMMENT}{marker}"] if marker else []), "--wrap", f"exec {run}"]
+        argv = [
+            "sbatch",
+            "--parsable",
+            f"--job-name={self._name}-s{simulation_id}a{attempt}",
+            f"--output={log_path}",
+            "--open-mode=append",
+            *self._options_argv(),
+            *([f"--comment={RUN_COMMENT}{marker}"] if marker else []),
+            "--wrap",
+            f"exec {run}",
+        ]
         job_id = _slurm(*argv, env=job_environment(env)).strip().split(";")[0]
         if not job_id.isdigit():
             raise SlurmError(f"sbatch answered {job_id!r}, not a job id")
@@ -131,14 +197,21 @@ class SlurmScheduler(Scheduler):
     def _options_argv(self) -> list[str]:
         return [f"--chdir={self._cwd}", f"--ntasks={self._ranks}", *self._sbatch_options]
 
-    def refusal(self) -> str | None:
+    def dry_run(self) -> str | None:
         """What sbatch says against the simulations' job options, if anything (``--test-only``: nothing is
         submitted): a partition that does not exist or a malformed time limit is a config error, found at start."""
         try:
-            _slurm("sbatch", "--test-only", f"--output={os.devnull}", *self._options_argv(), "--wrap", "true",
-                   env=job_environment({}))
+            _slurm(
+                "sbatch",
+                "--test-only",
+                f"--output={os.devnull}",
+                *self._options_argv(),
+                "--wrap",
+                "true",
+                env=job_environment({}),
+            )
         except SlurmError as error:
-            return str(error)
+            return f"sbatch refuses the simulations' job options: {error}"
         return None
 
     def started(self, job_id: str, fresh: bool = False) -> bool:
@@ -173,8 +246,9 @@ class SlurmScheduler(Scheduler):
         if not self._states:
             return
         try:
-            listed = _slurm("squeue", "--noheader", "--states=all", "--format=%i %T",
-                            f"--jobs={','.join(self._states)}")
+            listed = _slurm(
+                "squeue", "--noheader", "--states=all", "--format=%i %T", f"--jobs={','.join(self._states)}"
+            )
         except SlurmError as error:
             if UNKNOWN_JOB not in str(error):  # a busy or restarting controller: the states stand until the next try
                 logger.warning("job states not refreshed: %s", error)
@@ -220,13 +294,3 @@ class SlurmScheduler(Scheduler):
 def inside_allocation() -> bool:
     """Whether this process runs inside a Slurm allocation (a batch job or salloc)."""
     return "SLURM_JOB_ID" in os.environ
-
-
-def cancel_run_jobs(marker: str) -> list[str]:
-    """Cancel this user's jobs of one supervised server run (a dead server's simulations, on whatever node)."""
-    listed = _slurm("squeue", "--me", "--noheader", "--format=%i %k")
-    jobs = [job_id for job_id, _, comment in (line.strip().partition(" ") for line in listed.splitlines())
-            if comment == f"{RUN_COMMENT}{marker}"]
-    if jobs:
-        _slurm("scancel", *jobs)
-    return jobs

@@ -4,35 +4,43 @@ The public API, imported from here: ``from melissa_dl import Client``. Each
 name is loaded when first used, so that a simulation importing the client does
 not pay for torch.
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Client": "melissa_dl.client",
+    "Client": "melissa_dl.wire.client",
     "ClientError": "melissa_dl.errors",
     "HandshakeRefused": "melissa_dl.errors",
     "ServerUnreachable": "melissa_dl.errors",
-    "TrainingModule": "melissa_dl.module",
-    "Sample": "melissa_dl.sample",
-    "ShardedEmbedding": "melissa_dl.embedding",
-    "SparseOptimizer": "melissa_dl.sparse_optim",
-    "SGD": "melissa_dl.sparse_optim",
-    "Adagrad": "melissa_dl.sparse_optim",
-    "RowAdagrad": "melissa_dl.sparse_optim",
-    "Adam": "melissa_dl.sparse_optim",
-    "make_sparse_optimizer": "melissa_dl.sparse_optim",
+    "TrainingModule": "melissa_dl.train.module",
+    "Sample": "melissa_dl.buffers.sample",
+    "ShardedEmbedding": "melissa_dl.embeddings.table",
+    "SparseOptimizer": "melissa_dl.embeddings.sparse_optim",
+    "SGD": "melissa_dl.embeddings.sparse_optim",
+    "Adagrad": "melissa_dl.embeddings.sparse_optim",
+    "RowAdagrad": "melissa_dl.embeddings.sparse_optim",
+    "Adam": "melissa_dl.embeddings.sparse_optim",
+    "make_sparse_optimizer": "melissa_dl.embeddings.sparse_optim",
 }
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from melissa_dl.client import Client
-    from melissa_dl.embedding import ShardedEmbedding
+    from melissa_dl.buffers.sample import Sample
+    from melissa_dl.embeddings.sparse_optim import (
+        SGD,
+        Adagrad,
+        Adam,
+        RowAdagrad,
+        SparseOptimizer,
+        make_sparse_optimizer,
+    )
+    from melissa_dl.embeddings.table import ShardedEmbedding
     from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
-    from melissa_dl.module import TrainingModule
-    from melissa_dl.sample import Sample
-    from melissa_dl.sparse_optim import SGD, Adagrad, Adam, RowAdagrad, SparseOptimizer, make_sparse_optimizer
+    from melissa_dl.train.module import TrainingModule
+    from melissa_dl.wire.client import Client
 
 
 def __getattr__(name: str) -> Any:

@@ -4,6 +4,7 @@ Everything that can be checked without MPI is checked here, before MPI or a
 process group starts, so that ``--check`` costs none and a mistake is one
 line and exit 2, not a traceback on K ranks that a supervisor restarts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,38 +16,62 @@ import torch
 
 from launcher import make_scheduler
 from launcher.schedulers import missing_program
-from launcher.slurm import SlurmScheduler
-from melissa_dl.allocator import keep_freed_memory
 from melissa_dl.config import Config, load_config
 from melissa_dl.errors import ConfigError
-from melissa_dl.files import check_writable
-from melissa_dl.module import check_options, load_module_class
-from melissa_dl.mpi import first_of_launch
-from melissa_dl.progress import show_status
-from melissa_dl.status import EXIT_CONFIG
+from melissa_dl.runtime.allocator import keep_freed_memory
+from melissa_dl.runtime.files import check_writable
+from melissa_dl.runtime.mpi import first_of_launch
+from melissa_dl.runtime.status import EXIT_CONFIG
+from melissa_dl.study.progress import show_status
+from melissa_dl.train.module import check_options, load_module_class
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="melissa-server",
-                                     description="Online-learning server for simulation ensembles.")
+    parser = argparse.ArgumentParser(
+        prog="melissa-server", description="Online-learning server for simulation ensembles."
+    )
     parser.add_argument("config", nargs="?", help="the study's JSON configuration")
-    parser.add_argument("--status", metavar="OUTPUT_DIR", type=Path,
-                        help="print the latest status of the study writing into OUTPUT_DIR (running or not), and exit")
-    parser.add_argument("--plot", metavar="OUTPUT_DIR", type=Path,
-                        help="draw the PNGs of the study in OUTPUT_DIR (running or not) into that folder, and exit")
-    parser.add_argument("--try-simulation", action="store_true",
-                        help="run one simulation (the first parameter set, or --parameters) against a throwaway local "
-                        "server, check what it sends against the study, print what arrived, and exit (1 on a problem)")
-    parser.add_argument("--parameters", type=float, nargs="+", metavar="VALUE",
-                        help="with --try-simulation: the simulation's parameters")
-    parser.add_argument("--check", action="store_true",
-                        help="check the configuration, that output_dir can be written, that the simulation's program "
-                        "exists and that the training module builds; print the configuration resolved, and exit")
-    parser.add_argument("--fresh", action="store_true",
-                        help="start over: delete the checkpoints and TensorBoard logs of an earlier run "
-                        "instead of resuming")
-    parser.add_argument("--export-model", action="store_true",
-                        help="write model.pt from the latest checkpoint (on any number of ranks) and exit")
+    parser.add_argument(
+        "--status",
+        metavar="OUTPUT_DIR",
+        type=Path,
+        help="print the latest status of the study writing into OUTPUT_DIR (running or not), and exit",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="OUTPUT_DIR",
+        type=Path,
+        help="draw the PNGs of the study in OUTPUT_DIR (running or not) into that folder, and exit",
+    )
+    parser.add_argument(
+        "--try-simulation",
+        action="store_true",
+        help="run one simulation (the first parameter set, or --parameters) against a throwaway local "
+        "server, check what it sends against the study, print what arrived, and exit (1 on a problem)",
+    )
+    parser.add_argument(
+        "--parameters",
+        type=float,
+        nargs="+",
+        metavar="VALUE",
+        help="with --try-simulation: the simulation's parameters",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the configuration, that output_dir can be written, that the simulation's program "
+        "exists and that the training module builds; print the configuration resolved, and exit",
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over: delete the checkpoints and TensorBoard logs of an earlier run instead of resuming",
+    )
+    parser.add_argument(
+        "--export-model",
+        action="store_true",
+        help="write model.pt from the latest checkpoint (on any number of ranks) and exit",
+    )
     args = parser.parse_args(argv)
     if [args.config, args.status, args.plot].count(None) != 2:
         parser.error("give a configuration file, --status OUTPUT_DIR or --plot OUTPUT_DIR")
@@ -59,9 +84,8 @@ def check_study(config: Config, build: bool) -> None:
     check_writable(config.output_path)
     if (problem := missing_program(config.launcher.command, config.base_dir)) is not None:
         raise ConfigError(f"launcher.command[0]: {problem}")
-    scheduler = make_scheduler(config.launcher.scheduler, config.simulation_job())
-    if isinstance(scheduler, SlurmScheduler) and (refusal := scheduler.refusal()) is not None:
-        raise ConfigError(f"launcher.slurm: sbatch refuses the simulations' job options: {refusal}")
+    if (refusal := make_scheduler(config.launcher.scheduler, config.simulation_job()).dry_run()) is not None:
+        raise ConfigError(f"launcher.{config.launcher.scheduler}: {refusal}")
     training = config.training
     if training is None:
         return
@@ -72,8 +96,10 @@ def check_study(config: Config, build: bool) -> None:
             with torch.device("meta"):
                 module_class(**training.options)
         except Exception as error:  # the user's constructor: whatever it raises is this config's error
-            raise ConfigError(f"training: building {module_class.__name__}(**training.options) failed: "
-                              f"{type(error).__name__}: {error}") from error
+            raise ConfigError(
+                f"training: building {module_class.__name__}(**training.options) failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +136,7 @@ def print_status(output: Path) -> int:
 
 
 def plot(output: Path) -> int:
-    from melissa_dl.plots import draw  # matplotlib: only when asked
+    from melissa_dl.study.plots import draw  # matplotlib: only when asked
 
     try:
         paths = draw(output)
@@ -122,11 +148,13 @@ def plot(output: Path) -> int:
 
 
 def try_one(config: Config, parameters: list[float] | None) -> int:
-    from melissa_dl.trial import describe, try_simulation
+    from melissa_dl.study.trial import describe, try_simulation
 
     if parameters is not None and len(parameters) != len(config.study.parameters):
-        sys.stderr.write(f"melissa-server: --parameters: {len(parameters)} values for the study's "
-                         f"{len(config.study.parameters)} parameters\n")
+        sys.stderr.write(
+            f"melissa-server: --parameters: {len(parameters)} values for the study's "
+            f"{len(config.study.parameters)} parameters\n"
+        )
         return EXIT_CONFIG
     trial = try_simulation(config, parameters)
     sys.stdout.write(describe(trial) + "\n")

@@ -6,6 +6,7 @@ and ``melissa-server --check`` come from one place. The
 loader walks the dataclasses' type hints, so a new option is one line here;
 every mistake is reported as a ``ConfigError`` naming its JSON path.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,18 +22,20 @@ from typing import Any, Literal
 
 import numpy as np
 
-from launcher.jobs import SCHEDULERS, JobTemplate
+from launcher.jobs import SCHEDULERS, scheduler_class
 from launcher.samplers import SAMPLERS, SPACE_FILLING, Breeding, Sampler, make_sampler
-from melissa_dl.buffers import BUFFER_KINDS
+from launcher.schedulers import JobTemplate
+from melissa_dl.buffers.kinds import BUFFER_KINDS
 from melissa_dl.errors import ConfigError
-from melissa_dl.logs import LEVELS
-from melissa_dl.protocol import DTYPES, MAX_NDIM
+from melissa_dl.runtime.logs import LEVELS
+from melissa_dl.wire.protocol import DTYPES, MAX_NDIM
 
 MiB = 1 << 20
 
 
-def option(default: Any = dataclasses.MISSING, doc: str = "", *, minimum: int | None = None,
-           positive: bool = False) -> Any:
+def option(
+    default: Any = dataclasses.MISSING, doc: str = "", *, minimum: int | None = None, positive: bool = False
+) -> Any:
     """A dataclass field with its documentation and bounds (checked on load, stated in the schema); a class or
     a container as default becomes a factory so that no two configs share it."""
     metadata = {"doc": doc, "minimum": minimum, "positive": positive}
@@ -62,31 +65,43 @@ class ParameterConfig:
 
 @dataclass
 class FieldConfig:
-    dtype: Literal[DTYPES] = option(doc="Element type of the field.")
+    dtype: Literal[DTYPES] = option(doc="Element type of the field.")  # type: ignore[valid-type]
     shape: list[int] = option(doc="Shape of the whole field (an MPI client's slices joined on axis 0).")
 
 
 @dataclass
 class AdaptiveConfig:
-    base: Literal[tuple(SPACE_FILLING)] = option("halton", doc="Space-filling sampler of the simulations not bred.")
-    population: int | None = option(None, minimum=1,
-        doc="Simulations per generation (default: `launcher.job_limit`).")
-    breed_after: int | None = option(None, minimum=1,
+    base: Literal[tuple(SPACE_FILLING)] = option(  # type: ignore[valid-type]
+        "halton", doc="Space-filling sampler of the simulations not bred."
+    )
+    population: int | None = option(None, minimum=1, doc="Simulations per generation (default: `launcher.job_limit`).")
+    breed_after: int | None = option(
+        None,
+        minimum=1,
         doc="Simulations drawn from the base before the first bred generation (default: 2 populations, at least "
-        "the lag and a population).")
-    lag: int | None = option(None, minimum=0,
+        "the lag and a population).",
+    )
+    lag: int | None = option(
+        None,
+        minimum=0,
         doc="Simulations just before a generation that are not its parents (still running, or their samples not "
         "yet trained); a generation waits until all its candidates' statistics are in (default: 1 population, "
-        "at least 2 x `launcher.job_limit`).")
-    window: int | None = option(None, minimum=1,
-        doc="Candidate parents: the last `window` simulations before the lag (default: 4 populations).")
-    sigma: float | list[float] = option(0.1, doc="Standard deviation of a child's mutation, as a fraction of each "
-        "parameter's range; one number for all, or one per parameter.")
+        "at least 2 x `launcher.job_limit`).",
+    )
+    window: int | None = option(
+        None, minimum=1, doc="Candidate parents: the last `window` simulations before the lag (default: 4 populations)."
+    )
+    sigma: float | list[float] = option(
+        0.1,
+        doc="Standard deviation of a child's mutation, as a fraction of each "
+        "parameter's range; one number for all, or one per parameter.",
+    )
     start: float = option(0.5, doc="Bred fraction of the first bred generation.")
     end: float = option(0.9, doc="Bred fraction from generation `breakpoint` on.")
     breakpoint: int = option(10, minimum=1, doc="Generation at which the bred fraction reaches `end`.")
-    plot_parameters: list[str] = option([], doc="The two parameters of the TensorBoard picture of each generation "
-                                        "(default: the first two).")
+    plot_parameters: list[str] = option(
+        [], doc="The two parameters of the TensorBoard picture of each generation (default: the first two)."
+    )
 
     def breeding(self, job_limit: int, dimensions: int) -> Breeding:
         """The sampler's settings, defaults resolved."""
@@ -94,17 +109,28 @@ class AdaptiveConfig:
         # a lag below the 2 x job_limit simulations the study keeps drawn or running would wait at every generation
         lag = max(population, 2 * job_limit) if self.lag is None else self.lag
         sigma = self.sigma if isinstance(self.sigma, list) else [self.sigma] * dimensions
-        return Breeding(population=population, breed_after=self.breed_after or max(2 * population, lag + population),
-                        lag=lag, window=self.window or 4 * population, sigma=sigma, start=self.start, end=self.end,
-                        breakpoint=self.breakpoint, base=self.base)
+        return Breeding(
+            population=population,
+            breed_after=self.breed_after or max(2 * population, lag + population),
+            lag=lag,
+            window=self.window or 4 * population,
+            sigma=sigma,
+            start=self.start,
+            end=self.end,
+            breakpoint=self.breakpoint,
+            base=self.base,
+        )
 
     def check(self, dimensions: int) -> None:
         for name in ("start", "end"):
             _require(0.0 <= getattr(self, name) <= 1.0, f"study.adaptive.{name}", "must be between 0 and 1")
         sigmas = self.sigma if isinstance(self.sigma, list) else [self.sigma]
         _require(all(math.isfinite(v) and v > 0 for v in sigmas), "study.adaptive.sigma", "must be positive")
-        _require(not isinstance(self.sigma, list) or len(self.sigma) == dimensions, "study.adaptive.sigma",
-                 f"{len(sigmas)} values for {dimensions} parameters")
+        _require(
+            not isinstance(self.sigma, list) or len(self.sigma) == dimensions,
+            "study.adaptive.sigma",
+            f"{len(sigmas)} values for {dimensions} parameters",
+        )
         _require(len(self.plot_parameters) in (0, 2), "study.adaptive.plot_parameters", "name two parameters")
 
 
@@ -112,8 +138,9 @@ class AdaptiveConfig:
 class CustomSamplerConfig:
     module: str = option(doc="Python file defining the sampler, relative to the config file.")
     class_name: str = option(doc="Name of its `launcher.Sampler` subclass.")
-    options: dict[str, Any] = option({}, doc="Keyword arguments of its constructor, after low, high, seed and "
-                                     "simulations.")
+    options: dict[str, Any] = option(
+        {}, doc="Keyword arguments of its constructor, after low, high, seed and simulations."
+    )
 
 
 @dataclass
@@ -125,22 +152,25 @@ class StudyConfig:
     )
     parameters: list[ParameterConfig] = option(doc="The swept parameters and their bounds.")
     simulations: int = option(doc="Number of simulations (parameter sets) in the study.")
-    sampler: Literal[SAMPLERS] = option(
-        "uniform", doc="How parameter sets are drawn: `uniform` random, scrambled `sobol` or `halton`, `lhs` (a Latin "
+    sampler: Literal[SAMPLERS] = option(  # type: ignore[valid-type]
+        "uniform",
+        doc="How parameter sets are drawn: `uniform` random, scrambled `sobol` or `halton`, `lhs` (a Latin "
         "hypercube), `list` (`parameter_values`), `adaptive` (bred where training finds it hard: `adaptive`) or "
-        "`custom` (`custom_sampler`). README, Active sampling."
+        "`custom` (`custom_sampler`). README, Active sampling.",
     )
     adaptive: AdaptiveConfig = option(AdaptiveConfig, doc="Settings of sampler `adaptive`.")
     custom_sampler: CustomSamplerConfig | None = option(None, doc="The user's sampler class (sampler `custom`).")
     loss_statistic: str = option(
-        "mean", doc="What makes a simulation hard for the samplers that learn: `mean` or `max` of its steps' "
-        "losses (each step's loss when it was first trained), or a quantile `qNN`, e.g. `q90`."
+        "mean",
+        doc="What makes a simulation hard for the samplers that learn: `mean` or `max` of its steps' "
+        "losses (each step's loss when it was first trained), or a quantile `qNN`, e.g. `q90`.",
     )
     parameter_values: list[list[float]] | None = option(
         None, doc="Explicit parameter sets, one row per simulation (sampler `list`)."
     )
     time_steps: int | None = option(
-        None, doc="Time steps each simulation sends, if known: larger steps are refused and the report checks the total."
+        None,
+        doc="Time steps each simulation sends, if known: larger steps are refused and the report checks the total.",
     )
     seed: int = option(0, minimum=0, doc="Seed of the parameter sampler.")
 
@@ -157,14 +187,24 @@ class StudyConfig:
         low, high = [p.low for p in self.parameters], [p.high for p in self.parameters]
         custom = options = None
         if self.sampler == "custom":
-            from melissa_dl.plugins import load_class
+            from melissa_dl.runtime.plugins import load_class
 
             assert self.custom_sampler is not None
-            custom = load_class(base_dir / self.custom_sampler.module, self.custom_sampler.class_name, Sampler,
-                                "study.custom_sampler")
+            custom = load_class(
+                base_dir / self.custom_sampler.module, self.custom_sampler.class_name, Sampler, "study.custom_sampler"
+            )
             options = self.custom_sampler.options
-        return make_sampler(self.sampler, low, high, self.seed, self.simulations, values=self.parameter_values,
-                            breeding=self.adaptive.breeding(job_limit, len(low)), custom=custom, options=options)
+        return make_sampler(
+            self.sampler,
+            low,
+            high,
+            self.seed,
+            self.simulations,
+            values=self.parameter_values,
+            breeding=self.adaptive.breeding(job_limit, len(low)),
+            custom=custom,
+            options=options,
+        )
 
     def parameter_table(self, base_dir: Path = Path(".")) -> np.ndarray:
         """Every simulation's parameters, drawn at once, for the samplers that need no training (``offline.py``,
@@ -187,42 +227,67 @@ class StudyConfig:
             return {}
         return {name: (f.dtype, tuple(f.shape)) for name, f in self.fields.items()}
 
+    def _check_parameter_values(self) -> None:
+        """``parameter_values`` with sampler ``list`` and only then, a finite row per simulation."""
+        if self.sampler == "list":
+            _require(self.parameter_values is not None, "study.parameter_values", "required by sampler 'list'")
+        if self.parameter_values is None:
+            return
+        _require(self.sampler == "list", "study.parameter_values", "only used with sampler 'list'")
+        _require(
+            len(self.parameter_values) == self.simulations,
+            "study.parameter_values",
+            f"{len(self.parameter_values)} rows for {self.simulations} simulations",
+        )
+        for i, row in enumerate(self.parameter_values):
+            _require(
+                len(row) == len(self.parameters),
+                f"study.parameter_values[{i}]",
+                f"{len(row)} values for {len(self.parameters)} parameters",
+            )
+            _require(all(map(math.isfinite, row)), f"study.parameter_values[{i}]", "values must be finite")
+
     def check(self) -> None:
         _require(len(self.fields) > 0, "study.fields", "at least one field is needed")
         _require(len(set(self.fields)) == len(self.fields), "study.fields", "field names must be unique")
         _require(len(self.fields) < 1 << 16, "study.fields", "at most 65535 fields")
         for name, (_, shape) in self.field_layouts.items():
-            _require(len(shape) <= MAX_NDIM and all(0 <= n < 1 << 32 for n in shape), f"study.fields.{name}.shape",
-                     f"at most {MAX_NDIM} dimensions of 0 to 2**32 - 1")
+            _require(
+                len(shape) <= MAX_NDIM and all(0 <= n < 1 << 32 for n in shape),
+                f"study.fields.{name}.shape",
+                f"at most {MAX_NDIM} dimensions of 0 to 2**32 - 1",
+            )
         _require(len(self.parameters) > 0, "study.parameters", "at least one parameter is needed")
         for i, p in enumerate(self.parameters):
             for bound in ("low", "high"):
                 _require(math.isfinite(getattr(p, bound)), f"study.parameters[{i}].{bound}", "must be finite")
             _require(p.low <= p.high, f"study.parameters[{i}].high", f"{p.high} is below low={p.low}")
         _require(0 < self.simulations < 1 << 32, "study.simulations", "must be between 1 and 2**32 - 1")
-        if self.sampler == "list":
-            _require(self.parameter_values is not None, "study.parameter_values", "required by sampler 'list'")
-        if self.parameter_values is not None:
-            _require(self.sampler == "list", "study.parameter_values", "only used with sampler 'list'")
-            _require(len(self.parameter_values) == self.simulations, "study.parameter_values",
-                     f"{len(self.parameter_values)} rows for {self.simulations} simulations")
-            for i, row in enumerate(self.parameter_values):
-                _require(len(row) == len(self.parameters), f"study.parameter_values[{i}]",
-                         f"{len(row)} values for {len(self.parameters)} parameters")
-                _require(all(map(math.isfinite, row)), f"study.parameter_values[{i}]", "values must be finite")
+        self._check_parameter_values()
         if self.time_steps is not None:
             _require(0 < self.time_steps < 1 << 32, "study.time_steps", "must be between 1 and 2**32 - 1")
         statistic = self.loss_statistic
-        _require(statistic in ("mean", "max") or (len(statistic) == 3 and statistic[0] == "q"
-                                                  and statistic[1:].isdigit() and 0 < int(statistic[1:]) < 100),
-                 "study.loss_statistic", f"expected mean, max or qNN (a quantile, q01 to q99), got {statistic!r}")
+        _require(
+            statistic in ("mean", "max")
+            or (
+                len(statistic) == 3 and statistic[0] == "q" and statistic[1:].isdigit() and 0 < int(statistic[1:]) < 100
+            ),
+            "study.loss_statistic",
+            f"expected mean, max or qNN (a quantile, q01 to q99), got {statistic!r}",
+        )
         self.adaptive.check(len(self.parameters))
         for i, name in enumerate(self.adaptive.plot_parameters):
             close = difflib.get_close_matches(name, self.parameter_names, n=1)
-            _require(name in self.parameter_names, f"study.adaptive.plot_parameters[{i}]",
-                     f"no parameter {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        _require(self.sampler != "custom" or self.custom_sampler is not None, "study.custom_sampler",
-                 "required by sampler 'custom'")
+            _require(
+                name in self.parameter_names,
+                f"study.adaptive.plot_parameters[{i}]",
+                f"no parameter {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""),
+            )
+        _require(
+            self.sampler != "custom" or self.custom_sampler is not None,
+            "study.custom_sampler",
+            "required by sampler 'custom'",
+        )
 
 
 @dataclass
@@ -234,29 +299,35 @@ class ServerConfig:
     bind_simulation_to_server_rank: bool = option(
         False, doc="Send every step of simulation s to rank s mod K instead of (s + t) mod K."
     )
-    max_message_bytes: int = option(64 * MiB, positive=True,
-        doc="Largest accepted field slice; larger frames are refused.")
+    max_message_bytes: int = option(
+        64 * MiB, positive=True, doc="Largest accepted field slice; larger frames are refused."
+    )
     security: Literal["token", "curve"] = option(
-        "token", doc="`token`: only peers holding the study's token connect (ZeroMQ PLAIN, not encrypted); "
-        "`curve`: CURVE encryption and authentication with keys drawn per study (README, Security)."
+        "token",
+        doc="`token`: only peers holding the study's token connect (ZeroMQ PLAIN, not encrypted); "
+        "`curve`: CURVE encryption and authentication with keys drawn per study (README, Security).",
     )
     receive_queue_bytes: int = option(
-        256 * MiB, positive=True,
-        doc="Memory ZeroMQ may queue per client connection on each rank (sets the high-water mark)."
+        256 * MiB,
+        positive=True,
+        doc="Memory ZeroMQ may queue per client connection on each rank (sets the high-water mark).",
     )
     reject_non_finite: bool = option(True, doc="Refuse floating-point fields holding NaN or infinity.")
     max_partial_bytes: int = option(
-        256 * MiB, positive=True,
+        256 * MiB,
+        positive=True,
         doc="Memory each rank gives to steps still missing a field or a client rank's slice; beyond it "
-        "the oldest incomplete step is dropped and counted as refused (`incomplete`)."
+        "the oldest incomplete step is dropped and counted as refused (`incomplete`).",
     )
     status_interval: float = option(5.0, positive=True, doc="Seconds between two status lines of rank 0.")
-    control_interval: float = option(0.2, positive=True,
-        doc="Seconds between two synchronisations of the ranks' bookkeeping.")
-    log_level: Literal[LEVELS] | dict[str, Literal[LEVELS]] = option(
-        "INFO", doc="Level of the server's own log lines; or an object `logger: level`, e.g. "
-        "`{\"melissa_dl\": \"DEBUG\", \"my_library\": \"INFO\"}`. Other libraries' loggers show WARNING and "
-        "above unless named here."
+    control_interval: float = option(
+        0.2, positive=True, doc="Seconds between two synchronisations of the ranks' bookkeeping."
+    )
+    log_level: Literal[LEVELS] | dict[str, Literal[LEVELS]] = option(  # type: ignore[valid-type]
+        "INFO",
+        doc="Level of the server's own log lines; or an object `logger: level`, e.g. "
+        '`{"melissa_dl": "DEBUG", "my_library": "INFO"}`. Other libraries\' loggers show WARNING and '
+        "above unless named here.",
     )
 
     def check(self) -> None:
@@ -265,8 +336,9 @@ class ServerConfig:
 
 @dataclass
 class BufferConfig:
-    kind: Literal[BUFFER_KINDS] = option(
-        "reservoir", doc="Buffer policy (README, Buffers); `reservoir` trains while simulations are slower than training."
+    kind: Literal[BUFFER_KINDS] = option(  # type: ignore[valid-type]
+        "reservoir",
+        doc="Buffer policy (README, Buffers); `reservoir` trains while simulations are slower than training.",
     )
     capacity_samples: int | None = option(1000, positive=True, doc="Samples a rank's buffer holds at most.")
     capacity_bytes: int | None = option(None, positive=True, doc="Bytes a rank's buffer holds at most.")
@@ -275,67 +347,90 @@ class BufferConfig:
     seed: int = option(0, doc="Seed of the buffer's random choices (rank r uses seed + r).")
 
     def check(self) -> None:
-        _require(self.capacity_samples is not None or self.capacity_bytes is not None, "buffer.capacity_samples",
-                 "give capacity_samples, capacity_bytes or both")
+        _require(
+            self.capacity_samples is not None or self.capacity_bytes is not None,
+            "buffer.capacity_samples",
+            "give capacity_samples, capacity_bytes or both",
+        )
         if self.capacity_samples is not None:
-            _require(self.per_server_watermark <= self.capacity_samples, "buffer.per_server_watermark",
-                     f"{self.per_server_watermark} is above capacity_samples={self.capacity_samples}")
+            _require(
+                self.per_server_watermark <= self.capacity_samples,
+                "buffer.per_server_watermark",
+                f"{self.per_server_watermark} is above capacity_samples={self.capacity_samples}",
+            )
 
 
-@dataclass
-class SlurmConfig:
-    partition: str | None = option(None, doc="`sbatch --partition` of each simulation's job (default: Slurm's).")
-    time_limit: str | None = option(None, doc="`sbatch --time` of each simulation's job, e.g. `\"00:30:00\"`.")
-    account: str | None = option(None, doc="`sbatch --account` of each simulation's job.")
-    sbatch_args: list[str] = option([], doc="More `sbatch` arguments of each simulation's job, e.g. "
-                                    "`[\"--mem=4G\", \"--qos=short\"]`.")
-
-    def sbatch_options(self) -> list[str]:
-        """These options as ``sbatch`` arguments."""
-        return [*([f"--partition={self.partition}"] if self.partition else []),
-                *([f"--time={self.time_limit}"] if self.time_limit else []),
-                *([f"--account={self.account}"] if self.account else []),
-                *self.sbatch_args]
+def _mpi_schedulers(quote: str) -> str:
+    """``'mpirun' or 'slurm'``: the schedulers that run a simulation on several ranks, for a doc or a message."""
+    names = [f"{quote}{kind}{quote}" for kind in SCHEDULERS if scheduler_class(kind).runs_mpi]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
 
 
+T = typing.TypeVar("T")
+
+
+def _with_scheduler_sections(cls: type[T]) -> type[T]:
+    """``cls`` plus a section ``launcher.<name>`` for each scheduler that has its own ``Options``, so that a new
+    scheduler needs no line here."""
+    sections = [
+        (kind, options, option(options, doc=f"Options of each simulation's job (scheduler `{kind}`)."))
+        for kind in SCHEDULERS
+        if (options := scheduler_class(kind).Options) is not None
+    ]
+    return dataclasses.make_dataclass(
+        cls.__name__, sections, bases=(cls,), namespace={"__module__": cls.__module__, "__doc__": cls.__doc__}
+    )
+
+
+@_with_scheduler_sections
 @dataclass
 class LauncherConfig:
+    """How simulations are started; each scheduler's own options are the section named after it."""
+
     command: list[str] = option(doc="Command line of one simulation, run from the config file's folder.")
-    scheduler: Literal[tuple(SCHEDULERS)] = option(
-        "local", doc="`local`: one subprocess per simulation; `mpirun`: `mpirun -n client_ranks command`; "
-        "`slurm`: one `sbatch` job per simulation attempt, running `srun --mpi=pmi2 -n client_ranks command`."
+    scheduler: Literal[tuple(SCHEDULERS)] = option(  # type: ignore[valid-type]
+        "local", doc="; ".join(f"`{kind}`: {scheduler_class(kind).summary}" for kind in SCHEDULERS) + "."
     )
     client_ranks: int = option(
-        1, minimum=1,
-        doc="MPI ranks of each simulation (scheduler `mpirun` or `slurm`); a hello of another client size is "
-        "refused."
+        1,
+        minimum=1,
+        doc=f"MPI ranks of each simulation (scheduler {_mpi_schedulers('`')}); a hello of "
+        "another client size is refused.",
     )
-    slurm: SlurmConfig = option(SlurmConfig, doc="Options of each simulation's job (scheduler `slurm`).")
     job_limit: int = option(4, minimum=1, doc="Simulations running at once.")
     simulation_timeout: float = option(
-        120.0, positive=True, doc="Seconds without data from a running simulation before it is killed and relaunched "
-        "(raise it for simulations slower than that between two steps)."
+        120.0,
+        positive=True,
+        doc="Seconds without data from a running simulation before it is killed and relaunched "
+        "(raise it for simulations slower than that between two steps).",
     )
     max_retries: int = option(2, minimum=0, doc="Relaunches of a failed simulation before it is reported failed.")
     client_timeout: float = option(
-        60.0, positive=True,
+        60.0,
+        positive=True,
         doc="Seconds a client waits for an unreachable server (no connection, no answer) before failing; "
-        "back-pressure is waited out however long."
+        "back-pressure is waited out however long.",
     )
-    send_queue_bytes: int = option(64 * MiB, positive=True,
-        doc="Memory ZeroMQ may queue in each client rank per server rank.")
+    send_queue_bytes: int = option(
+        64 * MiB, positive=True, doc="Memory ZeroMQ may queue in each client rank per server rank."
+    )
     env: dict[str, str] = option({}, doc="Extra environment variables of the simulations.")
     server_timeout: float = option(
-        600.0, positive=True,
-        doc="`melissa-launcher`: seconds without a heartbeat of the server before it is killed and restarted."
+        600.0,
+        positive=True,
+        doc="`melissa-launcher`: seconds without a heartbeat of the server before it is killed and restarted.",
     )
-    max_server_restarts: int = option(3, minimum=0,
-        doc="`melissa-launcher`: restarts of a dead server before giving up.")
+    max_server_restarts: int = option(
+        3, minimum=0, doc="`melissa-launcher`: restarts of a dead server before giving up."
+    )
 
     def check(self) -> None:
         _require(len(self.command) > 0, "launcher.command", "must not be empty")
-        _require(self.scheduler != "local" or self.client_ranks == 1, "launcher.client_ranks",
-                 "more than one client rank needs scheduler 'mpirun' or 'slurm'")
+        _require(
+            scheduler_class(self.scheduler).runs_mpi or self.client_ranks == 1,
+            "launcher.client_ranks",
+            "more than one client rank needs scheduler " + _mpi_schedulers("'"),
+        )
 
 
 @dataclass
@@ -357,13 +452,17 @@ class TrainingConfig:
     checkpoint_interval: int = option(
         500, minimum=0, doc="Batches between two checkpoints (one is also written at the end); 0 writes only the last."
     )
-    keep_checkpoints: int = option(3, minimum=1,
-        doc="Committed checkpoint versions kept on disk; older ones are deleted.")
+    keep_checkpoints: int = option(
+        3, minimum=1, doc="Committed checkpoint versions kept on disk; older ones are deleted."
+    )
 
     def check(self, base_dir: Path, buffer: BufferConfig) -> None:
         if buffer.capacity_samples is not None:
-            _require(self.batch_size <= buffer.capacity_samples, "training.batch_size",
-                     f"{self.batch_size} is above buffer.capacity_samples={buffer.capacity_samples}")
+            _require(
+                self.batch_size <= buffer.capacity_samples,
+                "training.batch_size",
+                f"{self.batch_size} is above buffer.capacity_samples={buffer.capacity_samples}",
+            )
         _require((base_dir / self.module).is_file(), "training.module", f"no file {self.module}")
 
 
@@ -384,8 +483,10 @@ class Config:
     def simulation_job(self) -> JobTemplate:
         """What the scheduler ``launcher.scheduler`` needs to run this study's simulations."""
         launcher = self.launcher
-        return JobTemplate(launcher.command, self.base_dir, launcher.client_ranks, launcher.slurm.sbatch_options(),
-                           f"melissa-{self.output_path.name}")
+        options = getattr(launcher, launcher.scheduler, None)  # the scheduler's own section, if it has one
+        return JobTemplate(
+            launcher.command, self.base_dir, launcher.client_ranks, options, f"melissa-{self.output_path.name}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved configuration as JSON-ready data (internal fields left out)."""
@@ -451,7 +552,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             try:
                 return _convert(arg, value, path)
             except ConfigError:
-                if _json_kind(arg) == type(value):
+                if _json_kind(arg) is type(value):
                     raise  # the value has this arm's shape: its error names the culprit best
                 continue
     elif origin is Literal:
@@ -459,8 +560,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             return value
         close = difflib.get_close_matches(value, typing.get_args(tp), n=1) if isinstance(value, str) else []
         if close:
-            raise ConfigError(f"{path}: expected {type_name(tp)}, got {json.dumps(value)} (did you mean "
-                              f"{json.dumps(close[0])}?)")
+            raise ConfigError(
+                f"{path}: expected {type_name(tp)}, got {json.dumps(value)} (did you mean {json.dumps(close[0])}?)"
+            )
     elif origin is list:
         if isinstance(value, list):
             (item,) = typing.get_args(tp)
@@ -469,7 +571,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, dict):
             _, item = typing.get_args(tp)
             return {k: _convert(item, v, f"{path}.{k}") for k, v in value.items()}
-    elif dataclasses.is_dataclass(tp):
+    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             return _build(tp, value, path)
     elif tp is float:
@@ -517,14 +619,22 @@ def _check(config: Config) -> None:
         config.training.check(config.base_dir, config.buffer)
     study = config.study
     if study.sampler == "adaptive":
-        _require(config.training is not None, "study.sampler", "'adaptive' learns from training: add a training section")
+        _require(
+            config.training is not None, "study.sampler", "'adaptive' learns from training: add a training section"
+        )
         breeding = study.adaptive.breeding(config.launcher.job_limit, len(study.parameters))
-        _require(breeding.lag < breeding.breed_after, "study.adaptive.lag",
-                 f"{breeding.lag} leaves no parent before the first bred generation (breed_after={breeding.breed_after})")
+        _require(
+            breeding.lag < breeding.breed_after,
+            "study.adaptive.lag",
+            f"{breeding.lag} leaves no parent before the first bred generation (breed_after={breeding.breed_after})",
+        )
     if study.sampler == "custom":
         assert study.custom_sampler is not None
-        _require((config.base_dir / study.custom_sampler.module).is_file(), "study.custom_sampler.module",
-                 f"no file {study.custom_sampler.module}")
+        _require(
+            (config.base_dir / study.custom_sampler.module).is_file(),
+            "study.custom_sampler.module",
+            f"no file {study.custom_sampler.module}",
+        )
 
 
 def parse_config(data: Any, base_dir: Path) -> Config:

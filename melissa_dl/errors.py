@@ -4,6 +4,7 @@ User mistakes (bad config, bad input, refused handshakes) are ``ValueError``
 subclasses so that callers can tell them from bugs; internal invariants use
 ``assert``.
 """
+
 from __future__ import annotations
 
 
@@ -13,15 +14,6 @@ class MelissaError(Exception):
 
 class ConfigError(MelissaError, ValueError):
     """The configuration file is wrong; the message names the JSON path."""
-
-
-class OutputUnwritable(MelissaError, RuntimeError):
-    """The output folder cannot take what the server writes (full, read-only): ends the job with exit 2.
-
-    Not an ``OSError``, so that no caller takes it for its own failure (the
-    launcher, for a simulation that could not start); the ``OSError`` is its
-    ``__cause__``.
-    """
 
 
 class ProtocolError(MelissaError, ValueError):

@@ -5,6 +5,7 @@ melissa_dl.reference`` rewrites both copies, and a test fails when either is
 stale. The schema gives editors completion and validation: put
 ``"$schema": "<path to>/config/schema.json"`` at the top of a study's config.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,7 @@ def _sections(tp: Any) -> Iterator[tuple[str, type]]:
     """The dataclasses inside a field's type, with the key suffix that reaches them."""
     for arm in typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,):
         origin = typing.get_origin(arm)
-        if dataclasses.is_dataclass(arm):
+        if isinstance(arm, type) and dataclasses.is_dataclass(arm):
             yield "", arm
         elif origin is list and dataclasses.is_dataclass(typing.get_args(arm)[0]):
             yield "[]", typing.get_args(arm)[0]
@@ -82,7 +83,7 @@ def _schema_of(tp: Any) -> dict[str, Any]:
         return {"type": "array", "items": _schema_of(typing.get_args(tp)[0])}
     if origin is dict:
         return {"type": "object", "additionalProperties": _schema_of(typing.get_args(tp)[1])}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         properties, required = {}, []
         for f, field_type in _fields(tp):
             properties[f.name] = {"description": f.metadata["doc"], **_schema_of(field_type)}
@@ -101,10 +102,11 @@ def _schema_of(tp: Any) -> dict[str, Any]:
 
 def schema() -> dict[str, Any]:
     top = _schema_of(Config)
-    top["properties"] = {"$schema": {"description": "This file's schema, for editors.", "type": "string"},
-                         **top["properties"]}
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "melissa_dl study configuration",
-            **top}
+    top["properties"] = {
+        "$schema": {"description": "This file's schema, for editors.", "type": "string"},
+        **top["properties"],
+    }
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "melissa_dl study configuration", **top}
 
 
 def schema_text() -> str:

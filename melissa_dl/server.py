@@ -9,6 +9,7 @@ launches, relaunches) and broadcasts whether it is over, which ends
 reception. MPI is called from the main thread only. This module builds the
 parts, restores them, and reports.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -26,20 +27,8 @@ import numpy as np
 from mpi4py import MPI
 
 from launcher import Launcher, Sampler, make_scheduler
-from melissa_dl.assembly import StreamSpec
-from melissa_dl.buffers import make_buffer
-from melissa_dl.checkpoint import Version, next_version
-from melissa_dl.config import Config
-from melissa_dl.connections import raise_open_file_limit
-from melissa_dl.dataset import StreamDataset
-from melissa_dl.errors import CheckpointCorrupt, ConfigError
-from melissa_dl.files import remove_temporaries, write_atomic
-from melissa_dl.handshake import HandshakeServer
-from melissa_dl.logs import setup_logging
-from melissa_dl.loop import Bookkeeping, Loop, Outcome
-from melissa_dl.mpi import Comm, GracefulStop, end_every_rank, first_of_launch, install_abort_on_error, launch_problem
-from melissa_dl.receiver import Receiver
-from melissa_dl.recovery import (
+from melissa_dl.buffers.kinds import make_buffer
+from melissa_dl.checkpoint.recovery import (
     DENSE,
     STREAM,
     STUDY,
@@ -52,13 +41,32 @@ from melissa_dl.recovery import (
     restore,
     start_fresh,
 )
-from melissa_dl.plots import draw
-from melissa_dl.progress import StatusBoard
-from melissa_dl.report import final_report, write_report
-from melissa_dl.security import Security
-from melissa_dl.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
-from melissa_dl.study import Study, simulation_environment
-from melissa_dl.training import Trainer
+from melissa_dl.checkpoint.versions import Version, next_version
+from melissa_dl.config import Config
+from melissa_dl.errors import CheckpointCorrupt, ConfigError
+from melissa_dl.ingest.assembly import StreamSpec
+from melissa_dl.ingest.connections import raise_open_file_limit
+from melissa_dl.ingest.handshake import HandshakeServer
+from melissa_dl.ingest.receiver import Receiver
+from melissa_dl.runtime.files import remove_temporaries, write_atomic
+from melissa_dl.runtime.logs import setup_logging
+from melissa_dl.runtime.mpi import (
+    Comm,
+    GracefulStop,
+    end_every_rank,
+    first_of_launch,
+    install_abort_on_error,
+    launch_problem,
+)
+from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
+from melissa_dl.study.plots import draw
+from melissa_dl.study.progress import StatusBoard
+from melissa_dl.study.report import final_report, write_report
+from melissa_dl.study.study import Study, simulation_environment
+from melissa_dl.train.dataset import StreamDataset
+from melissa_dl.train.loop import Bookkeeping, Loop, Outcome
+from melissa_dl.train.trainer import Trainer
+from melissa_dl.wire.security import Security
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +81,9 @@ def lock_output(output: Path) -> Any:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
-        raise ConfigError(f"output_dir: another melissa-server (pid {handle.read().strip() or '?'}) "
-                          f"is running on {output}") from None
+        raise ConfigError(
+            f"output_dir: another melissa-server (pid {handle.read().strip() or '?'}) is running on {output}"
+        ) from None
     handle.truncate(0)
     handle.write(f"{os.getpid()}\n")
     handle.flush()
@@ -89,8 +98,11 @@ def addresses(interface: str) -> tuple[str, str]:
 
 
 def make_launcher(config: Config) -> Launcher:
-    return Launcher(make_scheduler(config.launcher.scheduler, config.simulation_job()), config.launcher.job_limit,
-                    config.output_path / "simulations")
+    return Launcher(
+        make_scheduler(config.launcher.scheduler, config.simulation_job()),
+        config.launcher.job_limit,
+        config.output_path / "simulations",
+    )
 
 
 class Server:
@@ -109,8 +121,15 @@ class Server:
         self.parameters = np.full((study.simulations, len(study.parameters)), np.nan)
         self.token: bytes = comm.bcast(secrets.token_bytes(32) if self.rank == 0 else None)
         self.security: Security = comm.bcast(  # CURVE keys drawn once, by rank 0
-            Security.generate(config.server.security, self.token, config.launcher.client_timeout)
-            if self.rank == 0 else None)
+            Security.generate(
+                config.server.security,
+                self.token,
+                config.launcher.client_timeout,
+                config.launcher.job_limit * config.launcher.client_ranks,
+            )
+            if self.rank == 0
+            else None
+        )
         options = config.buffer
         self.buffer = make_buffer(
             options.kind,
@@ -122,8 +141,7 @@ class Server:
         )
         spec = StreamSpec.from_config(config, self.parameters, self.token, self.rank, self.size)
         self.bind_address, self.host = addresses(config.server.interface)
-        self.receiver = Receiver(spec, self.buffer, self.bind_address, config.server.receive_queue_bytes,
-                                 self.security)
+        self.receiver = Receiver(spec, self.buffer, self.bind_address, config.server.receive_queue_bytes, self.security)
         self.parts: list[Part] = []  # of the checkpoints: the stream's, the trainer's, and on rank 0 the study's
 
     def run(self) -> int:
@@ -142,10 +160,7 @@ class Server:
                 assert trainer is not None
                 if self.export_model:
                     return self._export_model(version, trainer)
-                if version.meta.get("complete") and (self.config.output_path / "report.json").is_file():
-                    if self.rank == 0:
-                        logger.info("the study in %s is complete (checkpoint %s): nothing to do; --fresh starts "
-                                    "it over", self.config.output_path, version.path)
+                if self._already_complete(version):
                     return 0
             self._add_parts(version, Part(STREAM, self.receiver))
         except ConfigError as error:
@@ -156,24 +171,48 @@ class Server:
         handshake = launcher = study = None
         try:
             if self.rank == 0:
+                assert endpoints is not None
                 handshake, launcher, study = self._open_study(endpoints, version, sampler)
             status = self._status_board(start, handshake) if self.rank == 0 else None
-            bookkeeping = Bookkeeping(self.comm, self.receiver, self.config.server.control_interval,
-                                      self.config.output_path / HEARTBEAT, study, handshake, status)
-            bookkeeping.beat()  # the restore and the start of the study may have taken a while
-            if trainer is not None:
-                loop = self._train(trainer, bookkeeping)
-                if loop is None:
-                    return EXIT_STOPPED
-            else:
-                loop = Loop(self.comm, bookkeeping, self.stop)
-                loop.drain()
-            return self._report(trainer, bookkeeping, loop.consumed(), time.monotonic() - start)
+            bookkeeping = Bookkeeping(
+                self.comm,
+                self.receiver,
+                self.config.server.control_interval,
+                self.config.output_path / HEARTBEAT,
+                study,
+                handshake,
+                status,
+            )
+            return self._consume(start, trainer, bookkeeping)
         finally:
             if launcher is not None:
                 launcher.shutdown()
             if handshake is not None:
                 handshake.stop()
+
+    def _consume(self, start: float, trainer: Trainer | None, bookkeeping: Bookkeeping) -> int:
+        """Train (or only drain the buffers, without a training module) until the study ends, then report."""
+        bookkeeping.beat()  # the restore and the start of the study may have taken a while
+        if trainer is not None:
+            loop = self._train(trainer, bookkeeping)
+            if loop is None:
+                return EXIT_STOPPED
+        else:
+            loop = Loop(self.comm, bookkeeping, self.stop)
+            loop.drain()
+        return self._report(trainer, bookkeeping, loop.consumed(), time.monotonic() - start)
+
+    def _already_complete(self, version: Version) -> bool:
+        """Whether ``version`` is of a study that ran to its end and wrote its report: nothing is left to do."""
+        if not (version.meta.get("complete") and (self.config.output_path / "report.json").is_file()):
+            return False
+        if self.rank == 0:
+            logger.info(
+                "the study in %s is complete (checkpoint %s): nothing to do; --fresh starts it over",
+                self.config.output_path,
+                version.path,
+            )
+        return True
 
     def _claim_output(self) -> tuple[Version | None, str | None]:
         """Rank 0, before anything is written: is this output folder ours, start over or resume, from what?"""
@@ -196,8 +235,14 @@ class Server:
         """The trainer of the ``training`` section (none without one), restored from ``version``."""
         if self.config.training is None:
             return None
-        trainer = Trainer(self.config.training, self.config.base_dir, self.config.output_path, self.comm,
-                          self.receiver.scalars, learning)
+        trainer = Trainer(
+            self.config.training,
+            self.config.base_dir,
+            self.config.output_path,
+            self.comm,
+            self.receiver.scalars,
+            learning,
+        )
         self._add_parts(version, Part(DENSE, trainer.dense, shared=True), Part(TRAINER, trainer))
         return trainer
 
@@ -222,13 +267,18 @@ class Server:
         logger.info("data at %s, delivery service at %s", data, delivery)
         return data, delivery
 
-    def _open_study(self, endpoints: list[tuple[str, str]], version: Version | None,
-                    sampler: Sampler) -> tuple[HandshakeServer, Launcher, Study]:
+    def _open_study(
+        self, endpoints: list[tuple[str, str]], version: Version | None, sampler: Sampler
+    ) -> tuple[HandshakeServer, Launcher, Study]:
         """Rank 0: the handshake socket, the launcher and the study, restored from ``version``."""
         handshake = HandshakeServer.from_config(self.config, self.token, endpoints, self.bind_address, self.security)
         server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
-        logger.info("study of %d simulations, handshake at %s, %d server ranks",
-                    self.config.study.simulations, server_endpoint, self.size)
+        logger.info(
+            "study of %d simulations, handshake at %s, %d server ranks",
+            self.config.study.simulations,
+            server_endpoint,
+            self.size,
+        )
         launcher = make_launcher(self.config)
         options = self.config.study
         study = Study(
@@ -237,8 +287,15 @@ class Server:
             launcher,
             sampler,
             lambda sim, attempt, parameters: simulation_environment(
-                self.config.launcher, server_endpoint, self.token, self.security, sim, attempt, parameters,
-                options.parameter_names),
+                self.config.launcher,
+                server_endpoint,
+                self.token,
+                self.security,
+                sim,
+                attempt,
+                parameters,
+                options.parameter_names,
+            ),
             handshake.expect,
             self.config.launcher.max_retries,
             self.config.launcher.simulation_timeout,
@@ -247,8 +304,9 @@ class Server:
             options.loss_statistic,
             options.plotted(),
         )
-        self._add_parts(version, Part(STUDY, Group(simulations=study, handshake_rejected=handshake.rejections),
-                                      shared=True))
+        self._add_parts(
+            version, Part(STUDY, Group(simulations=study, handshake_rejected=handshake.rejections), shared=True)
+        )
         launcher.start_thread()
         study.start()  # what a restored study left unfinished
         return handshake, launcher, study
@@ -259,23 +317,26 @@ class Server:
         first_version = self.comm.bcast(next_version(checkpoint_root(self.config)) if self.rank == 0 else None)
         checkpointer = Checkpointer(self.config, self.comm, self.parts, first_version)
         loop = Loop(self.comm, bookkeeping, self.stop, checkpointer)
-        dataset = StreamDataset(self.buffer, trainer.module.process, self.config.training.batch_size,
-                                trainer.module.deterministic_process)
+        dataset = StreamDataset(
+            self.buffer, trainer.module.process, self.config.training.batch_size, trainer.module.deterministic_process
+        )
         if loop.train(trainer, dataset.next_batch, self.config.training.checkpoint_interval) is Outcome.ENDED:
             return loop
         self.receiver.stop()
         if bookkeeping.status is not None:  # rank 0
             bookkeeping.status.stopped()
-            logger.warning("stopped on request; run the same command again to resume from %s",
-                           checkpoint_root(self.config))
+            logger.warning(
+                "stopped on request; run the same command again to resume from %s", checkpoint_root(self.config)
+            )
         return None
 
     def _status_board(self, start: float, handshake: HandshakeServer | None) -> StatusBoard:
         study = self.config.study
         expected = study.simulations * study.time_steps if study.time_steps is not None else None
         assert handshake is not None
-        return StatusBoard(self.config.output_path, self.config.server.status_interval, start, expected,
-                           handshake.rejections.counts)
+        return StatusBoard(
+            self.config.output_path, self.config.server.status_interval, start, expected, handshake.rejections.counts
+        )
 
     def _report(self, trainer: Trainer | None, bookkeeping: Bookkeeping, consumed: int, duration: float) -> int:
         """The final model, config and report; the exit code, the same on every rank. Rank 0 beats the heart
@@ -283,29 +344,34 @@ class Server:
         study, handshake, status = bookkeeping.study, bookkeeping.handshake, bookkeeping.status
         bookkeeping.beat()
         reports = bookkeeping.gather()
-        consumed = self.comm.reduce(consumed)
-        extra = {}
+        total = self.comm.reduce(consumed)  # rank 0's, which writes the report; None elsewhere
+        extra: dict[str, Any] = {}
         succeeded = self.comm.bcast(study.counts()["done"] > 0 if study is not None else None)
         if trainer is not None:  # a model trained on no whole simulation is not worth a file that looks like one
             model = trainer.save(self.config.output_path) if succeeded else None
-            extra["training"] = {**trainer.summary.to_dict(), "samples_trained": consumed,
-                                 "model": str(model) if model else None}
+            extra["training"] = {
+                **trainer.summary.to_dict(),
+                "samples_trained": total,
+                "model": str(model) if model else None,
+            }
             if self.rank == 0:
                 resolved = json.dumps(self.config.to_dict(), indent=2).encode()
                 write_atomic(self.config.output_path / "config.json", resolved)
         code = 0
         if self.rank == 0:
-            assert study is not None and handshake is not None and status is not None
+            assert study is not None and handshake is not None and status is not None and total is not None
             study.conclude()
-            status.finish(study, reports, consumed, trainer.status() if trainer is not None else None)
-            report = final_report(study, reports, handshake.rejections.counts(), consumed, duration,
-                                  self.config.study.time_steps, extra)
+            status.finish(study, reports, total, trainer.status() if trainer is not None else None)
+            report = final_report(
+                study, reports, handshake.rejections.counts(), total, duration, self.config.study.time_steps, extra
+            )
             write_report(report, self.config.output_path / "report.json")
             bookkeeping.beat()
             logger.info("plots: %s", ", ".join(str(path) for path in draw(self.config.output_path)))
             bookkeeping.beat()
             code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
         return self.comm.bcast(code)
+
 
 def serve(config: Config, fresh: bool, export_model: bool) -> int:
     """Run this rank of the server on a checked configuration (``melissa_dl.cli`` checks it before MPI starts)."""

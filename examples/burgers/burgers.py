@@ -5,14 +5,15 @@ server's endpoint in the environment; the amplitude ``a`` of the initial wave
 is ``--amplitude``. This script solves the equation and sends ``u`` after
 every step.
 """
+
 from __future__ import annotations
 
 import argparse
 
 import numpy as np
+from solver import BurgersSolver  # solver.py sits next to this script
 
 from melissa_dl import Client
-from solver import BurgersSolver  # solver.py sits next to this script
 
 
 def main() -> None:

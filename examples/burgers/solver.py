@@ -16,6 +16,7 @@ the FFT (the periodic matrix is circulant), stable for any step. ``refine``
 solves on a grid that many times finer and returns cell averages on ``nx``
 cells: the same field, more compute per step (a simulation's honest cost).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,9 @@ class BurgersSolver:
 
     CFL = 0.45
 
-    def __init__(self, a: float, c: float, nu: float, nx: int = 256, steps: int = 32, t_end: float = 1.0,
-                 refine: int = 1) -> None:
+    def __init__(
+        self, a: float, c: float, nu: float, nx: int = 256, steps: int = 32, t_end: float = 1.0, refine: int = 1
+    ) -> None:
         self.nx, self.refine, self.steps = nx, refine, steps
         cells = nx * refine
         dx = 1.0 / cells

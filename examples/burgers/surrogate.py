@@ -11,6 +11,7 @@ Validation uses whole simulations drawn uniformly over the parameter box with
 once solved): what the model is judged on is the whole space, not where a
 sampler put its simulations.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,12 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from solver import BurgersSolver  # solver.py sits next to this file
 from torch import nn
 
 from melissa_dl import Sample, TrainingModule
-from melissa_dl.files import solved_once
-from solver import BurgersSolver  # solver.py sits next to this file
-
+from melissa_dl.runtime.files import solved_once
 
 HELD_OUT_STREAM = 0x48454C44  # "HELD"
 
@@ -33,10 +33,22 @@ class BurgersSurrogate(TrainingModule):
 
     deterministic_process = True
 
-    def __init__(self, hidden: int = 256, depth: int = 3, lr: float = 1e-3, nx: int = 256, steps: int = 32,
-                 refine: int = 1, amplitude: float = 1.0, c: Sequence[float] = (-0.5, 0.5),
-                 nu: Sequence[float] = (1e-3, 0.2), scale: float = 0.5, validation_simulations: int = 64,
-                 validation_seed: int = 1, validation_cache: str | None = None) -> None:
+    def __init__(
+        self,
+        hidden: int = 256,
+        depth: int = 3,
+        lr: float = 1e-3,
+        nx: int = 256,
+        steps: int = 32,
+        refine: int = 1,
+        amplitude: float = 1.0,
+        c: Sequence[float] = (-0.5, 0.5),
+        nu: Sequence[float] = (1e-3, 0.2),
+        scale: float = 0.5,
+        validation_simulations: int = 64,
+        validation_seed: int = 1,
+        validation_cache: str | None = None,
+    ) -> None:
         """``nx``, ``steps``, ``refine`` and ``amplitude`` must match the simulation's command line,
         ``c`` and ``nu`` the study's bounds."""
         super().__init__()
@@ -90,4 +102,3 @@ class BurgersSurrogate(TrainingModule):
         """One simulation's steps ``[steps, nx]``, as the simulation program computes them."""
         solver = BurgersSolver(self.amplitude, *parameters, nx=self.nx, steps=self.steps, refine=self.refine)
         return np.stack([solver.step() for _ in range(self.steps)])
-

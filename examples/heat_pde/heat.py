@@ -9,6 +9,7 @@ simulation die on its first attempt, so tests can exercise restarts.
 steps go to one ``.npy`` file (``[steps, nx, ny]``), which is how
 ``offline.py`` generates its data set.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-
 from solver import DEFAULT_DT, HeatSolver, local_shape  # solver.py sits next to this script
 
 

@@ -32,7 +32,8 @@ batch size and validation schedule, in two phases:
 Training is one process, no MPI: a "batch" here is ``batch_size`` samples,
 one optimizer step. ``--generation-cpus`` and ``--training-cpus`` confine
 each phase to some cores (the simulations inherit the first), as a cluster
-confines simulations and training to their own nodes. torch keeps its default thread count (one per core), the fastest on an
+confines simulations and training to their own nodes. torch keeps its default thread count (one per
+core), the fastest on an
 otherwise idle machine; with other busy processes on the cores, ``--threads
 1`` is much faster (at this model size threads mostly wait for each other).
 Time budgets: ``--seconds`` bounds the training phase (timed as the server
@@ -44,6 +45,7 @@ torch loaded) comes on top of either. Training runs on the CPU.
     python examples/heat_pde/offline.py [--config examples/heat_pde/config.json]
         [--seconds S | --total-seconds S] [--batches N] [--output DIR] [--report out.json]
 """
+
 from __future__ import annotations
 
 import time
@@ -54,9 +56,9 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Iterable, Iterator  # noqa: E402
-import subprocess  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -68,13 +70,13 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository, when melissa_dl is n
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from solver import DEFAULT_DT  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 
 from melissa_dl import Sample, TrainingModule  # noqa: E402
 from melissa_dl.config import Config, TrainingConfig, load_config  # noqa: E402
-from melissa_dl.module import load_module_class  # noqa: E402
-from solver import DEFAULT_DT  # noqa: E402
+from melissa_dl.train.module import load_module_class  # noqa: E402
 
 FIELD = "temperature"
 DEFAULT_BATCHES = 500
@@ -95,8 +97,13 @@ def grid_of(config: Config) -> Grid:
     """The solver arguments of the study's command line (heat.py's defaults otherwise)."""
     command = config.launcher.command
     grid = Grid(steps=config.study.time_steps or Grid.steps)
-    for flag, attr, kind in (("--nx", "nx", int), ("--ny", "ny", int), ("--steps", "steps", int), ("--dt", "dt", float),
-                             ("--refine", "refine", int)):
+    for flag, attr, kind in (
+        ("--nx", "nx", int),
+        ("--ny", "ny", int),
+        ("--steps", "steps", int),
+        ("--dt", "dt", float),
+        ("--refine", "refine", int),
+    ):
         if flag in command[:-1]:
             setattr(grid, attr, kind(command[command.index(flag) + 1]))
     return grid
@@ -117,12 +124,33 @@ def generate(parameters: np.ndarray, grid: Grid, folder: Path, jobs: int, env: d
     to one .npy file."""
     (folder / "simulations").mkdir(parents=True, exist_ok=True)
     np.save(folder / "parameters.npy", parameters)
-    program = [sys.executable, str(HERE / "heat.py"), "--nx", str(grid.nx), "--ny", str(grid.ny),
-               "--steps", str(grid.steps), "--dt", repr(grid.dt), "--refine", str(grid.refine)]
+    program = [
+        sys.executable,
+        str(HERE / "heat.py"),
+        "--nx",
+        str(grid.nx),
+        "--ny",
+        str(grid.ny),
+        "--steps",
+        str(grid.steps),
+        "--dt",
+        repr(grid.dt),
+        "--refine",
+        str(grid.refine),
+    ]
 
     def simulate(sim: int) -> None:
-        subprocess.run([*program, "--output", str(folder / "simulations" / f"simulation{sim}.npy"),
-                        "--parameters", *map(repr, parameters[sim].tolist())], env=env, check=True)
+        subprocess.run(
+            [
+                *program,
+                "--output",
+                str(folder / "simulations" / f"simulation{sim}.npy"),
+                "--parameters",
+                *map(repr, parameters[sim].tolist()),
+            ],
+            env=env,
+            check=True,
+        )
 
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(simulate, range(len(parameters))))
@@ -158,8 +186,13 @@ def epochs(samples: list[Sample], module: TrainingModule, batch_size: int, seed:
     generator = torch.Generator().manual_seed(seed)
     drop_last = len(samples) >= batch_size
     if not module.deterministic_process:
-        loader = DataLoader(ProcessedSamples(samples, module), batch_size=batch_size, shuffle=True,
-                            drop_last=drop_last, generator=generator)
+        loader = DataLoader(
+            ProcessedSamples(samples, module),
+            batch_size=batch_size,
+            shuffle=True,
+            drop_last=drop_last,
+            generator=generator,
+        )
         while True:
             yield loader
     stacked = default_collate([module.process(s) for s in samples])
@@ -257,14 +290,26 @@ def main(argv: list[str] | None = None) -> int:
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--seconds", type=float, help="wall-time budget of the training phase")
     budget.add_argument("--total-seconds", type=float, help="wall-time budget of the whole run, imports included")
-    parser.add_argument("--batches", type=int, help=f"stop after N batches (default {DEFAULT_BATCHES} without a time budget)")
-    parser.add_argument("--output", type=Path, help="folder of the simulation files (default <config dir>/output_offline)")
+    parser.add_argument(
+        "--batches", type=int, help=f"stop after N batches (default {DEFAULT_BATCHES} without a time budget)"
+    )
+    parser.add_argument(
+        "--output", type=Path, help="folder of the simulation files (default <config dir>/output_offline)"
+    )
     parser.add_argument("--report", type=Path, help="JSON report (default <output>/report.json)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own, one per core)")
-    parser.add_argument("--generation-cpus", type=cpu_list, metavar="0,1",
-                        help="run the generation on these cores only (default: wherever this process may)")
-    parser.add_argument("--training-cpus", type=cpu_list, metavar="0,1",
-                        help="run the loading and training on these cores only (default: wherever this process may)")
+    parser.add_argument(
+        "--generation-cpus",
+        type=cpu_list,
+        metavar="0,1",
+        help="run the generation on these cores only (default: wherever this process may)",
+    )
+    parser.add_argument(
+        "--training-cpus",
+        type=cpu_list,
+        metavar="0,1",
+        help="run the loading and training on these cores only (default: wherever this process may)",
+    )
     parser.add_argument("--save-model", type=Path, help="write the trained module's state_dict here")
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
     args = parser.parse_args(argv)

@@ -46,6 +46,7 @@ P=1 field to rounding (the same products over a subset of rows). This works
 because the operator is linear with constant coefficients and boundaries; a
 PDE without a known eigenbasis would need a halo exchange instead.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -31,6 +31,7 @@ after 500 (170x) and 0.0014 after 2000. lr 2e-3 is twice as good over the
 first few hundred steps (what a short online demo gets) but noisier after a
 thousand; 3e-3 is noisier still. ReLU plateaus 3x higher than GELU.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -38,11 +39,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from solver import DEFAULT_DT, HeatSolver  # solver.py sits next to this file
 from torch import nn
 
 from melissa_dl import Sample, TrainingModule
-from melissa_dl.files import solved_once
-from solver import DEFAULT_DT, HeatSolver  # solver.py sits next to this file
+from melissa_dl.runtime.files import solved_once
 
 FIELD = "temperature"
 TEMPERATURES = 5  # initial, left, right, bottom, top
@@ -153,7 +154,16 @@ class HeatSurrogate(TrainingModule):
         """
         parameters = self.validation_parameters()
         problem = [self.nx, self.ny, self.steps, self.dt, self.refine, parameters.tolist()]
-        fields = solved_once(self.validation_cache, problem, lambda: np.stack([
-            np.stack([solver.step() for _ in range(self.steps)])
-            for solver in (HeatSolver(p, self.nx, self.ny, self.dt, refine=self.refine) for p in parameters)]))
-        return [Sample(-1 - i, t, p, {FIELD: fields[i, t]}) for i, p in enumerate(parameters) for t in range(self.steps)]
+        fields = solved_once(
+            self.validation_cache,
+            problem,
+            lambda: np.stack(
+                [
+                    np.stack([solver.step() for _ in range(self.steps)])
+                    for solver in (HeatSolver(p, self.nx, self.ny, self.dt, refine=self.refine) for p in parameters)
+                ]
+            ),
+        )
+        return [
+            Sample(-1 - i, t, p, {FIELD: fields[i, t]}) for i, p in enumerate(parameters) for t in range(self.steps)
+        ]

@@ -41,6 +41,7 @@ at their random initial values (lr 0) the loss stalls at 0.42 after 300
 batches, as an MLP that sees no node at all does (0.43: the spatial variance
 of the field).
 """
+
 from __future__ import annotations
 
 import importlib.util

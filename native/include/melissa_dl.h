@@ -1,6 +1,6 @@
 /* melissa_dl — stream the fields of an MPI simulation to a melissa_dl server.
  *
- * The C counterpart of the Python client (melissa_dl/client.py), speaking the
+ * The C counterpart of the Python client (melissa_dl/wire/client.py), speaking the
  * same wire protocol. A simulation started by the server's launcher finds
  * everything it needs in its environment (MELISSA_SERVER, MELISSA_TOKEN,
  * MELISSA_SIMULATION_ID, MELISSA_ATTEMPT, MELISSA_PARAMETERS,

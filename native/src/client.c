@@ -1,5 +1,5 @@
-/* The C client: the wire protocol of melissa_dl/protocol.py, the behaviour of
- * melissa_dl/client.py (see melissa_dl.h for the API).
+/* The C client: the wire protocol of melissa_dl/wire/protocol.py, the behaviour of
+ * melissa_dl/wire/client.py (see melissa_dl.h for the API).
  *
  * One process holds one connection, a state machine of four phases:
  * EMPTY (nothing declared) -> DECLARED (melissa_dl_init) -> CONNECTED (the
@@ -17,14 +17,14 @@
  * the token, or CURVE with the MELISSA_CURVE_* keys) and a monitor (link.c).
  * As in Python, there is no send timeout: a full queue is waited out for as
  * long as the server lives, which the connection and the rank's delivery
- * service tell (melissa_dl/delivery.py: a DEALER socket per rank, asked every
+ * service tell (melissa_dl/ingest/delivery.py: a DEALER socket per rank, asked every
  * keepalive seconds while a send is blocked), and a server rank unreachable
  * for MELISSA_CLIENT_TIMEOUT seconds breaks the connection. Finalize waits
  * until every rank's delivery service confirms it read every message sent to
  * it (sending the FINALIZE again if its connection broke meanwhile), then
  * closes everything at once.
  */
-#define _GNU_SOURCE /* clock_gettime */
+#define _GNU_SOURCE /* clock_gettime, getrandom */
 #include "melissa_dl.h"
 
 #include <errno.h>
@@ -34,7 +34,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "json.h"
@@ -68,7 +70,7 @@ typedef struct {
 #define EMPTY_SLOT UINT64_MAX
 
 enum { WAKE_MS = 1000, ANSWER_POLL_MS = 100 };
-static const double MAX_KEEPALIVE = 5.0; /* melissa_dl.protocol.MAX_KEEPALIVE */
+static const double MAX_KEEPALIVE = 5.0; /* melissa_dl.wire.protocol.MAX_KEEPALIVE */
 
 /* A server rank's delivery service, asked one question at a time (_Questions in client.py). */
 typedef struct {
@@ -590,6 +592,14 @@ static int await_delivery(const size_t *counts) {
     return code;
 }
 
+/* A random 64-bit number, for the hello's nonce: the server tells a hello sent again from another process's. */
+static uint64_t nonce(void) {
+    uint64_t value = 0;
+    if (getrandom(&value, sizeof value, GRND_NONBLOCK) != (ssize_t)sizeof value)
+        value = ((uint64_t)getpid() << 32) ^ (uint64_t)(mdl_now() * 1e9); /* no entropy yet: still this process's */
+    return value;
+}
+
 /* The handshake's JSON request. */
 static bool hello(strbuf *sb) {
     sb_printf(sb, "{\"protocol\":%d,\"token\":", MELISSA_DL_PROTOCOL_VERSION);
@@ -597,11 +607,12 @@ static bool hello(strbuf *sb) {
     sb_printf(sb, ",\"simulation_id\":%u,\"attempt\":%u,\"client_rank\":%d,\"client_size\":%d,\"fields\":",
               client.env.simulation_id, client.env.attempt, client.rank, client.size);
     sb_fields(sb);
-    sb_printf(sb, "}");
+    sb_printf(sb, ",\"nonce\":\"%016llx\"}", (unsigned long long)nonce());
     return !sb->failed;
 }
 
-/* Ask rank 0 for the data endpoints; the reply in *reply. */
+/* Ask rank 0 for the data endpoints; the reply in *reply. The hello is sent again whenever the connection
+ * that carried it is lost (REQ_RELAXED; REQ_CORRELATE: only the answer to the latest one is taken). */
 static int ask(json_value *reply) {
     strbuf request = {0};
     if (!hello(&request)) {
@@ -609,25 +620,35 @@ static int ask(json_value *reply) {
         return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     }
     mdl_link link;
-    int code = MELISSA_DL_OK;
+    int code = MELISSA_DL_OK, one = 1;
     if (mdl_link_open(&link, client.context, ZMQ_REQ, client.env.endpoint, &client.env.security, 0) != 0)
         code = fail(errno == ENOMEM ? MELISSA_DL_ERR_SYSTEM : MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_SERVER='%s': %s",
                     client.env.endpoint, zmq_strerror(errno));
-    else if (zmq_send(link.socket, request.data, request.size, 0) < 0)
-        code = fail(MELISSA_DL_ERR_SYSTEM, "zmq_send: %s", zmq_strerror(errno));
-    free(request.data);
+    else if (zmq_setsockopt(link.socket, ZMQ_REQ_RELAXED, &one, sizeof one) != 0 ||
+             zmq_setsockopt(link.socket, ZMQ_REQ_CORRELATE, &one, sizeof one) != 0 ||
+             zmq_send(link.socket, request.data, request.size, 0) < 0)
+        code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", client.env.endpoint, zmq_strerror(errno));
     if (code != MELISSA_DL_OK) {
+        free(request.data);
         mdl_link_close(&link);
         return code;
     }
     zmq_msg_t message;
     zmq_msg_init(&message);
     double deadline = mdl_now() + client.env.timeout;
+    unsigned drops = 0;
     for (;;) {
         mdl_link_update(&link);
         if (link.refused) {
             code = refused(&link);
             break;
+        }
+        if (link.drops > drops) { /* the connection that carried the hello, or its answer, was lost */
+            drops = link.drops;
+            if (zmq_send(link.socket, request.data, request.size, 0) < 0) {
+                code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", client.env.endpoint, zmq_strerror(errno));
+                break;
+            }
         }
         double left = deadline - mdl_now();
         if (left <= 0) {
@@ -657,6 +678,7 @@ static int ask(json_value *reply) {
         }
     }
     zmq_msg_close(&message);
+    free(request.data);
     mdl_link_close(&link);
     return code;
 }

@@ -1,5 +1,5 @@
 /* Client sockets with credentials and a monitor: see link.h and, for the
- * reasons, melissa_dl/client.py and melissa_dl/security.py. */
+ * reasons, melissa_dl/wire/client.py and melissa_dl/wire/security.py. */
 #define _GNU_SOURCE /* clock_gettime */
 #include "link.h"
 

@@ -1,5 +1,5 @@
 /* A client socket with the study's credentials, and what its monitor says of
- * its connection (the C side of _Link in melissa_dl/client.py). */
+ * its connection (the C side of _Link in melissa_dl/wire/client.py). */
 #ifndef MELISSA_DL_LINK_H
 #define MELISSA_DL_LINK_H
 
@@ -44,7 +44,7 @@ void mdl_link_update(mdl_link *link);
 /* Seconds the link has been down (0 while up). */
 double mdl_link_down_for(const mdl_link *link);
 
-/* Words for the refusal (``refused`` != 0), as melissa_dl.security.describe_handshake_failure. */
+/* Words for the refusal (``refused`` != 0), as melissa_dl.wire.security.describe_handshake_failure. */
 void mdl_link_refusal(const mdl_link *link, char *out, size_t size);
 
 /* Stop the monitor and close the socket at once, dropping what is queued. */

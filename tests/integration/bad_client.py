@@ -6,6 +6,7 @@ normally. The test checks that the server refused and counted each kind and
 still completed. With ``--fuzz SEED``, attempt 0 of simulation 0 sends seeded
 mutants instead (``fuzz.py``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,9 @@ import numpy as np
 import zmq
 from fuzz import fuzz
 
-from melissa_dl.client import Client
-from melissa_dl.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, owner_rank, simulation_key
-from melissa_dl.security import configure_client
+from melissa_dl.wire.client import Client
+from melissa_dl.wire.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, owner_rank, simulation_key
+from melissa_dl.wire.security import configure_client
 
 SHAPE = (4, 8)
 GOOD = ["float32", list(SHAPE)]
@@ -43,8 +44,15 @@ def handshake(context: zmq.Context, endpoint: str, request: bytes | list[bytes])
 
 def bad_handshakes(context: zmq.Context, endpoint: str, token: str, sim: int) -> dict:
     """Refusals that a relaunch would not meet again: the simulation is not failed for them."""
-    hello = {"protocol": PROTOCOL_VERSION, "token": token, "simulation_id": sim, "attempt": 0, "client_rank": 0,
-             "client_size": 1, "fields": {"field": GOOD}}
+    hello = {
+        "protocol": PROTOCOL_VERSION,
+        "token": token,
+        "simulation_id": sim,
+        "attempt": 0,
+        "client_rank": 0,
+        "client_size": 1,
+        "fields": {"field": GOOD},
+    }
     variants = [
         {"protocol": 99},
         {"protocol": "9" * 50_000},  # echoed back cut, not whole
@@ -73,9 +81,16 @@ def bad_frames(context: zmq.Context, endpoints: list[str], token: bytes, sim: in
         secure(sockets[-1])
         sockets[-1].connect(endpoint)
 
-    def frame(kind: Kind = Kind.DATA, step: int = 0, field: int = 0, dtype: str = "float32",
-              shape: tuple[int, ...] = SHAPE, payload: bytes | None = None, simulation: int = sim,
-              frame_key: bytes = key) -> list[bytes]:
+    def frame(
+        kind: Kind = Kind.DATA,
+        step: int = 0,
+        field: int = 0,
+        dtype: str = "float32",
+        shape: tuple[int, ...] = SHAPE,
+        payload: bytes | None = None,
+        simulation: int = sim,
+        frame_key: bytes = key,
+    ) -> list[bytes]:
         payload = np.zeros(shape, dtype=dtype).tobytes() if payload is None else payload
         return [Header(kind, frame_key, simulation, 0, step, 0, 1, field, dtype, shape, len(payload)).pack(), payload]
 
@@ -117,11 +132,28 @@ def main() -> None:
             reply = bad_handshakes(context, server, token, sim)
             bad_frames(context, reply["endpoints"], bytes.fromhex(token), sim, args.steps)
         else:
-            hello = {"protocol": PROTOCOL_VERSION, "token": token, "simulation_id": sim, "attempt": 0,
-                     "client_rank": 0, "client_size": 1, "fields": {"field": GOOD}}
+            hello = {
+                "protocol": PROTOCOL_VERSION,
+                "token": token,
+                "simulation_id": sim,
+                "attempt": 0,
+                "client_rank": 0,
+                "client_size": 1,
+                "fields": {"field": GOOD},
+            }
             endpoints = handshake(context, server, encode_json(hello))["endpoints"]
-            fuzz(context, secure, server, endpoints, bytes.fromhex(token), sim, args.steps, args.fuzz_frames,
-                 args.fuzz_hellos, args.fuzz)
+            fuzz(
+                context,
+                secure,
+                server,
+                endpoints,
+                bytes.fromhex(token),
+                sim,
+                args.steps,
+                args.fuzz_frames,
+                args.fuzz_hellos,
+                args.fuzz,
+            )
         context.term()
         sys.exit(3)  # its one hello was spent on the raw frames: the relaunch streams the steps
     with Client({"field": ("float32", SHAPE)}) as client:

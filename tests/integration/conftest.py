@@ -1,4 +1,5 @@
 """Running whole studies as subprocesses: `mpirun -n K melissa-server config`."""
+
 from __future__ import annotations
 
 import json
@@ -7,9 +8,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -32,8 +34,9 @@ def require_system_packages(group: str) -> None:
     """Skip, with the command that installs them, unless the Debian packages of ``group`` are here."""
     script = HERE.parent.parent / "scripts" / "system-packages"
     missing = subprocess.run([str(script), "check", group], capture_output=True, text=True, check=True).stdout.strip()
-    skip_unless(not missing, f"needs the Debian packages {missing}: run `scripts/system-packages install {group}` "
-                "as root")
+    skip_unless(
+        not missing, f"needs the Debian packages {missing}: run `scripts/system-packages install {group}` as root"
+    )
 
 
 def free_port() -> int:
@@ -61,8 +64,13 @@ def study_config(output: Path, command: list[str], **sections: dict[str, Any]) -
         },
         "server": {"status_interval": 1.0, "control_interval": 0.1},
         "buffer": {"kind": "fifo", "capacity_samples": 100, "per_server_watermark": 1},
-        "launcher": {"command": command, "job_limit": 2, "simulation_timeout": 20, "max_retries": 1,
-                     "client_timeout": 30},
+        "launcher": {
+            "command": command,
+            "job_limit": 2,
+            "simulation_timeout": 20,
+            "max_retries": 1,
+            "client_timeout": 30,
+        },
     }
     for name, values in sections.items():
         config.setdefault(name, {}).update(values)
@@ -97,8 +105,9 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`make native` into a fresh folder; returns the folder of the programs it built."""
     require_system_packages("native")
     prefix = tmp_path_factory.mktemp("native")
-    done = subprocess.run(["make", "-C", str(ROOT), "native", f"NATIVE={prefix}"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["make", "-C", str(ROOT), "native", f"NATIVE={prefix}"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return prefix / "bin"
 
@@ -113,17 +122,28 @@ SIMULATIONS, STEPS = 6, 12  # of paced_config
 
 def paced_config(output: Path, class_name: str = "Tiny", job_limit: int = 2, **launcher: Any) -> dict:
     """A study of 6 simulations x 12 steps of 0.05 s, trained with a checkpoint every 2 batches."""
-    module, options = ("tiny_module.py", {}) if class_name == "Tiny" else \
-        ("table_module.py", {"simulations": SIMULATIONS, "steps": STEPS})
+    module, options = (
+        ("tiny_module.py", {})
+        if class_name == "Tiny"
+        else ("table_module.py", {"simulations": SIMULATIONS, "steps": STEPS})
+    )
     return study_config(
         output,
         [sys.executable, TOY_SIM, "--steps", str(STEPS), "--step-delay", "0.05"],
         study={"simulations": SIMULATIONS, "time_steps": STEPS},
         buffer={"kind": "fifo", "capacity_samples": 1000},
         launcher={"job_limit": job_limit, **launcher},
-        training={"module": str(HERE / module), "class_name": class_name, "options": options, "batch_size": 4,
-                  "checkpoint_interval": 2, "nb_batches_update": 1000, "log_interval": 1, "device": "cpu",
-                  "seed": 3},
+        training={
+            "module": str(HERE / module),
+            "class_name": class_name,
+            "options": options,
+            "batch_size": 4,
+            "checkpoint_interval": 2,
+            "nb_batches_update": 1000,
+            "log_interval": 1,
+            "device": "cpu",
+            "seed": 3,
+        },
     )
 
 
@@ -140,5 +160,6 @@ def committed(output: Path) -> bool:
 
 
 def start(command: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(command, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(
+        command, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )

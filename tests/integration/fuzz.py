@@ -8,6 +8,7 @@ attempt 0, which the relaunch replaces. Besides, it opens idle connections,
 half-spoken ZeroMQ greetings and unfinished multipart messages on raw TCP.
 It writes what it sent and what the handshakes answered to ``fuzz_tally.json``.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from melissa_dl.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, owner_rank, simulation_key
+from melissa_dl.wire.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, owner_rank, simulation_key
 
 SHAPE = (4, 8)
 GOOD = ["float32", list(SHAPE)]
@@ -60,12 +61,29 @@ class FrameFuzzer:
         self.sim = sim
         self.steps = steps
 
-    def header(self, kind: Kind, step: int = 0, dtype: str = "float32", shape: tuple[int, ...] = SHAPE,
-               size: int | None = None, **change: Any) -> bytes:
+    def header(
+        self,
+        kind: Kind,
+        step: int = 0,
+        dtype: str = "float32",
+        shape: tuple[int, ...] = SHAPE,
+        size: int | None = None,
+        **change: Any,
+    ) -> bytes:
         size = int(np.prod(shape)) * np.dtype(dtype).itemsize if size is None else size
-        fields = {"kind": kind, "key": self.key, "simulation_id": self.sim, "attempt": 0, "time_step": step,
-                  "client_rank": 0, "client_size": 1, "field_id": 0, "dtype": dtype, "shape": shape,
-                  "payload_bytes": size}
+        fields = {
+            "kind": kind,
+            "key": self.key,
+            "simulation_id": self.sim,
+            "attempt": 0,
+            "time_step": step,
+            "client_rank": 0,
+            "client_size": 1,
+            "field_id": 0,
+            "dtype": dtype,
+            "shape": shape,
+            "payload_bytes": size,
+        }
         return Header(**{**fields, **change}).pack()
 
     def json_message(self, kind: Kind, payload: bytes) -> list[bytes]:
@@ -102,8 +120,15 @@ class HelloFuzzer:
 
     def __init__(self, rng: random.Random, token: str, sim: int) -> None:
         self.rng = rng
-        self.hello = {"protocol": PROTOCOL_VERSION, "token": token, "simulation_id": sim, "attempt": 1000,
-                      "client_rank": 0, "client_size": 1, "fields": {"field": GOOD}}
+        self.hello = {
+            "protocol": PROTOCOL_VERSION,
+            "token": token,
+            "simulation_id": sim,
+            "attempt": 1000,
+            "client_rank": 0,
+            "client_size": 1,
+            "fields": {"field": GOOD},
+        }
 
     def mutant(self) -> list[bytes]:
         rng = self.rng
@@ -143,8 +168,18 @@ def raw_peers(endpoints: list[str], rng: random.Random) -> list[tcp.socket]:
     return peers
 
 
-def fuzz(context: zmq.Context, secure: Callable[[zmq.Socket], None], handshake_endpoint: str,
-         endpoints: list[str], token: bytes, sim: int, steps: int, frames: int, hellos: int, seed: int) -> None:
+def fuzz(
+    context: zmq.Context,
+    secure: Callable[[zmq.Socket], None],
+    handshake_endpoint: str,
+    endpoints: list[str],
+    token: bytes,
+    sim: int,
+    steps: int,
+    frames: int,
+    hellos: int,
+    seed: int,
+) -> None:
     rng = random.Random(seed)
     peers = raw_peers([handshake_endpoint, *endpoints], rng)
     tally: dict[str, Any] = {"data_frames": 0, "handshakes": 0, "refused": Counter(), "unanswered": 0}
@@ -156,8 +191,9 @@ def fuzz(context: zmq.Context, secure: Callable[[zmq.Socket], None], handshake_e
         pushes.append(push)
     frame_fuzzer = FrameFuzzer(rng, token, sim, steps)
     for _ in range(frames):
-        target = pushes[rng.randrange(len(pushes))] if rng.random() < 0.3 else pushes[
-            owner_rank(sim, 0, len(pushes), False)]
+        target = (
+            pushes[rng.randrange(len(pushes))] if rng.random() < 0.3 else pushes[owner_rank(sim, 0, len(pushes), False)]
+        )
         target.send_multipart(frame_fuzzer.mutant())
         tally["data_frames"] += 1
     hello_fuzzer = HelloFuzzer(rng, token.hex(), sim)

@@ -4,6 +4,7 @@ Everything it writes (munge key and socket, slurm.conf, state, spool, logs)
 is in one folder; clients find it through ``SLURM_CONF``. The daemons run as
 the current user, which must be root: slurmd starts jobs as their owner.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,9 +36,16 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
         socket_path = munge / "munge.sock"
-        self._daemon("munged", "--foreground", "--force", f"--key-file={key}", f"--socket={socket_path}",
-                     f"--pid-file={munge / 'munged.pid'}", f"--log-file={self.root / 'munged.log'}",
-                     f"--seed-file={munge / 'munged.seed'}")
+        self._daemon(
+            "munged",
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={socket_path}",
+            f"--pid-file={munge / 'munged.pid'}",
+            f"--log-file={self.root / 'munged.log'}",
+            f"--seed-file={munge / 'munged.seed'}",
+        )
         self._wait(socket_path.exists, "munged's socket")
         for folder in ("state", "spool"):
             (self.root / folder).mkdir()
@@ -48,40 +56,42 @@ class SlurmCluster:
 
     def _slurm_conf(self, munge_socket: Path) -> str:
         root = self.root
-        return "\n".join([
-            "ClusterName=melissatest",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={free_port()}",
-            f"SlurmdPort={free_port()}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={munge_socket}",
-            f"StateSaveLocation={root / 'state'}",
-            f"SlurmdSpoolDir={root / 'spool'}",
-            f"SlurmctldPidFile={root / 'slurmctld.pid'}",
-            f"SlurmdPidFile={root / 'slurmd.pid'}",
-            f"SlurmctldLogFile={root / 'slurmctld.log'}",
-            f"SlurmdLogFile={root / 'slurmd.log'}",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "MpiDefault=none",
-            "ReturnToService=2",
-            "SchedulerParameters=sched_interval=1",
-            "JobCompType=jobcomp/none",
-            "AccountingStorageType=accounting_storage/none",
-            "MinJobAge=60",
-            # MPICH names its shared memory after the job id: a rank killed by a test leaves its segment in
-            # /dev/shm, which the same job id on the next test cluster would attach to and fail in MPI_Init
-            f"FirstJobId={random.SystemRandom().randrange(1000, 60_000_000)}",
-            "KillWait=5",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE",
-            "",
-        ])
+        return "\n".join(
+            [
+                "ClusterName=melissatest",
+                f"SlurmctldHost={self.node}(127.0.0.1)",
+                f"SlurmctldPort={free_port()}",
+                f"SlurmdPort={free_port()}",
+                "SlurmUser=root",
+                "SlurmdUser=root",
+                "AuthType=auth/munge",
+                "CredType=cred/munge",
+                f"AuthInfo=socket={munge_socket}",
+                f"StateSaveLocation={root / 'state'}",
+                f"SlurmdSpoolDir={root / 'spool'}",
+                f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+                f"SlurmdPidFile={root / 'slurmd.pid'}",
+                f"SlurmctldLogFile={root / 'slurmctld.log'}",
+                f"SlurmdLogFile={root / 'slurmd.log'}",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_Core",
+                "MpiDefault=none",
+                "ReturnToService=2",
+                "SchedulerParameters=sched_interval=1",
+                "JobCompType=jobcomp/none",
+                "AccountingStorageType=accounting_storage/none",
+                "MinJobAge=60",
+                # MPICH names its shared memory after the job id: a rank killed by a test leaves its segment in
+                # /dev/shm, which the same job id on the next test cluster would attach to and fail in MPI_Init
+                f"FirstJobId={random.SystemRandom().randrange(1000, 60_000_000)}",
+                "KillWait=5",
+                f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
+                f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE",
+                "",
+            ]
+        )
 
     def _daemon(self, *argv: str) -> None:
         log = open(self.root / f"{argv[0]}.out", "wb")

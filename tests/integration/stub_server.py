@@ -9,6 +9,7 @@ steps drained and what the client's finalize announced) and exits 0.
 
     python stub_server.py [--timeout 1] [--capacity 2] [--hold 3.5] [--security token|curve]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,11 @@ import time
 
 import numpy as np
 
-from melissa_dl.assembly import StreamSpec
-from melissa_dl.buffers import make_buffer
-from melissa_dl.handshake import HandshakeServer
-from melissa_dl.receiver import Receiver
-from melissa_dl.security import Security
+from melissa_dl.buffers.kinds import make_buffer
+from melissa_dl.ingest.assembly import StreamSpec
+from melissa_dl.ingest.handshake import HandshakeServer
+from melissa_dl.ingest.receiver import Receiver
+from melissa_dl.wire.security import Security
 
 MIB = 1 << 20
 
@@ -42,13 +43,26 @@ def main() -> None:
     buffer = make_buffer("fifo", capacity_samples=args.capacity, capacity_bytes=None, watermark=1, seed=0)
     receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=2 * MIB, security=security)
     receiver.start_and_bind()
-    handshake = HandshakeServer(token=token, fields=["field"], simulations=4, endpoints=[receiver.endpoints("127.0.0.1")],
-                                bind_simulation=False, max_message_bytes=MIB, bind_address="127.0.0.1",
-                                security=security)
-    environ = {"MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}", "MELISSA_TOKEN": token.hex(),
-               "MELISSA_SIMULATION_ID": "1", "MELISSA_ATTEMPT": "0", "MELISSA_PARAMETERS": "[0.0]",
-               "MELISSA_CLIENT_TIMEOUT": str(args.timeout), "MELISSA_SEND_QUEUE_BYTES": str(2 * MIB),
-               **security.client_environment()}
+    handshake = HandshakeServer(
+        token=token,
+        fields=["field"],
+        simulations=4,
+        endpoints=[receiver.endpoints("127.0.0.1")],
+        bind_simulation=False,
+        max_message_bytes=MIB,
+        bind_address="127.0.0.1",
+        security=security,
+    )
+    environ = {
+        "MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}",
+        "MELISSA_TOKEN": token.hex(),
+        "MELISSA_SIMULATION_ID": "1",
+        "MELISSA_ATTEMPT": "0",
+        "MELISSA_PARAMETERS": "[0.0]",
+        "MELISSA_CLIENT_TIMEOUT": str(args.timeout),
+        "MELISSA_SEND_QUEUE_BYTES": str(2 * MIB),
+        **security.client_environment(),
+    }
     handshake.expect(1, 0)
     print(json.dumps(environ), flush=True)
     steps: list[int] = []

@@ -4,23 +4,24 @@ Row ``s * steps + t`` of the table belongs to step t of simulation s; the
 model predicts toy_sim's field from that row and the parameters. Sparse Adam
 keeps per-row state and a step count, so re-sharding must move both.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 from torch import nn
 
-from melissa_dl.embedding import ShardedEmbedding
-from melissa_dl.module import TrainingModule
-from melissa_dl.sample import Sample
-from melissa_dl.sparse_optim import make_sparse_optimizer
+from melissa_dl.buffers.sample import Sample
+from melissa_dl.embeddings.sparse_optim import make_sparse_optimizer
+from melissa_dl.embeddings.table import ShardedEmbedding
+from melissa_dl.train.module import TrainingModule
 
 
 class Table(TrainingModule):
-    def __init__(self, simulations: int, steps: int, dim: int = 4) -> None:
+    def __init__(self, simulations: int, steps: int, dim: int = 4, optimizer: str = "adam") -> None:
         super().__init__()
         self.steps = steps
-        self.table = ShardedEmbedding(simulations * steps, dim, make_sparse_optimizer("adam", 0.05), name="table")
+        self.table = ShardedEmbedding(simulations * steps, dim, make_sparse_optimizer(optimizer, 0.05), name="table")
         self.head = nn.Linear(dim + 2, 32)
 
     def configure_optimizer(self) -> torch.optim.Optimizer:

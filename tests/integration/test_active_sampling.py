@@ -5,6 +5,7 @@ first parameter squared, whatever the model: the parameters an adaptive
 sampler draws then depend on nothing that timing could change, so a study
 killed and resumed must draw exactly what one run in one go draws.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import HERE, TOY_SIM, run_server, server_command, start, study_config, wait_for
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import HERE, TOY_SIM, run_server, server_command, start, study_config, wait_for
-from melissa_dl.checkpoint import latest_valid
-from melissa_dl.serialization import loads
+from melissa_dl.checkpoint.serialization import loads
+from melissa_dl.checkpoint.versions import latest_valid
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,15 +31,36 @@ BURGERS = HERE.parent.parent / "examples" / "burgers"
 
 def adaptive_config(output: Path) -> dict[str, Any]:
     return study_config(
-        output, [sys.executable, TOY_SIM, "--steps", "6", "--step-delay", "0.1"],
-        study={"simulations": SIMULATIONS, "time_steps": 6, "sampler": "adaptive", "seed": 5,
-               "adaptive": {"population": 2, "breed_after": 4, "lag": 2, "window": 6, "sigma": 0.05,
-                            "start": 0.5, "end": 1.0, "breakpoint": 3}},
+        output,
+        [sys.executable, TOY_SIM, "--steps", "6", "--step-delay", "0.1"],
+        study={
+            "simulations": SIMULATIONS,
+            "time_steps": 6,
+            "sampler": "adaptive",
+            "seed": 5,
+            "adaptive": {
+                "population": 2,
+                "breed_after": 4,
+                "lag": 2,
+                "window": 6,
+                "sigma": 0.05,
+                "start": 0.5,
+                "end": 1.0,
+                "breakpoint": 3,
+            },
+        },
         buffer={"kind": "reservoir", "capacity_samples": 1000},
         launcher={"job_limit": 2},
-        training={"module": str(HERE / "tiny_module.py"), "class_name": "Hardness", "batch_size": 4,
-                  "checkpoint_interval": 2, "nb_batches_update": 1000, "log_interval": 1, "device": "cpu",
-                  "seed": 3},
+        training={
+            "module": str(HERE / "tiny_module.py"),
+            "class_name": "Hardness",
+            "batch_size": 4,
+            "checkpoint_interval": 2,
+            "nb_batches_update": 1000,
+            "log_interval": 1,
+            "device": "cpu",
+            "seed": 3,
+        },
     )
 
 
@@ -71,8 +93,12 @@ def test_an_adaptive_study_breeds_where_the_loss_is_high_and_reports_it(tmp_path
     events = EventAccumulator(str(output / "tensorboard" / "rank0"), size_guidance={"images": 0})
     events.Reload()
     fractions = {e.step: e.value for e in events.Scalars("sampling/bred_fraction")}
-    assert fractions == {g: pytest.approx(sum(s["parent"] is not None for s in sims if s["generation"] == g) /
-                                          sum(s["generation"] == g for s in sims)) for g in range(7)}
+    assert fractions == {
+        g: pytest.approx(
+            sum(s["parent"] is not None for s in sims if s["generation"] == g) / sum(s["generation"] == g for s in sims)
+        )
+        for g in range(7)
+    }
     assert [e.step for e in events.Images("sampling/generations")] == list(range(7))
 
 
@@ -89,8 +115,11 @@ def test_an_adaptive_study_killed_and_resumed_on_another_k_draws_what_one_run_in
     server = start(server_command(tmp_path, config, before))
     wait_for(lambda: 8 <= drawn_in_checkpoint(output) < SIMULATIONS, server)  # a bred generation drawn, not all
     last = before - 1
-    pid = int(re.search(rf"server rank {last} of {before}, pid (\d+)",
-                        (output / "logs" / f"rank{last}.log").read_text()).group(1))
+    pid = int(
+        re.search(
+            rf"server rank {last} of {before}, pid (\d+)", (output / "logs" / f"rank{last}.log").read_text()
+        ).group(1)
+    )
     os.kill(pid, signal.SIGKILL)
     log, _ = server.communicate(timeout=60)
     assert server.returncode != 0, log

@@ -1,4 +1,5 @@
 """The command line: configuration errors and a rank dying end the job cleanly."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import MPIRUN, TOY_SIM, clean_environment, study_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,11 +30,13 @@ def write(tmp_path: Path, config: dict) -> str:
 def test_a_misspelt_key_is_one_line_with_exit_code_2(tmp_path: Path, ranks: int) -> None:
     config = study_config(tmp_path / "out", ["true"], buffer={"capacty_samples": 5})
     launch = [MPIRUN, "-n", str(ranks)] if ranks else []
-    done = subprocess.run([*launch, *SERVER, write(tmp_path, config)], env=clean_environment(),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [*launch, *SERVER, write(tmp_path, config)], env=clean_environment(), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"melissa-server: {tmp_path / 'config.json'}: buffer.capacty_samples: unknown key (did you mean 'capacity_samples'?)"
+        f"melissa-server: {tmp_path / 'config.json'}: buffer.capacty_samples: unknown key "
+        "(did you mean 'capacity_samples'?)"
     ]
     assert not (tmp_path / "out").exists()  # nothing started
 
@@ -43,19 +45,26 @@ def test_a_wrong_training_class_is_one_line_with_exit_code_2_before_any_simulati
     output = tmp_path / "out"
     config = study_config(output, [sys.executable, TOY_SIM])
     config["training"] = {"module": str(Path(__file__).parent / "tiny_module.py"), "class_name": "Tinny"}
-    done = subprocess.run([MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)], env=clean_environment(),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)],
+        env=clean_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [  # one line, from rank 0, before MPI started
         f"melissa-server: {tmp_path / 'config.json'}: training.class_name: tiny_module.py defines no "
-        "TrainingModule subclass 'Tinny' (did you mean 'Tiny'?)"]
+        "TrainingModule subclass 'Tinny' (did you mean 'Tiny'?)"
+    ]
     assert not (output / "simulations").exists()  # no simulation was started
 
 
 @pytest.mark.parametrize("blocked", ["output_dir", "logs"])
 @pytest.mark.parametrize("how", ["--check", "mpirun -n 2", "melissa-launcher -n 2"])
-def test_an_output_folder_that_cannot_be_written_is_one_line_with_exit_code_2(tmp_path: Path, how: str,
-                                                                              blocked: str) -> None:
+def test_an_output_folder_that_cannot_be_written_is_one_line_with_exit_code_2(
+    tmp_path: Path, how: str, blocked: str
+) -> None:
     """A regular file where a folder goes: ENOTDIR (as root, the one refusal that needs no mount)."""
     if blocked == "output_dir":
         (tmp_path / "file").write_text("where the output folder's parent should be")
@@ -66,8 +75,11 @@ def test_an_output_folder_that_cannot_be_written_is_one_line_with_exit_code_2(tm
         (output / "logs").write_text("where the server's log folder should be")
         blocked_folder = output / "logs"
     config = write(tmp_path, study_config(output, ["true"]))
-    command = {"--check": [*SERVER, "--check", config], "mpirun -n 2": [MPIRUN, "-n", "2", *SERVER, config],
-               "melissa-launcher -n 2": [sys.executable, "-m", "launcher.supervisor", config, "-n", "2"]}[how]
+    command = {
+        "--check": [*SERVER, "--check", config],
+        "mpirun -n 2": [MPIRUN, "-n", "2", *SERVER, config],
+        "melissa-launcher -n 2": [sys.executable, "-m", "melissa_dl.supervisor", config, "-n", "2"],
+    }[how]
     done = subprocess.run(command, env=clean_environment(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     program = "melissa-launcher" if how.startswith("melissa-launcher") else "melissa-server"
@@ -75,8 +87,9 @@ def test_an_output_folder_that_cannot_be_written_is_one_line_with_exit_code_2(tm
         f"{program}: {config}: output_dir: cannot write {blocked_folder}: ENOTDIR (Not a directory)"
     ]
     assert done.stdout == ""
-    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["config.json", "file" if blocked == "output_dir" else
-                                                                  "out", *(["logs"] if blocked == "logs" else [])])
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
+        ["config.json", "file" if blocked == "output_dir" else "out", *(["logs"] if blocked == "logs" else [])]
+    )
 
 
 def test_check_prints_the_resolved_configuration(tmp_path: Path) -> None:
@@ -90,11 +103,19 @@ def test_check_prints_the_resolved_configuration(tmp_path: Path) -> None:
 
 def test_killing_one_server_rank_ends_the_job_and_its_simulations(tmp_path: Path) -> None:
     output = tmp_path / "out"
-    config = study_config(output, [sys.executable, TOY_SIM, "--fail", "hang", "--fail-simulation", "0",
-                                   "--fail-at", "2"], launcher={"simulation_timeout": 100},
-                          server={"log_level": {"launcher": "DEBUG"}})  # the jobs' pids
-    process = subprocess.Popen([MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)], env=clean_environment(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    config = study_config(
+        output,
+        [sys.executable, TOY_SIM, "--fail", "hang", "--fail-simulation", "0", "--fail-at", "2"],
+        launcher={"simulation_timeout": 100},
+        server={"log_level": {"launcher": "DEBUG"}},
+    )  # the jobs' pids
+    process = subprocess.Popen(
+        [MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)],
+        env=clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     pids: dict[int, int] = {}
     while len(pids) < 2 or not (output / "simulations" / "simulation0.attempt0.log").exists():
@@ -106,8 +127,9 @@ def test_killing_one_server_rank_ends_the_job_and_its_simulations(tmp_path: Path
                 pids[rank] = int(found.group(1))
         time.sleep(0.2)
     time.sleep(1.0)  # simulation 0 is now hanging after step 2
-    simulation = int(re.search(r"simulation 0 attempt 0 started \(pid (\d+)",
-                               (output / "logs" / "rank0.log").read_text()).group(1))
+    simulation = int(
+        re.search(r"simulation 0 attempt 0 started \(pid (\d+)", (output / "logs" / "rank0.log").read_text()).group(1)
+    )
     os.kill(pids[1], signal.SIGKILL)
     log, _ = process.communicate(timeout=60)
     assert process.returncode != 0, log
@@ -127,19 +149,26 @@ def gone_within(pid: int, seconds: float) -> bool:
     return False
 
 
-NO_MPI = ("import sys; from melissa_dl.cli import main; code = main(sys.argv[1:]); "
-          "loaded = [m for m in ('mpi4py.MPI', 'melissa_dl.server', 'melissa_dl.training') if m in sys.modules]; "
-          "assert not loaded, f'--check loaded {loaded}'; sys.exit(code)")
+NO_MPI = (
+    "import sys; from melissa_dl.cli import main; code = main(sys.argv[1:]); "
+    "loaded = [m for m in ('mpi4py.MPI', 'melissa_dl.server', 'melissa_dl.train.trainer') if m in sys.modules]; "
+    "assert not loaded, f'--check loaded {loaded}'; sys.exit(code)"
+)
 
 
 def check(tmp_path: Path, config: dict) -> subprocess.CompletedProcess:
     """``melissa-server --check``, asserting that it loaded neither MPI nor the server."""
-    return subprocess.run([sys.executable, "-c", NO_MPI, write(tmp_path, config), "--check"], env=clean_environment(),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", NO_MPI, write(tmp_path, config), "--check"],
+        env=clean_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 BROKEN_MODULE = "import no_such_package\n"
-RAISING_MODULE = '''
+RAISING_MODULE = """
 from tiny_module import Tiny
 
 
@@ -148,17 +177,26 @@ class Picky(Tiny):
         if hidden > 8:
             raise ValueError(f"hidden {hidden} is too large")
         super().__init__(hidden=hidden)
-'''
+"""
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("class", "training.class_name: tiny_module.py defines no TrainingModule subclass 'Tinny' (did you mean 'Tiny'?)"),
-    ("option", "training.options.hiden: not an option of Tiny (did you mean 'hidden'?)"),
-    ("import", "training.module: importing {module} failed: ModuleNotFoundError: No module named 'no_such_package'"),
-    ("build", "training: building Picky(**training.options) failed: ValueError: hidden 16 is too large"),
-    ("command", "launcher.command[0]: no file {tmp_path}/no-such-solver"),
-    ("program", "launcher.command[0]: no program 'no-such-solver' in PATH (the server's, its venv first)"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        (
+            "class",
+            "training.class_name: tiny_module.py defines no TrainingModule subclass 'Tinny' (did you mean 'Tiny'?)",
+        ),
+        ("option", "training.options.hiden: not an option of Tiny (did you mean 'hidden'?)"),
+        (
+            "import",
+            "training.module: importing {module} failed: ModuleNotFoundError: No module named 'no_such_package'",
+        ),
+        ("build", "training: building Picky(**training.options) failed: ValueError: hidden 16 is too large"),
+        ("command", "launcher.command[0]: no file {tmp_path}/no-such-solver"),
+        ("program", "launcher.command[0]: no program 'no-such-solver' in PATH (the server's, its venv first)"),
+    ],
+)
 def test_check_catches_what_a_run_would_meet_in_one_line_without_mpi(tmp_path: Path, case: str, expected: str) -> None:
     here = Path(__file__).parent
     module = tmp_path / "user_module.py"
@@ -202,13 +240,17 @@ def test_check_builds_the_examples_training_modules_without_mpi(tmp_path: Path, 
 def test_status_shows_a_running_study_from_another_shell_and_then_its_end(tmp_path: Path) -> None:
     """``melissa-server --status OUTPUT_DIR`` reads what rank 0 rewrites every status interval (issue 13, item 3)."""
     output = tmp_path / "out"
-    config = study_config(output, [sys.executable, TOY_SIM, "--step-delay", "0.3"],
-                          server={"status_interval": 0.5})
+    config = study_config(output, [sys.executable, TOY_SIM, "--step-delay", "0.3"], server={"status_interval": 0.5})
     status = [*SERVER, "--status", str(output)]
     early = subprocess.run(status, capture_output=True, text=True, timeout=60)
     assert early.returncode == 2 and "no status in" in early.stderr, early  # nothing started yet
-    process = subprocess.Popen([MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)], env=clean_environment(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)],
+        env=clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline, shown = time.monotonic() + 60, ""
         while "running" not in shown.split("\n", 1)[0] or "left" not in shown:  # a time left needs some progress
@@ -224,25 +266,48 @@ def test_status_shows_a_running_study_from_another_shell_and_then_its_end(tmp_pa
     assert process.returncode == 0, log
     final = subprocess.run(status, capture_output=True, text=True, timeout=60)
     assert final.returncode == 0 and "finished" in final.stdout.split("\n", 1)[0], final
-    assert "100% done" in final.stdout and "simulations 4 done, 0 running, 0 ending, 0 queued, 0 failed of 4" in final.stdout
+    assert (
+        "100% done" in final.stdout
+        and "simulations 4 done, 0 running, 0 ending, 0 queued, 0 failed of 4" in final.stdout
+    )
     history = [json.loads(line) for line in (output / "progress.jsonl").read_text().splitlines()]
     assert len(history) >= 2 and history[-1]["state"] == "finished"
     assert [h["samples"]["received"] for h in history] == sorted(h["samples"]["received"] for h in history)
 
 
-@pytest.mark.parametrize("broken, expected", [
-    ([], ["steps: 10 arrived (0 to 9)", "field 'field': float32[4, 8], min 0, max 9, mean 4.5", "no problem found"]),
-    (["--nan-at", "3"], ["steps: 3 arrived (0 to 2)", "problem: frames refused: simulation 0, step 3, field 'field', "
-                         "client rank 0: NaN or infinite values", "problem: 3 steps arrived, study.time_steps is 10"]),
-    (["--fail", "crash", "--fail-simulation", "0"],
-     ["exit code 1", "problem: exit code 1; output: toy_sim: crashing on purpose at step 3"]),
-])
-def test_try_simulation_runs_one_and_says_what_arrived_and_what_is_wrong(tmp_path: Path, broken: list[str],
-                                                                         expected: list[str]) -> None:
+@pytest.mark.parametrize(
+    "broken, expected",
+    [
+        (
+            [],
+            ["steps: 10 arrived (0 to 9)", "field 'field': float32[4, 8], min 0, max 9, mean 4.5", "no problem found"],
+        ),
+        (
+            ["--nan-at", "3"],
+            [
+                "steps: 3 arrived (0 to 2)",
+                "problem: frames refused: simulation 0, step 3, field 'field', client rank 0: NaN or infinite values",
+                "problem: 3 steps arrived, study.time_steps is 10",
+            ],
+        ),
+        (
+            ["--fail", "crash", "--fail-simulation", "0"],
+            ["exit code 1", "problem: exit code 1; output: toy_sim: crashing on purpose at step 3"],
+        ),
+    ],
+)
+def test_try_simulation_runs_one_and_says_what_arrived_and_what_is_wrong(
+    tmp_path: Path, broken: list[str], expected: list[str]
+) -> None:
     """The quickest way to debug a simulation's instrumentation (issue 13, item 6): no MPI, no study."""
     config = study_config(tmp_path / "out", [sys.executable, TOY_SIM, *broken])
-    done = subprocess.run([*SERVER, "--try-simulation", write(tmp_path, config), "--parameters", "0.5", "0.25"],
-                          capture_output=True, text=True, timeout=90, env=clean_environment())
+    done = subprocess.run(
+        [*SERVER, "--try-simulation", write(tmp_path, config), "--parameters", "0.5", "0.25"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=clean_environment(),
+    )
     assert done.returncode == (1 if broken else 0), done.stdout + done.stderr
     assert done.stdout.startswith("simulation 0 with parameters [0.5, 0.25]: exit code"), done.stdout
     for line in expected:

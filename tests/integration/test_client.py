@@ -1,23 +1,27 @@
 """The client against a live receiver and handshake service, in one process (no MPI)."""
+
 from __future__ import annotations
 
 import secrets
+import select
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
 
-from melissa_dl.assembly import StreamSpec
-from melissa_dl.buffers import Buffer, make_buffer
-from melissa_dl.client import Client
+from melissa_dl.buffers.kinds import Buffer, make_buffer
+from melissa_dl.buffers.sample import Sample
 from melissa_dl.errors import ClientError, HandshakeRefused, ReceiverDied, ServerUnreachable
-from melissa_dl.handshake import HandshakeServer
-from melissa_dl.receiver import Receiver
-from melissa_dl.sample import Sample
-from melissa_dl.security import Security
+from melissa_dl.ingest.assembly import StreamSpec
+from melissa_dl.ingest.handshake import HandshakeServer
+from melissa_dl.ingest.receiver import Receiver
+from melissa_dl.wire.client import Client
+from melissa_dl.wire.security import Security
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,19 +52,31 @@ class Server:
         return samples
 
 
-def start_server(buffer: Buffer, max_message_bytes: int = 1 << 24, client_size: int = 1, level: str = "token",
-                 client_timeout: float = 5.0) -> tuple[Server, HandshakeServer]:
+def start_server(
+    buffer: Buffer,
+    max_message_bytes: int = 1 << 24,
+    client_size: int = 1,
+    level: str = "token",
+    client_timeout: float = 5.0,
+    peers: int = 0,
+) -> tuple[Server, HandshakeServer]:
     token = secrets.token_bytes(32)
-    security = Security.generate(level, token, client_timeout)
+    security = Security.generate(level, token, client_timeout, peers)
     parameters = np.arange(SIMULATIONS * 2, dtype=np.float64).reshape(SIMULATIONS, 2)
-    spec = StreamSpec(["a", "b"], parameters, token, server_rank=0, server_size=1,
-                      max_message_bytes=max_message_bytes)
+    spec = StreamSpec(["a", "b"], parameters, token, server_rank=0, server_size=1, max_message_bytes=max_message_bytes)
     receiver = Receiver(spec, buffer, "127.0.0.1", receive_queue_bytes=2 * max_message_bytes, security=security)
     receiver.start_and_bind()
-    handshake = HandshakeServer(token=token, fields=["a", "b"], simulations=SIMULATIONS,
-                                endpoints=[receiver.endpoints("127.0.0.1")], bind_simulation=False,
-                                max_message_bytes=max_message_bytes, bind_address="127.0.0.1",
-                                client_size=client_size, security=security)
+    handshake = HandshakeServer(
+        token=token,
+        fields=["a", "b"],
+        simulations=SIMULATIONS,
+        endpoints=[receiver.endpoints("127.0.0.1")],
+        bind_simulation=False,
+        max_message_bytes=max_message_bytes,
+        bind_address="127.0.0.1",
+        client_size=client_size,
+        security=security,
+    )
     environ = {
         "MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}",
         "MELISSA_TOKEN": token.hex(),
@@ -106,6 +122,7 @@ class FakeComm:
 
 def test_slices_of_a_parallel_client_are_stacked_in_rank_order(two_rank_server: Server) -> None:
     server = two_rank_server
+
     def run(rank: int) -> None:
         fields = {"a": ("float32", (rank + 1, 3)), "b": ("int64", (2,))}
         with Client(fields, comm=FakeComm(rank, 2), environ=server.environ) as client:
@@ -128,8 +145,6 @@ def test_slices_of_a_parallel_client_are_stacked_in_rank_order(two_rank_server: 
     assert server.announced(1) == 5
 
 
-
-
 def test_misuse_raises_client_errors_naming_the_field(server: Server) -> None:
     with Client({"a": ("float32", (3,)), "b": ("float32", (1,))}, environ=server.environ) as client:
         with pytest.raises(ClientError, match="field 'c' was not declared"):
@@ -142,19 +157,30 @@ def test_misuse_raises_client_errors_naming_the_field(server: Server) -> None:
         Client({"a": ("float32", (3,))}, environ={})
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"MELISSA_TOKEN": "00" * 32}, r"credentials refused \(ZAP status 400\): this simulation's credentials "
-                                   r"\(MELISSA_SECURITY=token\) are not the server's"),
-    ({"MELISSA_SIMULATION_ID": "2"}, "simulation 2 is not expected"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"MELISSA_TOKEN": "00" * 32},
+            r"credentials refused \(ZAP status 400\): this simulation's credentials "
+            r"\(MELISSA_SECURITY=token\) are not the server's",
+        ),
+        ({"MELISSA_SIMULATION_ID": "2"}, "simulation 2 is not expected"),
+    ],
+)
 def test_refused_handshakes_say_why(server: Server, change: dict[str, str], message: str) -> None:
     with pytest.raises(HandshakeRefused, match=message):
         Client({"a": ("float32", (3,)), "b": ("float32", (1,))}, environ={**server.environ, **change})
 
 
 def test_a_client_without_server_fails_after_its_timeout() -> None:
-    environ = {"MELISSA_SERVER": "tcp://127.0.0.1:9", "MELISSA_TOKEN": "00", "MELISSA_SIMULATION_ID": "0",
-               "MELISSA_PARAMETERS": "[]", "MELISSA_CLIENT_TIMEOUT": "0.5"}
+    environ = {
+        "MELISSA_SERVER": "tcp://127.0.0.1:9",
+        "MELISSA_TOKEN": "00",
+        "MELISSA_SIMULATION_ID": "0",
+        "MELISSA_PARAMETERS": "[]",
+        "MELISSA_CLIENT_TIMEOUT": "0.5",
+    }
     start = time.monotonic()
     with pytest.raises(ServerUnreachable, match="no handshake answer"):
         Client({"a": ("float32", (3,))}, environ=environ)
@@ -189,10 +215,77 @@ def test_a_full_buffer_blocks_the_client_and_loses_nothing() -> None:
     handshake.stop()
 
 
+class AnswerLosingRelay:
+    """A TCP relay to the handshake port that ends its first connection instead of passing on the answer to the
+    hello: what a connection cut after its login (the guard's caps) or a failing link does to a client."""
+
+    def __init__(self, port: int, answered: threading.Event) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream = port
+        self.answered = answered  # set once the service has admitted the hello (its answer follows)
+        self.cut = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(client, not self.cut.is_set()), daemon=True).start()
+
+    def _relay(self, client: socket.socket, lose_answer: bool) -> None:
+        with client, socket.create_connection(("127.0.0.1", self.upstream)) as server:
+            while True:
+                ready, _, _ = select.select([client, server], [], [], 10)
+                for end in ready:
+                    data = end.recv(65536)
+                    if not data:
+                        return
+                    if end is server and lose_answer and self.answered.is_set():
+                        self.cut.set()
+                        return  # both ends close: the answer is lost with the connection
+                    (server if end is client else client).sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_hello_whose_answer_was_lost_with_its_connection_is_sent_again() -> None:
+    buffer = make_buffer("fifo", capacity_samples=100, capacity_bytes=None, watermark=1, seed=0)
+    server, handshake = start_server(buffer)
+    answers: list[dict[str, Any]] = []
+    admitted = threading.Event()
+    answer = handshake.answer
+
+    def answer_and_note(request: list[bytes]) -> dict[str, Any]:
+        reply = answer(request)
+        answers.append(reply)
+        admitted.set()
+        return reply
+
+    handshake.answer = answer_and_note  # type: ignore[method-assign]
+    relay = AnswerLosingRelay(int(server.environ["MELISSA_SERVER"].rsplit(":", 1)[1]), admitted)
+    environ = {**server.environ, "MELISSA_SERVER": f"tcp://127.0.0.1:{relay.port}"}
+    try:
+        with Client({"a": ("float32", (3,)), "b": ("float32", (1,))}, environ=environ) as client:
+            client.send("a", 0, np.ones(3, np.float32))
+            client.send("b", 0, np.zeros(1, np.float32))
+        assert relay.cut.is_set()
+        assert len(answers) == 2 and answers[0] == answers[1] and answers[0]["ok"]  # the same hello, answered again
+        assert [s.time_step for s in server.drain(1)] == [0]
+    finally:
+        relay.close()
+        server.receiver.stop()
+        handshake.stop()
+
+
 def test_a_client_whose_server_vanishes_fails_after_its_timeout() -> None:
     mib = 1 << 20
-    server, handshake = start_server(make_buffer("fifo", capacity_samples=1000, capacity_bytes=None, watermark=1,
-                                                 seed=0), max_message_bytes=mib)
+    server, handshake = start_server(
+        make_buffer("fifo", capacity_samples=1000, capacity_bytes=None, watermark=1, seed=0), max_message_bytes=mib
+    )
     server.environ.update(MELISSA_CLIENT_TIMEOUT="1", MELISSA_SEND_QUEUE_BYTES=str(2 * mib))
     fields = {"a": ("float32", (mib // 4,)), "b": ("float32", (1,))}
     start = 0.0
@@ -234,7 +327,7 @@ def test_a_receiver_failure_reaches_the_main_thread() -> None:
 
 def test_small_buffered_samples_cost_what_the_buffer_counts() -> None:
     """A view of a 200-byte payload pins ZeroMQ's whole receive chunk: 2,000 such samples held ~36 MB."""
-    from melissa_dl.training import rss_megabytes
+    from melissa_dl.train.trainer import rss_megabytes
 
     steps = 2000
     buffer = make_buffer("fifo", capacity_samples=steps, capacity_bytes=None, watermark=1, seed=0)

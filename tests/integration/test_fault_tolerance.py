@@ -3,6 +3,7 @@
 Every study here is paced (toy_sim ``--step-delay``) so that the server can
 be interrupted in its middle, after its first checkpoint is committed.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,14 +13,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 import zmq
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from conftest import (
     HERE,
     SIMULATIONS,
@@ -34,13 +33,16 @@ from conftest import (
     start,
     wait_for,
 )
-from melissa_dl.checkpoint import latest_valid
-from melissa_dl.ledger import Ledger
-from melissa_dl.serialization import loads
-from melissa_dl.status import EXIT_CONFIG, EXIT_STOPPED, STATUS
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tiny_module import Tiny
 
+from melissa_dl.checkpoint.serialization import loads
+from melissa_dl.checkpoint.versions import latest_valid
+from melissa_dl.ingest.ledger import Ledger
+from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_STOPPED, STATUS
+
 pytestmark = pytest.mark.timeout(240)
+
 
 def stop_after_first_checkpoint(tmp_path: Path, config: dict, ranks: int) -> str:
     """Start a study, SIGTERM its mpirun once a checkpoint is committed; the log of the graceful stop."""
@@ -184,7 +186,7 @@ def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
 ) -> None:
     config = paced_config(output, server_timeout=10.0, max_server_restarts=2)  # startup on a loaded machine: seconds
     command = server_command(tmp_path, config, 2)
-    supervisor = start([sys.executable, "-m", "launcher.supervisor", command[-1], "-n", "2"])
+    supervisor = start([sys.executable, "-m", "melissa_dl.supervisor", command[-1], "-n", "2"])
     wait_for(lambda: committed(output), supervisor)
     pid = int(re.search(r"server rank 1 of 2, pid (\d+)", (output / "logs" / "rank1.log").read_text()).group(1))
     os.kill(pid, signal.SIGKILL if failure.startswith("kill") else signal.SIGSTOP)
@@ -213,12 +215,17 @@ def test_the_heartbeat_goes_on_while_the_buffers_drain_after_the_study(tmp_path:
     config["launcher"]["command"] = [sys.executable, TOY_SIM, "--steps", str(STEPS)]
     config["training"]["options"] = {"step_delay": 0.8}
     command = server_command(tmp_path, config, 1)
-    done = subprocess.run([sys.executable, "-m", "launcher.supervisor", command[-1]], env=clean_environment(),
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "melissa_dl.supervisor", command[-1]],
+        env=clean_environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "no heartbeat" not in done.stderr and "restarting" not in done.stderr
     rank0 = (output / "logs" / "rank0.log").read_text()
-    assert rank0[rank0.index("simulation 5 done"):].count(" committed ") >= 2  # during the drain, and the last
+    assert rank0[rank0.index("simulation 5 done") :].count(" committed ") >= 2  # during the drain, and the last
 
 
 def test_refusals_counted_before_a_restart_are_in_the_final_report(tmp_path: Path, output: Path) -> None:
@@ -242,9 +249,17 @@ def test_refusals_counted_before_a_restart_are_in_the_final_report(tmp_path: Pat
     assert run.report is not None and run.report["rejected"].get("handshake_auth", 0) >= 1, run.report["rejected"]
 
 
-@pytest.mark.parametrize("change", [("# a comment\n", ""), ("nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 32)",
-                                                             "nn.Linear(3, hidden + 8), nn.Tanh(), nn.Linear(hidden + 8, 32)")],
-                         ids=["comment", "layer size"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("# a comment\n", ""),
+        (
+            "nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 32)",
+            "nn.Linear(3, hidden + 8), nn.Tanh(), nn.Linear(hidden + 8, 32)",
+        ),
+    ],
+    ids=["comment", "layer size"],
+)
 def test_a_changed_training_module_is_refused_on_resume(tmp_path: Path, output: Path, change: tuple[str, str]) -> None:
     module = tmp_path / "tiny_module.py"
     source = (HERE / "tiny_module.py").read_text()
@@ -283,8 +298,10 @@ def test_a_finished_study_run_again_says_so_and_changes_nothing(tmp_path: Path, 
     assert completed.code == 0, completed.log
     assert "nothing to do" not in completed.log and "simulation 0 attempt" not in completed.log
     report = json.loads(results[1].read_text())
-    assert (report["simulations"], report["samples_received"]) == ({"queued": 0, "running": 0, "done": SIMULATIONS,
-                                                                    "failed": 0}, SIMULATIONS * STEPS)
+    assert (report["simulations"], report["samples_received"]) == (
+        {"queued": 0, "running": 0, "done": SIMULATIONS, "failed": 0},
+        SIMULATIONS * STEPS,
+    )
     assert list(output.glob(".*.tmp")) == []
 
 
@@ -305,9 +322,14 @@ def make_latest_a_directory(checkpoints: Path, newest: int) -> None:
     (checkpoints / "LATEST").mkdir()
 
 
-@pytest.mark.parametrize(("damage", "warning"), [(rename_a_path_key, "manifest checksum mismatch"),
-                                                 (edit_the_ranks, "manifest checksum mismatch"),
-                                                 (make_latest_a_directory, "is unreadable; trying every version")])
+@pytest.mark.parametrize(
+    ("damage", "warning"),
+    [
+        (rename_a_path_key, "manifest checksum mismatch"),
+        (edit_the_ranks, "manifest checksum mismatch"),
+        (make_latest_a_directory, "is unreadable; trying every version"),
+    ],
+)
 def test_a_damaged_manifest_or_pointer_falls_back_to_the_newest_intact_version(
     tmp_path: Path, output: Path, damage: Callable[[Path, int], None], warning: str
 ) -> None:
@@ -342,8 +364,7 @@ def test_with_every_version_damaged_and_no_pointer_the_server_refuses_to_start_o
     assert sorted(str(p.relative_to(output)) for p in output.rglob("*") if "tensorboard" not in p.parts) == before
 
 
-def test_an_output_folder_that_fills_up_ends_the_job_in_one_line_without_restarts(tmp_path: Path,
-                                                                                  output: Path) -> None:
+def test_an_output_folder_that_fills_up_ends_the_job_in_one_line_without_restarts(tmp_path: Path, output: Path) -> None:
     """A file-size limit on rank 0, set once it runs (MPI's start needs large shared-memory files), stands for a
     full disk: the first checkpoint's dense.pt (~13 MB) cannot be written.
 
@@ -352,9 +373,10 @@ def test_an_output_folder_that_fills_up_ends_the_job_in_one_line_without_restart
     command runs the study to its end with every step once.
     """
     import resource
+
     config = paced_config(output, max_server_restarts=2)
     config["training"]["options"] = {"hidden": 30_000}
-    supervisor = [sys.executable, "-m", "launcher.supervisor", server_command(tmp_path, config, 2)[-1], "-n", "2"]
+    supervisor = [sys.executable, "-m", "melissa_dl.supervisor", server_command(tmp_path, config, 2)[-1], "-n", "2"]
     process = start(supervisor)
     log = output / "logs" / "rank0.log"
     wait_for(lambda: log.exists() and "server rank 0 of 2, pid" in log.read_text(), process)
@@ -365,8 +387,11 @@ def test_an_output_folder_that_fills_up_ends_the_job_in_one_line_without_restart
     assert process.returncode == EXIT_CONFIG, stdout
     failures = [line for line in stdout.splitlines() if "CRITICAL" in line]
     assert len(failures) == 1, stdout
-    assert re.search(r"cannot write \S+/checkpoints/v1/rank0/dense\.pt: EFBIG \(File too large\); free space or fix "
-                     r"the output folder, then run the same command to resume$", failures[0]), failures[0]
+    assert re.search(
+        r"cannot write \S+/checkpoints/v1/rank0/dense\.pt: EFBIG \(File too large\); free space or fix "
+        r"the output folder, then run the same command to resume$",
+        failures[0],
+    ), failures[0]
     assert "Traceback" not in stdout and "restarting" not in stdout
     assert [str(p) for p in output.rglob("*.tmp")] == []
     assert not committed(output)

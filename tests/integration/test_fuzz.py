@@ -1,4 +1,5 @@
 """A seeded fuzz test: mutated frames, hellos and raw TCP peers against a live 2-rank study."""
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,17 @@ def rss_megabytes(pid: int) -> float | None:
 def test_fuzzed_frames_and_hellos_are_refused_counted_and_survived(tmp_path: Path, output: Path) -> None:
     steps = 10
     command = [sys.executable, str(HERE / "bad_client.py"), "--fuzz", str(SEED), "--steps", str(steps)]
-    config = study_config(output, command, server={"max_message_bytes": 1 << 20},
-                          launcher={"simulation_timeout": 60, "max_retries": 1})
+    config = study_config(
+        output, command, server={"max_message_bytes": 1 << 20}, launcher={"simulation_timeout": 60, "max_retries": 1}
+    )
     config["study"]["fields"] = {"field": {"dtype": "float32", "shape": [4, 8]}}
-    server = subprocess.Popen(server_command(tmp_path, config, 2), env=clean_environment(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        server_command(tmp_path, config, 2),
+        env=clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
@@ -62,14 +69,21 @@ def test_fuzzed_frames_and_hellos_are_refused_counted_and_survived(tmp_path: Pat
     assert report["simulations"] == {"queued": 0, "running": 0, "done": 4, "failed": 0}, log
     assert report["samples_received"] == 4 * steps == report["samples_consumed"]  # every sample exactly once
     fuzzer = report["per_simulation"][0]
-    assert fuzzer["attempts"] == 2 and fuzzer["reason"].startswith("exit code 3"), fuzzer  # ran to its end, then behaved
+    assert fuzzer["attempts"] == 2 and fuzzer["reason"].startswith("exit code 3"), (
+        fuzzer
+    )  # ran to its end, then behaved
     tally = json.loads((tmp_path / "fuzz_tally.json").read_text())
     assert tally["data_frames"] >= 5000 and tally["handshakes"] >= 1000 and tally["unanswered"] == 0
     refused = report["rejected"]
-    hello_kinds = {k[len("handshake_"):]: n for k, n in refused.items()
-                   if k.startswith("handshake_") and not k.endswith(CONNECTION_KINDS)}
+    hello_kinds = {
+        k[len("handshake_") :]: n
+        for k, n in refused.items()
+        if k.startswith("handshake_") and not k.endswith(CONNECTION_KINDS)
+    }
     assert hello_kinds == tally["refused"]  # every refused hello counted, under the kind it was told
-    frame_kinds = {k: n for k, n in refused.items() if not k.startswith("handshake_") and not k.endswith(CONNECTION_KINDS)}
+    frame_kinds = {
+        k: n for k, n in refused.items() if not k.startswith("handshake_") and not k.endswith(CONNECTION_KINDS)
+    }
     assert {"malformed", "credentials", "version", "time_step", "dtype", "shape"} <= set(frame_kinds), frame_kinds
     assert 0.8 * tally["data_frames"] <= sum(frame_kinds.values()) <= tally["data_frames"], frame_kinds
     assert set(pids) == {0, 1} and all(peak[r] - first[r] < 100 for r in pids), (first, peak)

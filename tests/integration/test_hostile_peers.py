@@ -1,10 +1,10 @@
 """Peers that are not clients: idle connections, descriptor exhaustion and big messages before any login must
 not end a study, nor cost it more than a little memory."""
+
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import resource
 import socket
@@ -40,12 +40,17 @@ def test_a_thousand_idle_connections_under_a_low_descriptor_limit_are_refused_no
     if min(soft, hard) < 1400:
         pytest.skip(f"this test opens 1,100 connections; the open-file limit here is {soft}")
     port = free_port()
-    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "20", "--step-delay", "0.1"],
-                          study={"time_steps": 20}, server={"handshake_port": port})
+    config = study_config(
+        output,
+        [sys.executable, TOY_SIM, "--steps", "20", "--step-delay", "0.1"],
+        study={"time_steps": 20},
+        server={"handshake_port": port},
+    )
     # 384 descriptors: 42 a socket (connection_cap), below PENDING_PER_HOST: the descriptor cap is what refuses
     command = ["bash", "-c", 'ulimit -n 384 && exec "$@"', "limited", *server_command(tmp_path, config, 2)]
-    server = subprocess.Popen(command, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+    server = subprocess.Popen(
+        command, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         idle = connect_idle(port, 1100, time.monotonic() + 60)
         log, _ = server.communicate(timeout=120)
@@ -74,7 +79,9 @@ def rank_pids(config: Path, ranks: int, timeout: float = 60) -> dict[int, int]:
             try:
                 if not entry.name.isdigit() or str(config) not in (entry / "cmdline").read_text():
                     continue
-                environ = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
+                environ = dict(
+                    item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item
+                )
             except OSError:
                 continue
             if "PMI_RANK" in environ and "mpirun" not in (entry / "cmdline").read_text().split("\0")[0]:
@@ -100,6 +107,7 @@ class Lines(threading.Thread):
     def wait_for(self, pattern: str, count: int, timeout: float = 60) -> list[re.Match[str]]:
         def found() -> list[re.Match[str]]:
             return [m for line in self.lines if (m := re.search(pattern, line))]
+
         with self.changed:
             self.changed.wait_for(lambda: len(found()) >= count or not self.is_alive(), timeout)
             return found()
@@ -133,15 +141,29 @@ def attack(port: int, mechanism: str | None, deadline: float, made: Counter[int]
 
 @pytest.mark.parametrize("level, language, seconds", [("token", "python", 30), ("curve", "c", 10)])
 def test_peers_without_credentials_sending_64_mib_or_garbage_before_login_cost_a_rank_almost_nothing(
-        tmp_path: Path, output: Path, native: Path, level: str, language: str, seconds: float) -> None:
+    tmp_path: Path, output: Path, native: Path, level: str, language: str, seconds: float
+) -> None:
     go = tmp_path / "go"
-    command = ([sys.executable, TOY_SIM, "--steps", "5", "--shape", "8", "--go", str(go)] if language == "python"
-               else [str(native / "scale_client"), "5", "8", "0", str(go)])
+    command = (
+        [sys.executable, TOY_SIM, "--steps", "5", "--shape", "8", "--go", str(go)]
+        if language == "python"
+        else [str(native / "scale_client"), "5", "8", "0", str(go)]
+    )
     port = free_port()
-    config = study_config(output, command, study={"time_steps": 5}, launcher={"job_limit": 4},
-                          server={"handshake_port": port, "security": level, "max_message_bytes": 64 << 20})
-    server = subprocess.Popen(server_command(tmp_path, config, 2), env=clean_environment(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    config = study_config(
+        output,
+        command,
+        study={"time_steps": 5},
+        launcher={"job_limit": 4},
+        server={"handshake_port": port, "security": level, "max_message_bytes": 64 << 20},
+    )
+    server = subprocess.Popen(
+        server_command(tmp_path, config, 2),
+        env=clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         output_lines = Lines(server.stdout)
         pids = rank_pids(tmp_path / "config.json", 2)
@@ -153,9 +175,18 @@ def test_peers_without_credentials_sending_64_mib_or_garbage_before_login_cost_a
             Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
         made: Counter[int] = Counter()
         end = time.monotonic() + seconds
-        attackers = [threading.Thread(target=attack, args=(targets[i % len(targets)],  # 3 of 4 big, 1 not ZeroMQ
-                                                          mechanism(level) if i % 4 else None, end, made))
-                     for i in range(PEERS)]
+        attackers = [
+            threading.Thread(
+                target=attack,
+                args=(
+                    targets[i % len(targets)],  # 3 of 4 big, 1 not ZeroMQ
+                    mechanism(level) if i % 4 else None,
+                    end,
+                    made,
+                ),
+            )
+            for i in range(PEERS)
+        ]
         for thread in attackers:
             thread.start()
         for thread in attackers:

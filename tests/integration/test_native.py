@@ -1,4 +1,5 @@
 """The C library, its Fortran module and the C and Fortran heat solvers, built from source by `make native`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,17 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-
 from conftest import HERE, ROOT, clean_environment, run_server, study_config
-from melissa_dl.assembly import Delivery
-from melissa_dl.client import Client
-from melissa_dl.connections import ConnectionGuard, ServerSocketThread
-from melissa_dl.delivery import DeliveryServer
-from melissa_dl.handshake import HandshakeServer
-from melissa_dl.protocol import PROTOCOL_VERSION, Kind, parts, unpack_header
-from melissa_dl.security import Security
 from test_security import assert_received_every_step, stub_server, wait_until
 from test_studies import assert_clean_study, assert_every_step_once
+
+from melissa_dl.ingest.assembly import Delivery
+from melissa_dl.ingest.connections import ConnectionGuard, ServerSocketThread
+from melissa_dl.ingest.delivery import DeliveryServer
+from melissa_dl.ingest.handshake import HandshakeServer
+from melissa_dl.wire.client import Client
+from melissa_dl.wire.protocol import PROTOCOL_VERSION, Kind, parts, unpack_header
+from melissa_dl.wire.security import Security
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,18 +40,32 @@ VERSION = importlib.metadata.version("melissa_dl")
 def recording(directory: Path) -> dict:
     """A training section whose module saves every sample it gets into ``directory``."""
     directory.mkdir()
-    return {"module": str(HERE / "recorder.py"), "class_name": "Recorder", "options": {"directory": str(directory)},
-            "batch_size": 1, "device": "cpu"}
+    return {
+        "module": str(HERE / "recorder.py"),
+        "class_name": "Recorder",
+        "options": {"directory": str(directory)},
+        "batch_size": 1,
+        "device": "cpu",
+    }
 
 
 @pytest.mark.parametrize("program", ["heat_c", "heat_fortran"])
-def test_native_heat_solvers_stream_the_python_solvers_fields(tmp_path: Path, output: Path, native: Path,
-                                                              program: str) -> None:
+def test_native_heat_solvers_stream_the_python_solvers_fields(
+    tmp_path: Path, output: Path, native: Path, program: str
+) -> None:
     steps, nx, ny, simulations = 12, 15, 8, 3  # 15 rows: 8 on client rank 0, 7 on rank 1
     command = [str(native / program), "--nx", str(nx), "--ny", str(ny), "--steps", str(steps)]
-    config = study_config(output, command, launcher={"scheduler": "mpirun", "client_ranks": 2},
-                          study={"fields": ["temperature"], "parameters": HEAT_PARAMETERS,
-                                 "simulations": simulations, "time_steps": steps})
+    config = study_config(
+        output,
+        command,
+        launcher={"scheduler": "mpirun", "client_ranks": 2},
+        study={
+            "fields": ["temperature"],
+            "parameters": HEAT_PARAMETERS,
+            "simulations": simulations,
+            "time_steps": steps,
+        },
+    )
     config["training"] = recording(tmp_path / "samples")
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
@@ -84,8 +99,9 @@ def parameters_said(said: list[tuple[str, str]]) -> tuple[list[float], dict[str,
     return by_position, by_name
 
 
-def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(tmp_path: Path, output: Path,
-                                                                         native: Path) -> None:
+def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(
+    tmp_path: Path, output: Path, native: Path
+) -> None:
     config = study_config(output, [str(native / "c_client"), "--errors", "--parameter", "a", "--parameter", "b"])
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
@@ -97,9 +113,11 @@ def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(tmp_path
         by_position, by_name = parameters_said(lines(output / "simulations" / f"simulation{s}.attempt0.log"))
         assert by_name == dict(zip(["a", "b"], by_position)) == sampled[s]
     assert run.report["rejected"] == {"handshake_auth": 1, "handshake_unknown_simulation": 1}
-    refused_token = ("simulation 0: tcp://127.0.0.1:PORT: credentials refused (ZAP status 400): this simulation's "
-                     "credentials (MELISSA_SECURITY=token) are not the server's (a stale environment, or another "
-                     "study's server?)")
+    refused_token = (
+        "simulation 0: tcp://127.0.0.1:PORT: credentials refused (ZAP status 400): this simulation's "
+        "credentials (MELISSA_SECURITY=token) are not the server's (a stale environment, or another "
+        "study's server?)"
+    )
     refused_simulation = "simulation 99: handshake: simulation 99 is not in the study"
     unreachable = "no handshake answer from tcp://127.0.0.1:9 within 0.5 s"
     log = output / "simulations" / "simulation0.attempt0.log"
@@ -109,25 +127,41 @@ def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(tmp_path
         ("version", f"{VERSION} protocol {PROTOCOL_VERSION}"),
         ("unknown parameter", "2 melissa_dl_parameter: no parameter 'x' (the study's: a, b)"),
         ("NULL parameter name", "2 melissa_dl_parameter: name is NULL"),
-        ("no parameter names", "1 MELISSA_PARAMETER_NAMES is not set: start this simulation through melissa-server's "
-         "launcher (an older one passes the parameters without their names: read them by position with "
-         "melissa_dl_parameters)"),
-        ("names not strings", '1 MELISSA_PARAMETER_NAMES=\'["a", 2]\' is not a JSON list of strings'),
-        ("fewer names than values",
-         f"1 MELISSA_PARAMETER_NAMES='[\"a\"]' and MELISSA_PARAMETERS='{values}' differ in length (1 and 2)"),
-        ("no simulation id", "1 MELISSA_SIMULATION_ID is not set: start this simulation through melissa-server's launcher"),
+        (
+            "no parameter names",
+            "1 MELISSA_PARAMETER_NAMES is not set: start this simulation through melissa-server's "
+            "launcher (an older one passes the parameters without their names: read them by position with "
+            "melissa_dl_parameters)",
+        ),
+        ("names not strings", "1 MELISSA_PARAMETER_NAMES='[\"a\", 2]' is not a JSON list of strings"),
+        (
+            "fewer names than values",
+            f"1 MELISSA_PARAMETER_NAMES='[\"a\"]' and MELISSA_PARAMETERS='{values}' differ in length (1 and 2)",
+        ),
+        (
+            "no simulation id",
+            "1 MELISSA_SIMULATION_ID is not set: start this simulation through melissa-server's launcher",
+        ),
         ("send before init", "3 field 'field': no field is declared: call melissa_dl_init first"),
         ("finalize before init", "3 nothing to finalize: no field is declared"),
         ("unknown dtype", "2 field 'field': dtype 7 is neither MELISSA_DL_FLOAT32 (0) nor MELISSA_DL_FLOAT64 (1)"),
         ("wrong token", f"7 {refused_token}"),
-        ("send after that", f"3 field 'field': the connection failed earlier ({refused_token}): call melissa_dl_finalize"),
+        (
+            "send after that",
+            f"3 field 'field': the connection failed earlier ({refused_token}): call melissa_dl_finalize",
+        ),
         ("finalize after that", f"3 nothing announced: the connection failed earlier ({refused_token})"),
         ("unknown simulation", f"7 {refused_simulation}"),
-        ("send after that",
-         f"3 field 'field': the connection failed earlier ({refused_simulation}): call melissa_dl_finalize"),
+        (
+            "send after that",
+            f"3 field 'field': the connection failed earlier ({refused_simulation}): call melissa_dl_finalize",
+        ),
         ("finalize after that", f"3 nothing announced: the connection failed earlier ({refused_simulation})"),
         ("no server", f"8 {unreachable}"),
-        ("send after that", f"3 field 'field': the connection failed earlier ({unreachable}): call melissa_dl_finalize"),
+        (
+            "send after that",
+            f"3 field 'field': the connection failed earlier ({unreachable}): call melissa_dl_finalize",
+        ),
         ("finalize after that", f"3 nothing announced: the connection failed earlier ({unreachable})"),
         ("declared twice", "2 field 'field' is declared twice"),
         ("undeclared field", "4 field 'pressure' was not declared (declared: 'field')"),
@@ -140,9 +174,12 @@ def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(tmp_path
 
 def test_the_fortran_module_with_use_mpi_handles_and_float64(tmp_path: Path, output: Path, native: Path) -> None:
     values = [[0.25, 2.0], [0.5, 1.5], [0.75, 1.0]]
-    config = study_config(output, [str(native / "f_client"), "6", "a", "b"],
-                          study={"simulations": 3, "time_steps": 6, "sampler": "list", "parameter_values": values},
-                          launcher={"scheduler": "mpirun", "client_ranks": 2})
+    config = study_config(
+        output,
+        [str(native / "f_client"), "6", "a", "b"],
+        study={"simulations": 3, "time_steps": 6, "sampler": "list", "parameter_values": values},
+        launcher={"scheduler": "mpirun", "client_ranks": 2},
+    )
     config["training"] = recording(tmp_path / "samples")
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
@@ -209,8 +246,12 @@ def receive_until_finalize(ranks: list[RawRank]) -> list[list[list[bytes]]]:
 
 
 @contextlib.contextmanager
-def data_sockets(token: bytes, bind: bool, level: str = "token", max_message_bytes: int = 1 << 20,
-                 ) -> Iterator[tuple[dict[str, str], list[RawRank], HandshakeServer]]:
+def data_sockets(
+    token: bytes,
+    bind: bool,
+    level: str = "token",
+    max_message_bytes: int = 1 << 20,
+) -> Iterator[tuple[dict[str, str], list[RawRank], HandshakeServer]]:
     """A handshake service for simulation 3 of a study with the field "field", and two raw ranks standing for
     two server ranks; yields the client's environment, the ranks and the handshake service."""
     security = Security.generate(level, token, 10.0)
@@ -218,16 +259,30 @@ def data_sockets(token: bytes, bind: bool, level: str = "token", max_message_byt
     for rank in ranks:
         rank.start_and_bind()
         rank.delivery.start_and_bind()
-    handshake = HandshakeServer(token=token, fields=["field"], simulations=4,
-                                endpoints=[(f"tcp://127.0.0.1:{r.port}", f"tcp://127.0.0.1:{r.delivery.port}")
-                                           for r in ranks],
-                                bind_simulation=bind, max_message_bytes=max_message_bytes, bind_address="127.0.0.1",
-                                security=security)
+    handshake = HandshakeServer(
+        token=token,
+        fields=["field"],
+        simulations=4,
+        endpoints=[(f"tcp://127.0.0.1:{r.port}", f"tcp://127.0.0.1:{r.delivery.port}") for r in ranks],
+        bind_simulation=bind,
+        max_message_bytes=max_message_bytes,
+        bind_address="127.0.0.1",
+        security=security,
+    )
     handshake.expect(3, 0)
     try:
-        yield {"MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}", "MELISSA_TOKEN": token.hex(),
-               "MELISSA_SIMULATION_ID": "3", "MELISSA_PARAMETERS": "[0.5]", "MELISSA_CLIENT_TIMEOUT": "10",
-               **security.client_environment()}, ranks, handshake
+        yield (
+            {
+                "MELISSA_SERVER": f"tcp://127.0.0.1:{handshake.start_and_bind()}",
+                "MELISSA_TOKEN": token.hex(),
+                "MELISSA_SIMULATION_ID": "3",
+                "MELISSA_PARAMETERS": "[0.5]",
+                "MELISSA_CLIENT_TIMEOUT": "10",
+                **security.client_environment(),
+            },
+            ranks,
+            handshake,
+        )
     finally:
         handshake.stop()
         for rank in ranks:
@@ -236,8 +291,13 @@ def data_sockets(token: bytes, bind: bool, level: str = "token", max_message_byt
 
 
 def run_c_client(native: Path, environ: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(native / "c_client"), *args], env={**clean_environment(), **environ},
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(native / "c_client"), *args],
+        env={**clean_environment(), **environ},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("token_bytes, bind, count", [(32, False, 6), (120, True, 6), (32, False, 300_000)])
@@ -268,13 +328,17 @@ def test_names_are_escaped_in_json_both_ways(native: Path) -> None:
         done = run_c_client(native, environ, "--field", name)
     assert done.returncode == 1
     quoted = name.replace("\\", "\\\\")  # refusals quote peer text as repr does
-    assert done.stderr == (f"c_client: melissa_dl error 7: simulation 3: handshake: simulation 3: unknown field "
-                           f"'{quoted}' (study has ['field'])\n")
+    assert done.stderr == (
+        f"c_client: melissa_dl error 7: simulation 3: handshake: simulation 3: unknown field "
+        f"'{quoted}' (study has ['field'])\n"
+    )
 
 
 def test_the_c_client_links_the_static_library_and_the_solvers_the_shared_one(native: Path) -> None:
     def needed(program: str) -> str:
-        return subprocess.run(["readelf", "-d", str(native / program)], capture_output=True, text=True, check=True).stdout
+        return subprocess.run(
+            ["readelf", "-d", str(native / program)], capture_output=True, text=True, check=True
+        ).stdout
 
     assert "libmelissa_dl" not in needed("c_client")
     assert "[libmelissa_dl.so.0]" in needed("heat_c")
@@ -303,34 +367,58 @@ def test_a_serial_program_loads_no_mpi_and_a_communicator_without_mpi_is_named(t
     assert "libmpich" in loaded(native / "heat_c")  # an MPI program: the library's MPI calls resolve to its MPI
     source = tmp_path / "serial.c"
     source.write_text(SERIAL_PROGRAM)
-    mpi_include = subprocess.run(["pkg-config", "--cflags", "mpich"], capture_output=True, text=True,
-                                 check=True).stdout.split()
-    subprocess.run(["cc", "-Wl,--as-needed", "-o", str(tmp_path / "serial"), str(source), f"-I{prefix / 'include'}",
-                    *mpi_include, f"-L{prefix / 'lib'}", "-lmelissa_dl", f"-Wl,-rpath,{prefix / 'lib'}"], check=True)
+    mpi_include = subprocess.run(
+        ["pkg-config", "--cflags", "mpich"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    subprocess.run(
+        [
+            "cc",
+            "-Wl,--as-needed",
+            "-o",
+            str(tmp_path / "serial"),
+            str(source),
+            f"-I{prefix / 'include'}",
+            *mpi_include,
+            f"-L{prefix / 'lib'}",
+            "-lmelissa_dl",
+            f"-Wl,-rpath,{prefix / 'lib'}",
+        ],
+        check=True,
+    )
     done = subprocess.run([str(tmp_path / "serial")], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
-    assert done.stderr == ("10 field 'field': a communicator was passed, but this program is not linked with MPI "
-                           "(build it with mpicc, or pass MPI_COMM_NULL from a serial program)\n")
+    assert done.stderr == (
+        "10 field 'field': a communicator was passed, but this program is not linked with MPI "
+        "(build it with mpicc, or pass MPI_COMM_NULL from a serial program)\n"
+    )
 
 
 @pytest.mark.parametrize("level", ["token", "curve"])
 def test_a_c_client_without_the_studys_credentials_is_refused_at_the_door(native: Path, level: str) -> None:
     with data_sockets(b"secret", bind=False, level=level) as (environ, ranks, handshake):
         public, secret = (key.decode() for key in zmq.curve_keypair())
-        wrong = {"token": {"MELISSA_TOKEN": "00" * 6},
-                 "curve": {"MELISSA_CURVE_PUBLIC_KEY": public, "MELISSA_CURVE_SECRET_KEY": secret}}[level]
+        wrong = {
+            "token": {"MELISSA_TOKEN": "00" * 6},
+            "curve": {"MELISSA_CURVE_PUBLIC_KEY": public, "MELISSA_CURVE_SECRET_KEY": secret},
+        }[level]
         done = run_c_client(native, {**environ, **wrong}, "--steps", "2", "--count", "4")
         assert done.returncode == 1
-        assert re.fullmatch(r"c_client: melissa_dl error 7: simulation 3: tcp://127\.0\.0\.1:\d+: credentials refused "
-                            rf"\(ZAP status 400\): this simulation's credentials \(MELISSA_SECURITY={level}\) are not "
-                            r"the server's \(a stale environment, or another study's server\?\)\n", done.stderr)
+        assert re.fullmatch(
+            r"c_client: melissa_dl error 7: simulation 3: tcp://127\.0\.0\.1:\d+: credentials refused "
+            rf"\(ZAP status 400\): this simulation's credentials \(MELISSA_SECURITY={level}\) are not "
+            r"the server's \(a stale environment, or another study's server\?\)\n",
+            done.stderr,
+        )
         assert handshake.rejections.counts() == {"handshake_auth": 1}
         if level == "curve":  # another server's key: the server cannot read the hello, the client hears nothing
             done = run_c_client(native, {**environ, "MELISSA_CURVE_SERVER_KEY": public, "MELISSA_CLIENT_TIMEOUT": "1"})
             assert done.returncode == 1
-            assert re.fullmatch(r"c_client: melissa_dl error 8: no handshake answer from tcp://127\.0\.0\.1:\d+ within "
-                                r"1 s \(\d+ ZeroMQ handshakes with it failed: another security level or CURVE server "
-                                r"key than MELISSA_SECURITY=curve\?\)\n", done.stderr)
+            assert re.fullmatch(
+                r"c_client: melissa_dl error 8: no handshake answer from tcp://127\.0\.0\.1:\d+ within "
+                r"1 s \(\d+ ZeroMQ handshakes with it failed: another security level or CURVE server "
+                r"key than MELISSA_SECURITY=curve\?\)\n",
+                done.stderr,
+            )
             assert wait_until(lambda: handshake.rejections.counts()["handshake_auth"] > 1)  # it cannot decrypt
         time.sleep(0.2)
         assert all(rank.messages.empty() for rank in ranks)  # nothing reached a data socket
@@ -341,11 +429,20 @@ def test_a_c_client_without_the_studys_credentials_is_refused_at_the_door(native
 
 
 def test_c_and_fortran_clients_run_a_study_at_the_curve_level(tmp_path: Path, output: Path, native: Path) -> None:
-    config = study_config(output, [str(native / "c_client")], server={"security": "curve"},
-                          launcher={"scheduler": "mpirun", "client_ranks": 2})
+    config = study_config(
+        output,
+        [str(native / "c_client")],
+        server={"security": "curve"},
+        launcher={"scheduler": "mpirun", "client_ranks": 2},
+    )
     assert_clean_study(run_server(tmp_path, config, ranks=2), 4, 10)
-    config = study_config(tmp_path / "fortran", [str(native / "f_client"), "6"], server={"security": "curve"},
-                          study={"simulations": 2, "time_steps": 6}, launcher={"scheduler": "mpirun", "client_ranks": 2})
+    config = study_config(
+        tmp_path / "fortran",
+        [str(native / "f_client"), "6"],
+        server={"security": "curve"},
+        study={"simulations": 2, "time_steps": 6},
+        launcher={"scheduler": "mpirun", "client_ranks": 2},
+    )
     assert_clean_study(run_server(tmp_path, config, ranks=1), 2, 6)
 
 
@@ -363,11 +460,16 @@ def test_the_c_client_waits_out_back_pressure_longer_than_its_timeout(native: Pa
 
 
 @pytest.mark.parametrize("how, bound", [(signal.SIGKILL, 1.0), (signal.SIGSTOP, 1.5)])
-def test_a_blocked_c_client_of_a_dead_server_fails_within_its_timeout(native: Path, how: signal.Signals,
-                                                                      bound: float) -> None:
+def test_a_blocked_c_client_of_a_dead_server_fails_within_its_timeout(
+    native: Path, how: signal.Signals, bound: float
+) -> None:
     with stub_server("--timeout", "1", "--capacity", "1") as (process, environ):
-        client = subprocess.Popen([str(native / "c_client"), "--steps", "1000", "--count", str(MIB // 4)],
-                                  env={**clean_environment(), **environ}, stderr=subprocess.PIPE, text=True)
+        client = subprocess.Popen(
+            [str(native / "c_client"), "--steps", "1000", "--count", str(MIB // 4)],
+            env={**clean_environment(), **environ},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             time.sleep(1.5)  # blocked by back-pressure for 1.5 timeouts: waiting, not failed
             assert client.poll() is None
@@ -380,6 +482,9 @@ def test_a_blocked_c_client_of_a_dead_server_fails_within_its_timeout(native: Pa
         process.kill()
         assert process.wait(10) == -signal.SIGKILL
     assert client.returncode == 1
-    assert re.fullmatch(r"c_client: melissa_dl error 8: simulation 1: server rank 0 \(tcp://127\.0\.0\.1:\d+\) has "
-                        r"been unreachable for 1 s \(no connection, no answer\)\n", stderr)
+    assert re.fullmatch(
+        r"c_client: melissa_dl error 8: simulation 1: server rank 0 \(tcp://127\.0\.0\.1:\d+\) has "
+        r"been unreachable for 1 s \(no connection, no answer\)\n",
+        stderr,
+    )
     assert bound - 0.2 < elapsed < bound + 1.5, elapsed

@@ -9,6 +9,7 @@ and a validation loss 18x-21x lower than before training (0.65 -> 0.031-0.036),
 batches and 14.5x (10 s). With 4 simulations at a time instead of the
 config's 2, 50 batches and 7x-9x. The test asks for 4x.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from conftest import HERE, run_server
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.timeout(180)
 

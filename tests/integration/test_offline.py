@@ -4,6 +4,7 @@ It must generate what the study would (refined solver, diffusivity), train the
 same module on every stored sample, and report a curve with wall times and a
 model that loads back, or the comparison measures something else.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import clean_environment
-from melissa_dl.module import load_module_class
+
+from melissa_dl.train.module import load_module_class
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,15 +30,40 @@ def test_offline_trains_on_the_refined_six_parameter_study_and_saves_its_model(t
     config["study"]["parameters"].append({"name": "diffusivity", "low": 0.5, "high": 2.0})
     config["launcher"]["command"] = ["python", "heat.py", "--nx", "9", "--ny", "7", "--steps", "4", "--refine", "2"]
     config["training"].update(module=str(EXAMPLE / "surrogate.py"), batch_size=4, nb_batches_update=5)
-    options = {"hidden": 8, "depth": 1, "nx": 9, "ny": 7, "steps": 4, "diffusivity": [0.5, 2.0], "refine": 2,
-               "validation_simulations": 2}
+    options = {
+        "hidden": 8,
+        "depth": 1,
+        "nx": 9,
+        "ny": 7,
+        "steps": 4,
+        "diffusivity": [0.5, 2.0],
+        "refine": 2,
+        "validation_simulations": 2,
+    }
     config["training"]["options"] = options
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     done = subprocess.run(
-        [sys.executable, str(EXAMPLE / "offline.py"), "--config", str(path), "--batches", "12", "--threads", "1",
-         "--output", str(tmp_path / "out"), "--save-model", str(tmp_path / "model.pt"), "--quiet"],
-        env=clean_environment(), capture_output=True, text=True, timeout=100)
+        [
+            sys.executable,
+            str(EXAMPLE / "offline.py"),
+            "--config",
+            str(path),
+            "--batches",
+            "12",
+            "--threads",
+            "1",
+            "--output",
+            str(tmp_path / "out"),
+            "--save-model",
+            str(tmp_path / "model.pt"),
+            "--quiet",
+        ],
+        env=clean_environment(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["simulations"] == 3 and report["samples"] == 12

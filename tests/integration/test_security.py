@@ -1,5 +1,6 @@
 """The door of every server socket (ZAP, both security levels), ZeroMQ's message cap, and dead servers found by
 heartbeats instead of send timeouts: Python clients and raw peers against a live receiver and handshake service."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,12 +22,12 @@ from conftest import HERE, TOY_SIM, clean_environment, run_server, study_config
 from test_client import Server, start_server
 from test_studies import assert_clean_study
 
-from melissa_dl.buffers import make_buffer
-from melissa_dl.client import Client
-from melissa_dl.connections import PENDING_IN_ALL
+from melissa_dl.buffers.kinds import make_buffer
 from melissa_dl.errors import HandshakeRefused, ServerUnreachable
-from melissa_dl.protocol import PART_BYTES, PROTOCOL_VERSION, Header, Kind, encode_json, simulation_key
-from melissa_dl.rejections import RejectionLog
+from melissa_dl.ingest.connections import PENDING_IN_ALL
+from melissa_dl.wire.client import Client
+from melissa_dl.wire.protocol import PART_BYTES, PROTOCOL_VERSION, Header, Kind, encode_json, simulation_key
+from melissa_dl.wire.rejections import RejectionLog
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,8 +57,13 @@ def at_the_door(log: RejectionLog, socket: str) -> int:
 
 @contextlib.contextmanager
 def serving(level: str, **options: object) -> Iterator[tuple[Server, object]]:
-    buffer = make_buffer("fifo", capacity_samples=int(options.pop("capacity", 100)),  # type: ignore[call-overload]
-                         capacity_bytes=None, watermark=1, seed=0)
+    buffer = make_buffer(
+        "fifo",
+        capacity_samples=int(options.pop("capacity", 100)),  # type: ignore[call-overload]
+        capacity_bytes=None,
+        watermark=1,
+        seed=0,
+    )
     server, handshake = start_server(buffer, level=level, **options)  # type: ignore[arg-type]
     try:
         yield server, handshake
@@ -86,14 +92,29 @@ def outsider(context: zmq.Context, kind: int, how: str, server: Server) -> zmq.S
 def test_a_peer_without_the_studys_credentials_gets_nothing_accepted_on_either_socket(level: str) -> None:
     with serving(level) as (server, handshake):
         environ = server.environ
-        hello = encode_json({"protocol": PROTOCOL_VERSION, "token": environ["MELISSA_TOKEN"], "simulation_id": 1,
-                             "attempt": 0, "client_rank": 0, "client_size": 1,
-                             "fields": {"a": ["float32", [3]], "b": ["float32", [1]]}})
+        hello = encode_json(
+            {
+                "protocol": PROTOCOL_VERSION,
+                "token": environ["MELISSA_TOKEN"],
+                "simulation_id": 1,
+                "attempt": 0,
+                "client_rank": 0,
+                "client_size": 1,
+                "fields": {"a": ["float32", [3]], "b": ["float32", [1]]},
+            }
+        )
         key = simulation_key(bytes.fromhex(environ["MELISSA_TOKEN"]), 1, 0)  # the outsiders even know the token
         declaration = encode_json({"fields": {"a": ["float32", [3]], "b": ["float32", [1]]}})
-        frames = [[Header(Kind.DECLARE, key, 1, 0, 0, 0, 1, 0, "uint8", (), len(declaration)).pack(), declaration],
-                  *[[Header(Kind.DATA, key, 1, 0, 7, 0, 1, f, "float32", shape, 4 * shape[0]).pack(),
-                     np.full(shape, 666, np.float32).tobytes()] for f, shape in ((0, (3,)), (1, (1,)))]]
+        frames = [
+            [Header(Kind.DECLARE, key, 1, 0, 0, 0, 1, 0, "uint8", (), len(declaration)).pack(), declaration],
+            *[
+                [
+                    Header(Kind.DATA, key, 1, 0, 7, 0, 1, f, "float32", shape, 4 * shape[0]).pack(),
+                    np.full(shape, 666, np.float32).tobytes(),
+                ]
+                for f, shape in ((0, (3,)), (1, (1,)))
+            ],
+        ]
         endpoint = f"tcp://127.0.0.1:{server.receiver.port}"
         context = zmq.Context()
         context.setsockopt(zmq.LINGER, 0)
@@ -115,11 +136,17 @@ def test_a_peer_without_the_studys_credentials_gets_nothing_accepted_on_either_s
                 push.close(linger=0)
         finally:
             context.term()
-        wrong = {"token": {"MELISSA_TOKEN": "00" * 32},
-                 "curve": dict(zip(("MELISSA_CURVE_PUBLIC_KEY", "MELISSA_CURVE_SECRET_KEY"),
-                                   (k.decode() for k in zmq.curve_keypair())))}[level]
-        with pytest.raises(HandshakeRefused, match=r"credentials refused \(ZAP status 400\): this simulation's "
-                                                   rf"credentials \(MELISSA_SECURITY={level}\) are not the server's"):
+        wrong = {
+            "token": {"MELISSA_TOKEN": "00" * 32},
+            "curve": dict(
+                zip(("MELISSA_CURVE_PUBLIC_KEY", "MELISSA_CURVE_SECRET_KEY"), (k.decode() for k in zmq.curve_keypair()))
+            ),
+        }[level]
+        with pytest.raises(
+            HandshakeRefused,
+            match=r"credentials refused \(ZAP status 400\): this simulation's "
+            rf"credentials \(MELISSA_SECURITY={level}\) are not the server's",
+        ):
             Client(FIELDS, environ={**environ, **wrong})
         assert len(server.buffer) == 0
         with Client(FIELDS, environ=environ) as client:  # the study's own client still gets in
@@ -187,9 +214,11 @@ def until_closed(port: int, message: bytes) -> None:
 def test_garbage_and_parts_over_the_cap_before_login_are_cut_and_counted_at_every_socket(level: str) -> None:
     mechanism = "PLAIN" if level == "token" else "CURVE"
     with serving(level, max_message_bytes=64 * MIB) as (server, handshake):
-        doors = {"data": (server.receiver.port, server.receiver.rejections),
-                 "ack": (server.receiver.delivery.port, server.receiver.rejections),
-                 "handshake": (handshake.port, handshake.rejections)}
+        doors = {
+            "data": (server.receiver.port, server.receiver.rejections),
+            "ack": (server.receiver.delivery.port, server.receiver.rejections),
+            "handshake": (handshake.port, handshake.rejections),
+        }
         for port, _ in doors.values():
             for _ in range(3):
                 until_closed(port, b"GET / HTTP/1.1\r\nHost: melissa\r\n\r\n")  # not ZMTP
@@ -204,20 +233,24 @@ def test_garbage_and_parts_over_the_cap_before_login_are_cut_and_counted_at_ever
         assert [s.time_step for s in server.drain(1)] == [0]
 
 
-def test_logins_beyond_the_pending_cap_are_shut_and_counted(caplog: pytest.LogCaptureFixture) -> None:
-    """Peers of this host (127.0.0.1) are under the cap of all; the cap of one host is for the others."""
-    with serving("token") as (server, _):
-        idle = [socket.create_connection(("127.0.0.1", server.receiver.port), timeout=10)
-                for _ in range(PENDING_IN_ALL + 10)]
+@pytest.mark.parametrize("peers", [0, PENDING_IN_ALL + 40])
+def test_logins_beyond_the_pending_cap_are_shut_and_counted(caplog: pytest.LogCaptureFixture, peers: int) -> None:
+    """Peers of this host (127.0.0.1) are under the cap of all; the cap of one host is for the others. The cap of
+    all is never below the simulation ranks the study may run at once (``peers``), which may all log in at once."""
+    cap = max(PENDING_IN_ALL, peers)
+    with serving("token", peers=peers) as (server, _):
+        idle = [socket.create_connection(("127.0.0.1", server.receiver.port), timeout=10) for _ in range(cap + 10)]
         try:
             log = server.receiver.rejections
             assert wait_until(lambda: count(log, "data_connections") == 10), log.counts()
-            assert any(f"{PENDING_IN_ALL} connections still logging in, at most {PENDING_IN_ALL}: closing a new one"
-                       in record.getMessage() for record in caplog.records)
+            assert any(
+                f"{cap} connections still logging in, at most {cap}: closing a new one" in record.getMessage()
+                for record in caplog.records
+            )
         finally:
             for peer in idle:
                 peer.close()
-        assert wait_until(lambda: count(log, "data_noauth") == PENDING_IN_ALL), log.counts()
+        assert wait_until(lambda: count(log, "data_noauth") == cap), log.counts()
         with Client(FIELDS, environ=server.environ) as client:
             client.send("a", 0, np.ones(3, np.float32))
             client.send("b", 0, np.ones(1, np.float32))
@@ -237,7 +270,7 @@ def status_megabytes(key: str) -> float:
 # environment as JSON, the data endpoint.
 BIG_SENDER = r"""
 import json, sys, time, zmq
-from melissa_dl.security import configure_client
+from melissa_dl.wire.security import configure_client
 environ, endpoint = json.loads(sys.argv[1]), sys.argv[2]
 context = zmq.Context()
 sockets = []
@@ -266,9 +299,13 @@ def test_frames_and_hellos_over_zeromqs_cap_cost_the_rank_no_memory() -> None:
     with serving("token", max_message_bytes=MIB) as (server, _):
         reset_peak_rss()
         before = status_megabytes("VmRSS")
-        done = subprocess.run([sys.executable, "-c", BIG_SENDER, json.dumps(server.environ),
-                               f"tcp://127.0.0.1:{server.receiver.port}"], env=clean_environment(),
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", BIG_SENDER, json.dumps(server.environ), f"tcp://127.0.0.1:{server.receiver.port}"],
+            env=clean_environment(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == [0] * 10  # no hello of 25 MB was read, so none was answered
         grown = status_megabytes("VmHWM") - before  # the peak: a frame read and freed leaves no trace in VmRSS
@@ -318,8 +355,13 @@ def test_back_pressure_three_times_longer_than_the_client_timeout_fails_nothing(
 @contextlib.contextmanager
 def stub_server(*args: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
     """``stub_server.py`` in a process of its own; yields it and the client's environment."""
-    process = subprocess.Popen([sys.executable, str(HERE / "stub_server.py"), *args], env=clean_environment(),
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(HERE / "stub_server.py"), *args],
+        env=clean_environment(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert process.stdout is not None
         yield process, json.loads(process.stdout.readline())
@@ -384,6 +426,10 @@ def test_a_client_blocked_by_a_server_process_that_holds_its_buffer_loses_nothin
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_whole_study_runs_at_each_security_level(tmp_path: Path, output: Path, level: str) -> None:
     """The launcher hands each simulation what its level needs (MELISSA_SECURITY and, for curve, the keys)."""
-    config = study_config(output, [sys.executable, TOY_SIM, "--mpi"], server={"security": level},
-                          launcher={"scheduler": "mpirun", "client_ranks": 2})
+    config = study_config(
+        output,
+        [sys.executable, TOY_SIM, "--mpi"],
+        server={"security": level},
+        launcher={"scheduler": "mpirun", "client_ranks": 2},
+    )
     assert_clean_study(run_server(tmp_path, config, ranks=2), 4, 10)

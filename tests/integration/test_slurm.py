@@ -1,4 +1,5 @@
 """Studies on a real one-node Slurm cluster (slurm_cluster.py): simulations as sbatch jobs, the server under srun."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import (
     HERE,
     SIMULATIONS,
@@ -71,8 +71,9 @@ class QueueWatch:
     def _watch(self) -> None:
         try:
             while not self._done.wait(0.2):
-                listed = [line.split() for line in
-                          self._cluster.run("squeue", "--noheader", "--format=%j %T").splitlines()]
+                listed = [
+                    line.split() for line in self._cluster.run("squeue", "--noheader", "--format=%j %T").splitlines()
+                ]
                 jobs = [(name, state) for name, state in listed if name.startswith(JOB)]
                 self.most = max(self.most, len(jobs))
                 self.running.update(name for name, state in jobs if state == "RUNNING")
@@ -105,8 +106,9 @@ def report(output: Path) -> dict[str, Any]:
     return json.loads((output / "report.json").read_text())
 
 
-def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(tmp_path: Path, output: Path,
-                                                                           slurm: SlurmCluster) -> None:
+def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(
+    tmp_path: Path, output: Path, slurm: SlurmCluster
+) -> None:
     steps, simulations = 20, 4
     config = json.loads((EXAMPLE / "config_slurm.json").read_text())
     config["output_dir"] = str(output)
@@ -114,15 +116,22 @@ def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(tmp_pat
     config["server"].update(status_interval=1.0)
     config["buffer"].update(per_server_watermark=8)
     assert (config["launcher"]["scheduler"], config["launcher"]["client_ranks"]) == ("slurm", 2)
-    config["launcher"].update(command=[sys.executable, str(EXAMPLE / "heat.py"), "--mpi", "--nx", "16", "--ny", "16",
-                                       "--steps", str(steps)], job_limit=2)
+    config["launcher"].update(
+        command=[sys.executable, str(EXAMPLE / "heat.py"), "--mpi", "--nx", "16", "--ny", "16", "--steps", str(steps)],
+        job_limit=2,
+    )
     config["training"]["module"] = str(EXAMPLE / "surrogate.py")
     config["training"]["options"].update(nx=16, ny=16, steps=steps, hidden=32, depth=1, validation_simulations=1)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     server = [sys.executable, "-m", "melissa_dl", str(path)]
-    done = subprocess.run(sbatch(tmp_path, "--ntasks=2", "--wrap", f"exec srun --mpi=pmi2 -n 2 {' '.join(server)}"),
-                          env=clean_environment(), capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        sbatch(tmp_path, "--ntasks=2", "--wrap", f"exec srun --mpi=pmi2 -n 2 {' '.join(server)}"),
+        env=clean_environment(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     log = (tmp_path / "job.out").read_text()
     assert done.returncode == 0, done.stderr + log
     result = report(output)
@@ -136,17 +145,25 @@ def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(tmp_pat
 def test_srun_without_pmi2_is_refused_naming_the_fix(tmp_path: Path, output: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(slurm_study(output, [sys.executable, TOY_SIM])))
-    done = subprocess.run(["srun", "-n", "2", sys.executable, "-m", "melissa_dl", str(path)],
-                          env=clean_environment(), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["srun", "-n", "2", sys.executable, "-m", "melissa_dl", str(path)],
+        env=clean_environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("melissa-server:")]
-    assert lines == ["melissa-server: srun started 2 tasks but MPI sees one rank in each: start the server with "
-                     "`srun --mpi=pmi2 -n 2 melissa-server CONFIG` (the mpich wheel's MPI speaks PMI-2)"], done.stderr
+    assert lines == [
+        "melissa-server: srun started 2 tasks but MPI sees one rank in each: start the server with "
+        "`srun --mpi=pmi2 -n 2 melissa-server CONFIG` (the mpich wheel's MPI speaks PMI-2)"
+    ], done.stderr
     assert not (output / "checkpoints").exists()
 
 
-def test_the_queue_never_holds_more_simulations_than_job_limit(tmp_path: Path, output: Path,
-                                                               slurm: SlurmCluster) -> None:
+def test_the_queue_never_holds_more_simulations_than_job_limit(
+    tmp_path: Path, output: Path, slurm: SlurmCluster
+) -> None:
     config = slurm_study(output, [sys.executable, TOY_SIM, "--step-delay", "0.05"], job_limit=2)
     config["study"]["simulations"] = 6
     watch = QueueWatch(slurm)
@@ -158,8 +175,9 @@ def test_the_queue_never_holds_more_simulations_than_job_limit(tmp_path: Path, o
     assert watch.running, "squeue never showed a simulation running"
 
 
-def test_a_simulation_cancelled_with_scancel_is_relaunched_and_the_study_completes(tmp_path: Path, output: Path,
-                                                                                   slurm: SlurmCluster) -> None:
+def test_a_simulation_cancelled_with_scancel_is_relaunched_and_the_study_completes(
+    tmp_path: Path, output: Path, slurm: SlurmCluster
+) -> None:
     config = slurm_study(output, [sys.executable, TOY_SIM, "--step-delay", "0.5"], job_limit=4, max_retries=1)
     server = start(server_command(tmp_path, config, 1))
     watch = QueueWatch(slurm)
@@ -182,36 +200,48 @@ def test_a_simulation_that_always_fails_is_reported_with_its_exit_code_and_outpu
     assert run.report is not None
     failed = run.report["per_simulation"][1]
     assert (failed["state"], failed["attempts"]) == ("failed", 2)
-    assert failed["reason"] == (f"exit code 1; output ({output / 'simulations' / 'simulation1.attempt1.log'}): "
-                                "toy_sim: crashing on purpose at step 3"), failed
+    assert failed["reason"] == (
+        f"exit code 1; output ({output / 'simulations' / 'simulation1.attempt1.log'}): "
+        "toy_sim: crashing on purpose at step 3"
+    ), failed
     assert run.report["simulations"]["done"] == 3
 
 
-@pytest.mark.parametrize("slurm_options, refusal", [
-    ({"partition": "nowhere"}, "Invalid partition name specified"),
-    ({"time_limit": "ten minutes"}, "sbatch: error: Invalid --time specification"),
-])
-def test_job_options_that_sbatch_refuses_are_one_line_with_exit_code_2(tmp_path: Path, output: Path,
-                                                                       slurm_options: dict, refusal: str,
-                                                                       slurm: SlurmCluster) -> None:
+@pytest.mark.parametrize(
+    "slurm_options, refusal",
+    [
+        ({"partition": "nowhere"}, "Invalid partition name specified"),
+        ({"time_limit": "ten minutes"}, "sbatch: error: Invalid --time specification"),
+    ],
+)
+def test_job_options_that_sbatch_refuses_are_one_line_with_exit_code_2(
+    tmp_path: Path, output: Path, slurm_options: dict, refusal: str, slurm: SlurmCluster
+) -> None:
     config = slurm_study(output, [sys.executable, TOY_SIM], slurm=slurm_options)
     for command in (server_command(tmp_path, config, 1, "--check"), server_command(tmp_path, config, 2)):
         done = subprocess.run(command, env=clean_environment(), capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr
         [line] = done.stderr.strip().splitlines()
-        assert line.startswith(f"melissa-server: {tmp_path / 'config.json'}: launcher.slurm: sbatch refuses the "
-                               "simulations' job options: ") and line.endswith(refusal), line
+        assert line.startswith(
+            f"melissa-server: {tmp_path / 'config.json'}: launcher.slurm: sbatch refuses the simulations' job options: "
+        ) and line.endswith(refusal), line
     assert not output.exists() and slurm.run("squeue", "--noheader") == ""
 
 
-def test_the_example_batch_script_restarts_a_server_rank_killed_with_kill_9(tmp_path: Path, output: Path,
-                                                                           slurm: SlurmCluster) -> None:
+def test_the_example_batch_script_restarts_a_server_rank_killed_with_kill_9(
+    tmp_path: Path, output: Path, slurm: SlurmCluster
+) -> None:
     """examples/heat_pde/study.sbatch: melissa-launcher in the allocation, on a paced study of 2-rank servers."""
     config = paced_config(output, server_timeout=30.0, max_server_restarts=2, scheduler="slurm")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    job = subprocess.Popen(sbatch(tmp_path, str(EXAMPLE / "study.sbatch"), str(path)), env=venv_environment(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        sbatch(tmp_path, str(EXAMPLE / "study.sbatch"), str(path)),
+        env=venv_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for(lambda: committed(output), job, timeout=120)
     pid = int(re.search(r"server rank 1 of 2, pid (\d+)", (output / "logs" / "rank1.log").read_text()).group(1))
     os.kill(pid, signal.SIGKILL)

@@ -1,13 +1,14 @@
 """Whole studies: `mpirun -n K melissa-server` with real simulation processes."""
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import HERE, TOY_SIM, Run, run_server, study_config
-from melissa_dl.status import EXIT_FAILED_SIMULATIONS
+
+from melissa_dl.runtime.status import EXIT_FAILED_SIMULATIONS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,12 +31,28 @@ def assert_every_step_once(report: dict, simulations: int, steps: int) -> None:
 
 def test_mpi_clients_and_a_crash_deliver_every_step_exactly_once(tmp_path: Path, output: Path) -> None:
     steps = 30
-    command = [sys.executable, str(HEAT), "--mpi", "--nx", "16", "--ny", "8", "--steps", str(steps),
-               "--crash-at", "12", "--crash-simulation", "1"]
+    command = [
+        sys.executable,
+        str(HEAT),
+        "--mpi",
+        "--nx",
+        "16",
+        "--ny",
+        "8",
+        "--steps",
+        str(steps),
+        "--crash-at",
+        "12",
+        "--crash-simulation",
+        "1",
+    ]
     config = study_config(output, command)
-    config["study"].update(simulations=3, time_steps=steps, fields=["temperature"],
-                           parameters=[{"name": n, "low": 100.0, "high": 500.0}
-                                       for n in ("initial", "left", "right", "bottom", "top")])
+    config["study"].update(
+        simulations=3,
+        time_steps=steps,
+        fields=["temperature"],
+        parameters=[{"name": n, "low": 100.0, "high": 500.0} for n in ("initial", "left", "right", "bottom", "top")],
+    )
     config["launcher"].update(scheduler="mpirun", client_ranks=2, job_limit=2)
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
@@ -47,10 +64,17 @@ def test_mpi_clients_and_a_crash_deliver_every_step_exactly_once(tmp_path: Path,
     assert run.report["per_rank_samples"][0] > 0 and run.report["per_rank_samples"][1] > 0
 
 
-@pytest.mark.parametrize("mode, timeout, reason", [("crash", 3, "exit code 1; output ("), ("hang", 3, "no data for 3 s"),
-                                                   ("no-finalize", 120, "exited 0 without finalize")])
-def test_a_failing_simulation_is_relaunched_and_completes(tmp_path: Path, output: Path, mode: str, timeout: float,
-                                                          reason: str) -> None:
+@pytest.mark.parametrize(
+    "mode, timeout, reason",
+    [
+        ("crash", 3, "exit code 1; output ("),
+        ("hang", 3, "no data for 3 s"),
+        ("no-finalize", 120, "exited 0 without finalize"),
+    ],
+)
+def test_a_failing_simulation_is_relaunched_and_completes(
+    tmp_path: Path, output: Path, mode: str, timeout: float, reason: str
+) -> None:
     command = [sys.executable, TOY_SIM, "--fail", mode, "--fail-simulation", "2"]
     config = study_config(output, command, launcher={"simulation_timeout": timeout})
     run = run_server(tmp_path, config, ranks=2)
@@ -73,15 +97,21 @@ def test_a_simulation_that_always_fails_is_reported_failed(tmp_path: Path, outpu
     assert run.report["simulations"] == {"queued": 0, "running": 0, "done": 3, "failed": 1}
     failed = run.report["per_simulation"][1]
     assert (failed["state"], failed["attempts"]) == ("failed", 3)
-    assert failed["reason"] == (f"exit code 1; output ({output / 'simulations' / 'simulation1.attempt2.log'}): "
-                                "toy_sim: crashing on purpose at step 3")
+    assert failed["reason"] == (
+        f"exit code 1; output ({output / 'simulations' / 'simulation1.attempt2.log'}): "
+        "toy_sim: crashing on purpose at step 3"
+    )
     assert f"simulation 1 failed after 3 attempts: {failed['reason']}" in run.log
 
 
 @pytest.mark.parametrize("kind", ["fifo", "firo", "reservoir"])
 def test_every_buffer_kind_receives_and_drains_everything(tmp_path: Path, output: Path, kind: str) -> None:
-    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "25"],
-                          study={"time_steps": 25}, buffer={"kind": kind, "capacity_samples": 8, "per_server_watermark": 4})
+    config = study_config(
+        output,
+        [sys.executable, TOY_SIM, "--steps", "25"],
+        study={"time_steps": 25},
+        buffer={"kind": kind, "capacity_samples": 8, "per_server_watermark": 4},
+    )
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
     assert run.report is not None
@@ -90,15 +120,26 @@ def test_every_buffer_kind_receives_and_drains_everything(tmp_path: Path, output
 
 
 def test_bad_frames_and_handshakes_are_refused_counted_and_survived(tmp_path: Path, output: Path) -> None:
-    config = study_config(output, [sys.executable, str(HERE / "bad_client.py")],
-                          server={"max_message_bytes": 1 << 20})
+    config = study_config(output, [sys.executable, str(HERE / "bad_client.py")], server={"max_message_bytes": 1 << 20})
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
     assert run.report is not None
     assert_every_step_once(run.report, 4, 10)
     rejected = run.report["rejected"]
-    frame_kinds = ["malformed", "version", "credentials", "unknown_simulation", "routing", "time_step",
-                   "unknown_field", "undeclared", "dtype", "shape", "non_finite", "oversize"]
+    frame_kinds = [
+        "malformed",
+        "version",
+        "credentials",
+        "unknown_simulation",
+        "routing",
+        "time_step",
+        "unknown_field",
+        "undeclared",
+        "dtype",
+        "shape",
+        "non_finite",
+        "oversize",
+    ]
     handshake_kinds = ["malformed", "version", "credentials", "unknown_simulation", "stale_attempt"]
     expected = {k: 1 for k in frame_kinds} | {f"handshake_{k}": 1 for k in handshake_kinds}
     expected["malformed"] = 2  # a one-frame message and a declaration that is not JSON
@@ -109,10 +150,14 @@ def test_bad_frames_and_handshakes_are_refused_counted_and_survived(tmp_path: Pa
     assert "refused (credentials)" in run.log
 
 
-def test_an_mpi_simulation_that_forgot_comm_fails_at_once_and_trains_on_no_half_field(tmp_path: Path,
-                                                                                     output: Path) -> None:
-    config = study_config(output, [sys.executable, TOY_SIM],  # no --mpi: every rank is "rank 0 of 1"
-                          launcher={"scheduler": "mpirun", "client_ranks": 2, "max_retries": 3})
+def test_an_mpi_simulation_that_forgot_comm_fails_at_once_and_trains_on_no_half_field(
+    tmp_path: Path, output: Path
+) -> None:
+    config = study_config(
+        output,
+        [sys.executable, TOY_SIM],  # no --mpi: every rank is "rank 0 of 1"
+        launcher={"scheduler": "mpirun", "client_ranks": 2, "max_retries": 3},
+    )
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == EXIT_FAILED_SIMULATIONS, run.log
     assert run.report is not None
@@ -122,13 +167,17 @@ def test_an_mpi_simulation_that_forgot_comm_fails_at_once_and_trains_on_no_half_
         assert "launcher.client_ranks is 2 (an MPI simulation that did not pass comm= to Client?)" in sim["reason"]
 
 
-@pytest.mark.parametrize("pinned, odd, declared", [
-    (True, 0, "float32[4, 9]"),  # the configuration pins the layout before any simulation
-    (False, 3, "float32[4, 9]"),  # simulations 0 and 1 pinned it
-    (False, 3, "float64[4, 8]"),
-])
-def test_a_simulation_with_another_field_layout_fails_at_once_naming_both(tmp_path: Path, output: Path, pinned: bool,
-                                                                          odd: int, declared: str) -> None:
+@pytest.mark.parametrize(
+    "pinned, odd, declared",
+    [
+        (True, 0, "float32[4, 9]"),  # the configuration pins the layout before any simulation
+        (False, 3, "float32[4, 9]"),  # simulations 0 and 1 pinned it
+        (False, 3, "float64[4, 8]"),
+    ],
+)
+def test_a_simulation_with_another_field_layout_fails_at_once_naming_both(
+    tmp_path: Path, output: Path, pinned: bool, odd: int, declared: str
+) -> None:
     dtype, shape = declared[:7], declared[8:-1].split(", ")
     command = [sys.executable, TOY_SIM, "--odd-simulation", str(odd), "--odd-dtype", dtype, "--odd-shape", *shape]
     config = study_config(output, command, launcher={"max_retries": 3})

@@ -1,4 +1,5 @@
 """Online training in whole studies: TensorBoard, lockstep stop, failures."""
+
 from __future__ import annotations
 
 import re
@@ -8,21 +9,36 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HERE, TOY_SIM, run_server, study_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import HERE, TOY_SIM, run_server, study_config
-from melissa_dl.plots import BUFFERS, INTAKE, LOSS, SIMULATIONS
-from melissa_dl.status import EXIT_FAILED_SIMULATIONS
+from melissa_dl.runtime.status import EXIT_FAILED_SIMULATIONS
+from melissa_dl.study.plots import BUFFERS, INTAKE, LOSS, SIMULATIONS
 
 pytestmark = pytest.mark.timeout(180)
 
-SCALARS = {"train/loss", "train/batches_per_s", "buffer/size", "buffer/put_time", "buffer/get_time",
-           "receive/bytes_per_s", "validation/loss", "memory/rss_mb"}
+SCALARS = {
+    "train/loss",
+    "train/batches_per_s",
+    "buffer/size",
+    "buffer/put_time",
+    "buffer/get_time",
+    "receive/bytes_per_s",
+    "validation/loss",
+    "memory/rss_mb",
+}
 
 
 def training(**options: object) -> dict:
-    return {"module": str(HERE / "tiny_module.py"), "class_name": "Tiny", "options": options,
-            "batch_size": 4, "nb_batches_update": 5, "log_interval": 1, "device": "cpu"}
+    return {
+        "module": str(HERE / "tiny_module.py"),
+        "class_name": "Tiny",
+        "options": options,
+        "batch_size": 4,
+        "nb_batches_update": 5,
+        "log_interval": 1,
+        "device": "cpu",
+    }
 
 
 def stopped_at(output: Path, rank: int) -> int:
@@ -32,8 +48,12 @@ def stopped_at(output: Path, rank: int) -> int:
 
 
 def test_training_logs_every_scalar_on_every_rank_and_saves_the_model(tmp_path: Path, output: Path) -> None:
-    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "20"], study={"time_steps": 20},
-                          buffer={"kind": "reservoir", "capacity_samples": 40, "per_server_watermark": 8})
+    config = study_config(
+        output,
+        [sys.executable, TOY_SIM, "--steps", "20"],
+        study={"time_steps": 20},
+        buffer={"kind": "reservoir", "capacity_samples": 40, "per_server_watermark": 8},
+    )
     config["training"] = training()
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
@@ -57,10 +77,13 @@ def test_training_logs_every_scalar_on_every_rank_and_saves_the_model(tmp_path: 
 
 def test_a_rank_that_runs_dry_stops_every_rank_at_the_same_batch(tmp_path: Path, output: Path) -> None:
     # simulations 0 and 2 go to rank 0, simulation 1 to rank 1: rank 1 runs dry first
-    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "40"],
-                          study={"simulations": 3, "time_steps": 40},
-                          server={"bind_simulation_to_server_rank": True},
-                          buffer={"kind": "fifo", "capacity_samples": 200, "per_server_watermark": 4})
+    config = study_config(
+        output,
+        [sys.executable, TOY_SIM, "--steps", "40"],
+        study={"simulations": 3, "time_steps": 40},
+        server={"bind_simulation_to_server_rank": True},
+        buffer={"kind": "fifo", "capacity_samples": 200, "per_server_watermark": 4},
+    )
     config["training"] = training()
     run = run_server(tmp_path, config, ranks=2, timeout=120)
     assert run.code == 0, run.log
@@ -70,8 +93,12 @@ def test_a_rank_that_runs_dry_stops_every_rank_at_the_same_batch(tmp_path: Path,
 
 
 def test_a_user_exception_on_rank_1_ends_the_job_with_its_traceback(tmp_path: Path, output: Path) -> None:
-    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "40"], study={"time_steps": 40},
-                          buffer={"kind": "reservoir", "capacity_samples": 40, "per_server_watermark": 4})
+    config = study_config(
+        output,
+        [sys.executable, TOY_SIM, "--steps", "40"],
+        study={"time_steps": 40},
+        buffer={"kind": "reservoir", "capacity_samples": 40, "per_server_watermark": 4},
+    )
     config["training"] = training(fail_rank=1, fail_after=3)
     start = time.monotonic()
     run = run_server(tmp_path, config, ranks=2, timeout=60)
@@ -83,10 +110,13 @@ def test_a_user_exception_on_rank_1_ends_the_job_with_its_traceback(tmp_path: Pa
 
 def test_a_rank_starved_by_routing_ends_the_job_with_a_clear_error(tmp_path: Path, output: Path) -> None:
     # one simulation bound to rank 0, which fills up; rank 1 never gets a batch: lockstep cannot progress
-    config = study_config(output, [sys.executable, TOY_SIM, "--steps", "200"],
-                          study={"simulations": 1, "time_steps": 200},
-                          server={"bind_simulation_to_server_rank": True},
-                          buffer={"kind": "fifo", "capacity_samples": 10, "per_server_watermark": 1})
+    config = study_config(
+        output,
+        [sys.executable, TOY_SIM, "--steps", "200"],
+        study={"simulations": 1, "time_steps": 200},
+        server={"bind_simulation_to_server_rank": True},
+        buffer={"kind": "fifo", "capacity_samples": 10, "per_server_watermark": 1},
+    )
     config["training"] = {**training(), "stall_timeout": 3}
     run = run_server(tmp_path, config, ranks=2, timeout=60)
     assert run.code != 0
@@ -98,16 +128,18 @@ def test_a_study_whose_simulations_all_fail_stops_early_and_writes_no_model(tmp_
     the same NaN), the study stops after the first wave instead of running all six, and no untrained model.pt
     is written (issue 13, item 2)."""
     command = [sys.executable, TOY_SIM, "--nan-at", "3", "--step-delay", "0.05"]
-    config = study_config(output, command, study={"simulations": 6},
-                          launcher={"max_retries": 2, "job_limit": 1})
+    config = study_config(output, command, study={"simulations": 6}, launcher={"max_retries": 2, "job_limit": 1})
     config["training"] = training()
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == EXIT_FAILED_SIMULATIONS, run.log
     assert run.report is not None
     sims = run.report["per_simulation"]
     assert [s["attempts"] for s in sims[:3]] == [1, 1, 1] and run.report["simulations"]["failed"] == 6
-    assert all("exited with steps missing; its frames were refused: simulation" in s["reason"]
-               and "NaN or infinite values" in s["reason"] for s in sims[:3]), sims
+    assert all(
+        "exited with steps missing; its frames were refused: simulation" in s["reason"]
+        and "NaN or infinite values" in s["reason"]
+        for s in sims[:3]
+    ), sims
     assert sims[0]["log"] == str(output / "simulations" / "simulation0.attempt0.log")
     assert run.report["stopped_early"] == "the first 3 simulations to end all failed"
     started = [s for s in range(3, 6) if (output / "simulations" / f"simulation{s}.attempt0.log").exists()]

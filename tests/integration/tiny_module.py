@@ -1,4 +1,5 @@
 """A small TrainingModule for the toy simulations of the integration tests."""
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,15 @@ class Tiny(TrainingModule):
     training) create the file ``stall_marker`` and sleep for a minute.
     """
 
-    def __init__(self, fail_rank: int = -1, fail_after: int = 3, step_delay: float = 0.0, hidden: int = 16,
-                 stall_rank: int = -1, stall_marker: str = "") -> None:
+    def __init__(
+        self,
+        fail_rank: int = -1,
+        fail_after: int = 3,
+        step_delay: float = 0.0,
+        hidden: int = 16,
+        stall_rank: int = -1,
+        stall_marker: str = "",
+    ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 32))
         self.fail_rank, self.fail_after, self.step_delay = fail_rank, fail_after, step_delay
@@ -54,7 +62,8 @@ class Tiny(TrainingModule):
             time.sleep(60)
         return [
             Sample(s, t, np.array([0.5, 0.5]), {"field": np.full((4, 8), s * 1000 + t, np.float32)})
-            for s in range(2) for t in range(5)
+            for s in range(2)
+            for t in range(5)
         ]
 
 

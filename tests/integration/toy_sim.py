@@ -9,6 +9,7 @@ interrupt the server in the middle of a study, and ``--go FILE`` holds the
 first step until FILE exists. Simulation ``--odd-simulation``
 declares and sends ``--odd-dtype`` and ``--odd-shape`` instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ import time
 
 import numpy as np
 
-from melissa_dl.client import Client
+from melissa_dl.wire.client import Client
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
 """Fixtures of the tests that run under `mpirun -n 1`, `-n 2` and `-n 3`."""
+
 from __future__ import annotations
 
 import sys
@@ -8,7 +9,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from melissa_dl.collectives import MpiCollectives, TorchCollectives
+from melissa_dl.runtime.collectives import MpiCollectives, TorchCollectives
 
 
 @pytest.hookimpl(wrapper=True)
@@ -16,8 +17,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     """A failure on one rank ends every rank at once: the others would wait in a collective until the timeout."""
     report = yield
     if report.failed and MPI.COMM_WORLD.Get_size() > 1:
-        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: {item.nodeid} failed, aborting every rank\n"
-                         f"{report.longreprtext}\n")
+        sys.stderr.write(
+            f"rank {MPI.COMM_WORLD.Get_rank()}: {item.nodeid} failed, aborting every rank\n{report.longreprtext}\n"
+        )
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
     return report

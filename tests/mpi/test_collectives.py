@@ -4,6 +4,7 @@ Every rank runs the same tests in the same order and calls the same
 collectives; only the data differ by rank. CPU tensors are tested through MPI
 and through torch.distributed with gloo (the NCCL code path, minus the GPU).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch import nn
 
-from melissa_dl.collectives import (
+from melissa_dl.runtime.collectives import (
     Collectives,
     GradientAverager,
     MpiCollectives,
@@ -27,8 +28,6 @@ from melissa_dl.collectives import (
 pytestmark = pytest.mark.timeout(120)
 
 CPU = torch.device("cpu")
-
-
 
 
 @pytest.fixture(params=["mpi", "gloo"])
@@ -165,8 +164,9 @@ def _all_to_alls(coll: Collectives, monkeypatch: pytest.MonkeyPatch) -> list[str
     return calls
 
 
-def test_alltoallv_reply_with_the_counts_received_skips_their_exchange(coll: Collectives,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_alltoallv_reply_with_the_counts_received_skips_their_exchange(
+    coll: Collectives, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A reply sends back as many rows to each rank as came from it: the caller passes the counts it knows, and
     only the rows move."""
     me, size = coll.rank, coll.size
@@ -231,8 +231,10 @@ def test_ranks_train_like_one_model_on_the_mean_loss(
     reference_opt = optimizer(reference.parameters(), lr=0.1)
     for step in range(steps):
         reference_opt.zero_grad()
-        losses = [nn.functional.mse_loss(reference(x.double()), y.double())
-                  for x, y in (_batch(r, step) for r in range(coll.size))]
+        losses = [
+            nn.functional.mse_loss(reference(x.double()), y.double())
+            for x, y in (_batch(r, step) for r in range(coll.size))
+        ]
         torch.stack(losses).mean().backward()
         reference_opt.step()
     for trained, expected in zip(model.parameters(), reference.parameters()):
@@ -315,4 +317,3 @@ def test_sparse_gradients_are_refused(coll: Collectives) -> None:
     embedding(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ValueError, match="sparse gradient"):
         averager.average()
-

@@ -4,6 +4,7 @@ Every rank trains on its own batches; each test compares with one model,
 trained here on every rank's batches at once, whose loss is the mean of the
 ranks' losses (DESIGN §5).
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,8 +14,8 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from melissa_dl.collectives import Collectives
-from melissa_dl.data_parallel import ReplicatedStep, ShardedStep, make_data_parallel
+from melissa_dl.runtime.collectives import Collectives
+from melissa_dl.train.data_parallel import ReplicatedStep, ShardedStep, make_data_parallel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,9 +56,9 @@ def _train(model: nn.Module, parallel: ShardedStep | ReplicatedStep, rank: int, 
         parallel.step()
 
 
-def _reference(name: str, size: int, steps: range,
-               model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
-               ) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _reference(
+    name: str, size: int, steps: range, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """One model trained on the mean of every rank's loss."""
     model = model or _model()
     optimizer = optimizer or OPTIMIZERS[name](model.parameters())
@@ -77,8 +78,9 @@ def _assert_same_everywhere(model: nn.Module, comm: MPI.Comm) -> None:
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("small_bytes", [0, 64, 1 << 20])  # every parameter alone, a mix, every one packed
-def test_sharded_ranks_train_like_one_model_on_the_mean_loss(coll: Collectives, comm: MPI.Comm, name: str,
-                                                             small_bytes: int) -> None:
+def test_sharded_ranks_train_like_one_model_on_the_mean_loss(
+    coll: Collectives, comm: MPI.Comm, name: str, small_bytes: int
+) -> None:
     model = _model()
     parallel = ShardedStep(model, OPTIMIZERS[name](model.parameters()), coll, small_bytes=small_bytes)
     assert len(parallel.large) == {0: 6, 64: 2, 1 << 20: 0}[small_bytes]
@@ -99,9 +101,12 @@ def test_the_sharded_step_is_picked_for_an_element_wise_optimizer_on_several_ran
         pass
 
     scalar = nn.ParameterDict({"t": nn.Parameter(torch.tensor(1.0))})
-    for module, optimizer in [(model, torch.optim.LBFGS(model.parameters())), (model, Mine(model.parameters())),
-                              (scalar, torch.optim.Adam(scalar.parameters())),
-                              (model["a"], torch.optim.Adam(model.parameters()))]:
+    for module, optimizer in [
+        (model, torch.optim.LBFGS(model.parameters())),
+        (model, Mine(model.parameters())),
+        (scalar, torch.optim.Adam(scalar.parameters())),
+        (model["a"], torch.optim.Adam(model.parameters())),
+    ]:
         assert isinstance(make_data_parallel(module, optimizer, coll), ReplicatedStep)
 
 
@@ -130,8 +135,11 @@ def test_a_sharded_state_is_the_whole_optimizers_and_resumes_sharded_or_replicat
     for make, source in [(ShardedStep, state), (ReplicatedStep, state), (ShardedStep, expected)]:
         resumed = copy.deepcopy(model)
         optimizer = OPTIMIZERS[name](resumed.parameters())
-        step = ShardedStep(resumed, optimizer, coll, small_bytes=64) if make is ShardedStep \
+        step = (
+            ShardedStep(resumed, optimizer, coll, small_bytes=64)
+            if make is ShardedStep
             else ReplicatedStep(resumed, optimizer, coll)
+        )
         step.load_state_dict(copy.deepcopy(source))
         _train(resumed, step, coll.rank, range(2, 4))
         for trained, wanted in zip(resumed.parameters(), reference.parameters()):
@@ -170,8 +178,13 @@ def test_frozen_parameters_stay_put_and_gradients_outside_the_optimizer_are_drop
     assert all(p.grad is None for p in model.parameters())
     reference = _model()
     reference["a"].requires_grad_(False)
-    _reference("adamw", coll.size, range(2), reference,
-               torch.optim.AdamW([*reference["a"].parameters(), *reference["b"].parameters()], lr=0.1))
+    _reference(
+        "adamw",
+        coll.size,
+        range(2),
+        reference,
+        torch.optim.AdamW([*reference["a"].parameters(), *reference["b"].parameters()], lr=0.1),
+    )
     for trained, expected in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(trained, expected, atol=1e-6, rtol=0)
     state = comm.bcast(parallel.state_dict())

@@ -5,6 +5,7 @@ the same table as one process training on their concatenation with the mean
 of the K per-rank losses. Every rank can build every rank's batch, so each
 rank also computes the single-process reference locally.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -13,16 +14,14 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from melissa_dl.collectives import Collectives, MpiCollectives, TorchCollectives
-from melissa_dl.embedding import ShardedEmbedding, set_default_collectives, shard_range
-from melissa_dl.sparse_optim import make_sparse_optimizer
+from melissa_dl.embeddings.sparse_optim import make_sparse_optimizer
+from melissa_dl.embeddings.table import ShardedEmbedding, set_default_collectives, shard_range
+from melissa_dl.runtime.collectives import Collectives, MpiCollectives, TorchCollectives
 
 pytestmark = pytest.mark.timeout(120)
 
 NUM_ROWS, DIM = 37, 5
 CPU = torch.device("cpu")
-
-
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +34,13 @@ def no_default_collectives() -> Iterator[None]:
 def make(optimizer: str, collectives: Collectives | None, **kwargs: object) -> ShardedEmbedding:
     lr = 0.5 if optimizer == "sgd" else 0.05
     return ShardedEmbedding(
-        NUM_ROWS, DIM, make_sparse_optimizer(optimizer, lr), collectives=collectives, dtype=torch.float64,
-        seed=3, **kwargs,  # type: ignore[arg-type]
+        NUM_ROWS,
+        DIM,
+        make_sparse_optimizer(optimizer, lr),
+        collectives=collectives,
+        dtype=torch.float64,
+        seed=3,
+        **kwargs,  # type: ignore[arg-type]
     )
 
 
@@ -93,8 +97,9 @@ def check_invariant(
         expected = reference_step(ref, batches, step)
         offset = sum(b.numel() for b in batches[:rank])
         # to rounding: with K not a power of 2, the 1/K of the mean loss rounds differently on the two sides
-        torch.testing.assert_close(out.detach().reshape(-1, DIM), expected[offset : offset + batches[rank].numel()],
-                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            out.detach().reshape(-1, DIM), expected[offset : offset + batches[rank].numel()], rtol=1e-12, atol=1e-12
+        )
         loss_of(out, step, rank).backward()
         assert emb.apply_gradients() == owned_unique(batches, emb.start, emb.stop)
         torch.testing.assert_close(gather_table(comm, emb), ref.shard, rtol=1e-12, atol=1e-12)

@@ -1,4 +1,5 @@
 """torch's thread count per rank: the cores its affinity allows, shared with the ranks of its node allowed there."""
+
 from __future__ import annotations
 
 import os
@@ -7,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from mpi4py import MPI
 
-from melissa_dl.training import torch_threads
+from melissa_dl.train.trainer import torch_threads
 
 pytestmark = pytest.mark.timeout(30)
 

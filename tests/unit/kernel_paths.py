@@ -1,9 +1,10 @@
 """The fixture of the tests that run on both paths of the sparse code: import ``row_path`` and use it."""
+
 from __future__ import annotations
 
 import pytest
 
-from melissa_dl import row_kernels
+from melissa_dl.embeddings import row_kernels
 
 
 @pytest.fixture(params=["compiled", "torch"])

@@ -1,18 +1,20 @@
 """A rank's assembler: frames as a client sends them -> checked, joined samples."""
+
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
-from melissa_dl.assembly import COPY_FROM, Assembler, Progress, StreamSpec
+from melissa_dl.buffers.sample import Sample
 from melissa_dl.errors import ProtocolError
-from melissa_dl.protocol import PART_BYTES, Header, Kind, encode_json, simulation_key
-from melissa_dl.rejections import RejectionLog
-from melissa_dl.sample import Sample
+from melissa_dl.ingest.assembly import COPY_FROM, Assembler, Progress, StreamSpec
+from melissa_dl.wire.protocol import PART_BYTES, Header, Kind, encode_json, simulation_key
+from melissa_dl.wire.rejections import RejectionLog
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +42,7 @@ def array_for(layout: tuple[str, tuple[int, ...]], seed: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Sender:
-    """One client rank of one simulation, framing its messages as melissa_dl.client does."""
+    """One client rank of one simulation, framing its messages as melissa_dl.wire.client does."""
 
     sim: int
     rank: int = 0
@@ -51,9 +53,16 @@ class Sender:
     def message(self, kind: Kind, payload: bytes, **header: Any) -> list[bytes]:
         """Two frames; ``header`` overrides the defaults of a control message (step 0, field 0, uint8, 0-d)."""
         fields: dict[str, Any] = dict(
-            kind=kind, key=simulation_key(self.token, self.sim, self.attempt), simulation_id=self.sim,
-            attempt=self.attempt, time_step=0,
-            client_rank=self.rank, client_size=self.size, field_id=0, dtype="uint8", shape=(),
+            kind=kind,
+            key=simulation_key(self.token, self.sim, self.attempt),
+            simulation_id=self.sim,
+            attempt=self.attempt,
+            time_step=0,
+            client_rank=self.rank,
+            client_size=self.size,
+            field_id=0,
+            dtype="uint8",
+            shape=(),
             payload_bytes=len(payload),
         )
         fields.update(header)
@@ -139,7 +148,8 @@ def _two_rank_orders() -> list[tuple[tuple[int, str], ...]]:
     """Every arrival order of two client ranks' (declare, u, v) where each rank's declaration comes first."""
     events = [(r, what) for r in (0, 1) for what in ("declare", *FIELDS)]
     return [
-        order for order in itertools.permutations(events)
+        order
+        for order in itertools.permutations(events)
         if all(order.index((r, "declare")) < order.index((r, n)) for r in (0, 1) for n in FIELDS)
     ]
 
@@ -196,59 +206,83 @@ BAD_FRAMES: dict[str, tuple[Callable[[Sender], list[bytes]], str, str]] = {
     "three frames": (lambda s: s.data(0, "u", U_OTHER) + [b""], "malformed", "message of 3 frames"),
     "short header": (lambda s: [b"MLDL", b""], "malformed", "header of 4 bytes"),
     "payload length": (
-        lambda s: s.data(0, "u", U_OTHER, payload_bytes=15), "malformed",
+        lambda s: s.data(0, "u", U_OTHER, payload_bytes=15),
+        "malformed",
         "payload of 16 bytes at offset 0, header says 15 in all",
     ),
     "declaration JSON": (lambda s: s.message(Kind.DECLARE, b"{fields"), "malformed", "declaration: invalid JSON"),
     "declaration body": (lambda s: s.control(Kind.DECLARE, {"field": {}}), "malformed", "declaration without fields"),
     "declaration layout": (
         lambda s: s.control(Kind.DECLARE, {"fields": {"u": ["float32"], "v": ["int64", [2]]}}),
-        "malformed", "field 'u': expected [dtype, shape]",
+        "malformed",
+        "field 'u': expected [dtype, shape]",
     ),
     "finalize JSON": (lambda s: s.message(Kind.FINALIZE, b"steps=3"), "malformed", "finalize: invalid JSON"),
     "finalize negative": (lambda s: s.finalize(-1), "malformed", "bad finalize"),
     "finalize not int": (lambda s: s.control(Kind.FINALIZE, {"steps": "3"}), "malformed", "bad finalize"),
     "wrong token": (lambda s: Sender(0, token=b"guess").data(0, "u", U_OTHER), "credentials", "bad credentials"),
     "key of another simulation": (
-        lambda s: s.data(0, "u", U_OTHER, key=simulation_key(TOKEN, 1, 0)), "credentials", "simulation 0: bad credentials",
+        lambda s: s.data(0, "u", U_OTHER, key=simulation_key(TOKEN, 1, 0)),
+        "credentials",
+        "simulation 0: bad credentials",
     ),
     "key of another attempt": (
-        lambda s: s.data(0, "u", U_OTHER, attempt=1), "credentials", "simulation 0: bad credentials",
+        lambda s: s.data(0, "u", U_OTHER, attempt=1),
+        "credentials",
+        "simulation 0: bad credentials",
     ),
     "same slice twice": (lambda s: s.data(0, "u", U_OTHER), "duplicate", "field 'u', client rank 0: this slice is"),
     "peer text is cut": (
-        lambda s: s.control(Kind.FINALIZE, {"steps": "x" * 10**6}), "malformed", "... (1000013 characters)",
+        lambda s: s.control(Kind.FINALIZE, {"steps": "x" * 10**6}),
+        "malformed",
+        "... (1000013 characters)",
     ),
     "unknown simulation": (
-        lambda s: Sender(3).data(0, "u", U_OTHER), "unknown_simulation", "simulation 3 is not in the study",
+        lambda s: Sender(3).data(0, "u", U_OTHER),
+        "unknown_simulation",
+        "simulation 3 is not in the study",
     ),
     "routing": (lambda s: s.data(1, "u", U_OTHER), "routing", "step 1: sent to rank 0, not its owner"),
     "time step": (lambda s: s.data(4, "u", U_OTHER), "time_step", "step 4: the study has 4 steps"),
     "field id": (lambda s: s.data(0, "u", U_OTHER, field_id=2), "unknown_field", "unknown field id 2"),
     "field not declared": (
-        lambda s: s.declare({"u": LAYOUTS["u"]}), "unknown_field", "simulation 0: field 'v' not declared",
+        lambda s: s.declare({"u": LAYOUTS["u"]}),
+        "unknown_field",
+        "simulation 0: field 'v' not declared",
     ),
     "extra field declared": (
-        lambda s: s.declare({**LAYOUTS, "w": ("float32", (1,))}), "unknown_field", "unknown field 'w'",
+        lambda s: s.declare({**LAYOUTS, "w": ("float32", (1,))}),
+        "unknown_field",
+        "unknown field 'w'",
     ),
     "data before declaration": (
-        lambda s: Sender(1).data(1, "u", U_OTHER), "undeclared", "no declaration from this client rank",
+        lambda s: Sender(1).data(1, "u", U_OTHER),
+        "undeclared",
+        "no declaration from this client rank",
     ),
     "other client size": (
-        lambda s: Sender(0, rank=1, size=2).data(0, "u", U_OTHER), "undeclared", "no declaration",
+        lambda s: Sender(0, rank=1, size=2).data(0, "u", U_OTHER),
+        "undeclared",
+        "no declaration",
     ),
     "finalize before declaration": (
-        lambda s: Sender(1).finalize(2), "undeclared", "finalize from undeclared client rank",
+        lambda s: Sender(1).finalize(2),
+        "undeclared",
+        "finalize from undeclared client rank",
     ),
     "data dtype": (lambda s: s.data(0, "u", U_OTHER.astype("float64")), "dtype", "dtype float64, declared float32"),
     "declared dtype": (lambda s: s.declare({**LAYOUTS, "u": ("complex64", (4,))}), "dtype", "'complex64'"),
     "data shape": (lambda s: s.data(0, "u", U_OTHER[:3]), "shape", "shape [3], declared [4]"),
-    "declared shape": (lambda s: s.control(Kind.DECLARE, {"fields": {"u": ["float32", [-4]], "v": ["int64", [2]]}}),
-                       "shape", "bad shape [-4]"),
+    "declared shape": (
+        lambda s: s.control(Kind.DECLARE, {"fields": {"u": ["float32", [-4]], "v": ["int64", [2]]}}),
+        "shape",
+        "bad shape [-4]",
+    ),
     "NaN": (lambda s: s.data(0, "u", np.where(U_OTHER > 1, np.nan, U_OTHER)), "non_finite", "NaN or infinite values"),
     "infinity": (lambda s: s.data(0, "u", np.where(U_OTHER > 1, -np.inf, U_OTHER)), "non_finite", "field 'u'"),
     "oversize declaration": (
-        lambda s: s.declare({**LAYOUTS, "u": ("float32", (17,))}), "oversize",
+        lambda s: s.declare({**LAYOUTS, "u": ("float32", (17,))}),
+        "oversize",
         "68 bytes per step exceed server.max_message_bytes=64",
     ),
 }
@@ -415,8 +449,11 @@ PARTED_LAYOUTS: Layouts = {"u": ("float64", (5 * PART_BYTES // 16 + 3,)), "v": (
 def parts_of(sender: Sender, step: int, name: str, array: np.ndarray) -> list[list[bytes]]:
     """The messages of a slice over PART_BYTES, as the clients send them."""
     octets = array.tobytes()
-    return [sender.data(step, name, array, offset=offset, payload_bytes=len(octets))[:1] + [octets[offset:offset +
-            PART_BYTES]] for offset in range(0, len(octets), PART_BYTES)]
+    return [
+        sender.data(step, name, array, offset=offset, payload_bytes=len(octets))[:1]
+        + [octets[offset : offset + PART_BYTES]]
+        for offset in range(0, len(octets), PART_BYTES)
+    ]
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
@@ -426,7 +463,11 @@ def test_a_slice_over_part_bytes_is_assembled_from_its_parts_in_any_order(order:
     assembler.handle(sender.declare(PARTED_LAYOUTS))
     arrays = step_arrays(0, 0, PARTED_LAYOUTS)
     u_parts = parts_of(sender, 0, "u", arrays["u"])
-    assert len(u_parts) == 3 and [len(p[1]) for p in u_parts] == [PART_BYTES, PART_BYTES, arrays["u"].nbytes % PART_BYTES]
+    assert len(u_parts) == 3 and [len(p[1]) for p in u_parts] == [
+        PART_BYTES,
+        PART_BYTES,
+        arrays["u"].nbytes % PART_BYTES,
+    ]
     assert assembler.handle(sender.data(0, "v", arrays["v"])) is None
     for i in order[:-1]:
         assert assembler.handle(u_parts[i]) is None
@@ -445,11 +486,19 @@ def test_parts_out_of_place_are_refused_and_the_slice_still_completes() -> None:
     header = first[0]
     assert assembler.handle(first) is None
     refused(assembler, first, "duplicate", "field 'u', client rank 0: the part at offset 0 is already pending")
-    refused(assembler, [sender.data(0, "u", arrays["u"], offset=PART_BYTES // 2,
-                                    payload_bytes=arrays["u"].nbytes)[0], second[1]], "malformed", "at offset 524288")
+    refused(
+        assembler,
+        [sender.data(0, "u", arrays["u"], offset=PART_BYTES // 2, payload_bytes=arrays["u"].nbytes)[0], second[1]],
+        "malformed",
+        "at offset 524288",
+    )
     refused(assembler, [second[0], second[1][:-1]], "malformed", f"payload of {PART_BYTES - 1} bytes at offset")
-    refused(assembler, [sender.data(0, "u", arrays["u"], offset=3 * PART_BYTES,
-                                    payload_bytes=arrays["u"].nbytes)[0], b""], "malformed", "at offset 3145728")
+    refused(
+        assembler,
+        [sender.data(0, "u", arrays["u"], offset=3 * PART_BYTES, payload_bytes=arrays["u"].nbytes)[0], b""],
+        "malformed",
+        "at offset 3145728",
+    )
     assert header == first[0]
     assert assembler.handle(second) is None
     assert assembler.handle(sender.data(0, "v", arrays["v"])) is None
@@ -512,7 +561,9 @@ def test_rank_0s_news_of_a_relaunch_or_an_end_frees_pieces_and_refuses_later_fra
     assembler.finish(1)  # simulation 1 is done or failed
     assert assembler.partial_bytes == 0
     refused(assembler, first.data(0, "v", step_arrays(0, 0)["v"]), "stale_attempt")
-    refused(assembler, second.data(0, "v", step_arrays(1, 0)["v"]), "finished", "simulation 1 is already done or failed")
+    refused(
+        assembler, second.data(0, "v", step_arrays(1, 0)["v"]), "finished", "simulation 1 is already done or failed"
+    )
     relaunched = Sender(0, attempt=2)
     assembler.handle(relaunched.declare())
     assert_fields(send_step(assembler, relaunched, 1), step_arrays(0, 1))
@@ -528,6 +579,10 @@ def test_every_sample_has_the_pinned_dtype_and_shape(configured: bool) -> None:
     odd = Sender(1)
     assembler.handle(odd.declare({**LAYOUTS, "u": ("float64", (4,))}))
     assembler.handle(odd.data(0, "u", step_arrays(1, 0)["u"].astype("float64")))
-    refused(assembler, odd.data(0, "v", step_arrays(1, 0)["v"]), "shape",
-            "simulation 1, step 0, field 'u': float64[4], the study's samples are float32[4]")
+    refused(
+        assembler,
+        odd.data(0, "v", step_arrays(1, 0)["v"]),
+        "shape",
+        "simulation 1, step 0, field 'u': float64[4], the study's samples are float32[4]",
+    )
     assert assembler.ledger.total() == 0 and assembler.partial_bytes == 0

@@ -1,4 +1,5 @@
 """Semantics of the FIFO, FIRO and Reservoir buffers."""
+
 from __future__ import annotations
 
 import pickle
@@ -9,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from melissa_dl.buffers import (
+from melissa_dl.buffers.kinds import (
     BUFFER_KINDS,
     Buffer,
     FifoBuffer,
@@ -17,8 +18,8 @@ from melissa_dl.buffers import (
     ReservoirBuffer,
     make_buffer,
 )
+from melissa_dl.buffers.sample import Sample
 from melissa_dl.errors import BufferClosed, ConfigError
-from melissa_dl.sample import Sample
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,10 +35,23 @@ def ids(batch: list[Sample]) -> list[int]:
     return [s.time_step for s in batch]
 
 
-def buf(kind: str, *, cap: int | None = 100, cap_bytes: int | None = None,
-        watermark: int = 0, seed: int = 0, pseudo_epochs: int = 1) -> Buffer:
-    return make_buffer(kind, capacity_samples=cap, capacity_bytes=cap_bytes,
-                       watermark=watermark, seed=seed, pseudo_epochs=pseudo_epochs)
+def buf(
+    kind: str,
+    *,
+    cap: int | None = 100,
+    cap_bytes: int | None = None,
+    watermark: int = 0,
+    seed: int = 0,
+    pseudo_epochs: int = 1,
+) -> Buffer:
+    return make_buffer(
+        kind,
+        capacity_samples=cap,
+        capacity_bytes=cap_bytes,
+        watermark=watermark,
+        seed=seed,
+        pseudo_epochs=pseudo_epochs,
+    )
 
 
 def fill(b: Buffer, n: int, start: int = 0) -> None:
@@ -261,8 +275,10 @@ def test_of_two_waiting_gets_the_smaller_is_served_first(kind):
     b = buf(kind, cap=20)
     b._cond = condition = CountingCondition()
     got: dict[int, list] = {}
-    takers = [threading.Thread(target=lambda size=size: got.setdefault(size, b.get_batch(size, timeout=10)))
-              for size in (8, 2)]
+    takers = [
+        threading.Thread(target=lambda size=size: got.setdefault(size, b.get_batch(size, timeout=10)))
+        for size in (8, 2)
+    ]
     for t in takers:
         waits = condition.waits
         t.start()
@@ -404,8 +420,7 @@ def test_state_dict_round_trip(kind, pe):
     b = buf(kind, cap=8, watermark=3, seed=1234, pseudo_epochs=pe)
     b.load_state_dict(state)
     assert b.served_counts() == a.served_counts()
-    assert (len(b), b.nbytes, b.total_put, b.total_served) == (
-        len(a), a.nbytes, a.total_put, a.total_served)
+    assert (len(b), b.nbytes, b.total_put, b.total_served) == (len(a), a.nbytes, a.total_put, a.total_served)
 
     def run(x: Buffer) -> list[int]:
         out: list[int] = []

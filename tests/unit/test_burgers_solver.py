@@ -1,4 +1,5 @@
 """The Burgers example's solver: what the equation guarantees, so the active-sampling study learns a true field."""
+
 from __future__ import annotations
 
 import importlib.util

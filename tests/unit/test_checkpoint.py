@@ -2,11 +2,13 @@
 
 Two ranks are simulated by calling ``write_rank_files`` for rank 0 and 1 in one process.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from melissa_dl.checkpoint import (
+from melissa_dl.checkpoint.serialization import dumps, loads
+from melissa_dl.checkpoint.snapshots import BackgroundCopy, BackgroundWriter
+from melissa_dl.checkpoint.versions import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
@@ -31,15 +35,15 @@ from melissa_dl.checkpoint import (
     write_rank_files,
 )
 from melissa_dl.errors import CheckpointCorrupt
-from melissa_dl.serialization import dumps, loads
-from melissa_dl.snapshots import BackgroundCopy, BackgroundWriter
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def rank_files(rank: int, version: int) -> dict[str, bytes]:
-    return {"model.pt": dumps({"w": torch.full((4, 3), float(version)), "rank": rank}),
-            "buffer.pkl": dumps([np.arange(10) * rank, lambda x: x + version])}
+    return {
+        "model.pt": dumps({"w": torch.full((4, 3), float(version)), "rank": rank}),
+        "buffer.pkl": dumps([np.arange(10) * rank, lambda x: x + version]),
+    }
 
 
 def save(root: Path, version: int | None = None, *, ranks: int = 2, keep: int = 3, do_commit: bool = True) -> int:
@@ -62,8 +66,12 @@ def test_round_trip(tmp_path: Path) -> None:
     manifest = version.manifest
     assert (manifest["format"], manifest["ranks"], manifest["batch"], manifest["config_digest"]) == (2, 2, 10, "abc")
     assert manifest["meta"] == {"progress": 1} and version.meta == {"progress": 1}
-    assert {f["path"] for f in manifest["files"]} == {"rank0/model.pt", "rank0/buffer.pkl",
-                                                      "rank1/model.pt", "rank1/buffer.pkl"}
+    assert {f["path"] for f in manifest["files"]} == {
+        "rank0/model.pt",
+        "rank0/buffer.pkl",
+        "rank1/model.pt",
+        "rank1/buffer.pkl",
+    }
     assert (tmp_path / LATEST).read_text().strip() == "v1"
     assert sorted(version.names(1)) == ["buffer.pkl", "model.pt"]
     model = loads(version.read(1, "model.pt"))
@@ -88,7 +96,7 @@ def test_latest_is_the_commit_point(tmp_path: Path, caplog: pytest.LogCaptureFix
     save(tmp_path)
     save(tmp_path, do_commit=False)  # crash between the rank files and the commit
     assert (tmp_path / "v2" / "rank1" / "model.pt").exists() and not (tmp_path / "v2" / MANIFEST).exists()
-    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint.versions"):
         version = latest_valid(tmp_path)
     assert version is not None and version.number == 1
     assert "v2" in caplog.text and "never committed" in caplog.text
@@ -99,7 +107,7 @@ def test_missing_latest_pointer_walks_folders(tmp_path: Path, caplog: pytest.Log
     save(tmp_path)
     save(tmp_path, do_commit=False)
     (tmp_path / LATEST).unlink()
-    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint.versions"):
         version = latest_valid(tmp_path)
     assert version is not None and version.number == 1
     assert "checkpoint v2: missing manifest" in caplog.text
@@ -118,7 +126,7 @@ def test_damaged_newest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixt
         path.write_bytes(data)
     else:
         path.unlink()
-    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint.versions"):
         version = latest_valid(tmp_path)
     assert version is not None and version.number == 1
     warning = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
@@ -127,11 +135,19 @@ def test_damaged_newest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixt
         verify(tmp_path / "v2")
 
 
-@pytest.mark.parametrize("content, reason", [(None, "missing manifest"), (b"{not json", "unreadable manifest"),
-                                             (b"\xff\xfe", "unreadable manifest"), (b"[1, 2]", "unsupported manifest"),
-                                             (b'{"format": 99}', "unsupported manifest format 99")])
-def test_bad_manifest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                 content: bytes | None, reason: str) -> None:
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        (None, "missing manifest"),
+        (b"{not json", "unreadable manifest"),
+        (b"\xff\xfe", "unreadable manifest"),
+        (b"[1, 2]", "unsupported manifest"),
+        (b'{"format": 99}', "unsupported manifest format 99"),
+    ],
+)
+def test_bad_manifest_falls_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes | None, reason: str
+) -> None:
     save(tmp_path)
     save(tmp_path)
     manifest = tmp_path / "v2" / MANIFEST
@@ -139,7 +155,7 @@ def test_bad_manifest_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixtur
         manifest.unlink()
     else:
         manifest.write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint.versions"):
         version = latest_valid(tmp_path)
     assert version is not None and version.number == 1
     assert f"checkpoint v2: {reason}" in caplog.text
@@ -157,20 +173,24 @@ def escape(manifest: dict) -> None:
     manifest["files"][0]["path"] = "rank0/../../../etc/hostname"
 
 
-@pytest.mark.parametrize("edit, reason", [
-    (rename_path_key, "malformed file record"),
-    (set_ranks(3), "manifest says 3 ranks, its files are of ranks [0, 1]"),
-    (set_ranks(1), "manifest says 1 ranks, its files are of ranks [0, 1]"),
-    (lambda manifest: manifest.update(ranks="2"), "manifest field 'ranks' missing or not int"),
-    (lambda manifest: manifest.pop("meta"), "manifest field 'meta' missing or not dict"),
-    (lambda manifest: manifest["files"][1].update(size=-1), "malformed file record"),
-    (escape, "malformed file record"),
-    (lambda manifest: manifest.update(ranks=0, files=[]), "manifest says 0 ranks, its files are of ranks []"),
-    (set_ranks(10**10), "manifest says 10000000000 ranks"),
-])
+@pytest.mark.parametrize(
+    "edit, reason",
+    [
+        (rename_path_key, "malformed file record"),
+        (set_ranks(3), "manifest says 3 ranks, its files are of ranks [0, 1]"),
+        (set_ranks(1), "manifest says 1 ranks, its files are of ranks [0, 1]"),
+        (lambda manifest: manifest.update(ranks="2"), "manifest field 'ranks' missing or not int"),
+        (lambda manifest: manifest.pop("meta"), "manifest field 'meta' missing or not dict"),
+        (lambda manifest: manifest["files"][1].update(size=-1), "malformed file record"),
+        (escape, "malformed file record"),
+        (lambda manifest: manifest.update(ranks=0, files=[]), "manifest says 0 ranks, its files are of ranks []"),
+        (set_ranks(10**10), "manifest says 10000000000 ranks"),
+    ],
+)
 @pytest.mark.parametrize("resigned", [False, True], ids=["edited", "edited-and-resigned"])
-def test_an_edited_manifest_is_a_damaged_version(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                 edit: Callable[[dict], None], reason: str, resigned: bool) -> None:
+def test_an_edited_manifest_is_a_damaged_version(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, edit: Callable[[dict], None], reason: str, resigned: bool
+) -> None:
     """Without its checksum the edit is caught as such; re-signed, the field checks still catch it, never a crash."""
     save(tmp_path)
     save(tmp_path)
@@ -180,7 +200,7 @@ def test_an_edited_manifest_is_a_damaged_version(tmp_path: Path, caplog: pytest.
     if resigned:
         manifest["crc32"] = _manifest_crc32(manifest)
     path.write_text(json.dumps(manifest))
-    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint.versions"):
         version = latest_valid(tmp_path)
     assert version is not None and version.number == 1
     expected = reason if resigned else "manifest checksum mismatch (edited or torn)"
@@ -226,14 +246,17 @@ def test_a_manifest_of_another_format_is_refused_by_name(tmp_path: Path) -> None
     manifest = json.loads(path.read_text())
     manifest["format"] = FORMAT_VERSION - 1
     path.write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointCorrupt, match=f"unsupported manifest format {FORMAT_VERSION - 1} "
-                                                f"\\(this server reads format {FORMAT_VERSION}\\)"):
+    with pytest.raises(
+        CheckpointCorrupt,
+        match=f"unsupported manifest format {FORMAT_VERSION - 1} \\(this server reads format {FORMAT_VERSION}\\)",
+    ):
         verify(tmp_path / "v1")
 
 
 @pytest.mark.parametrize("pointer", ["directory", "garbage", "binary", "missing version"])
-def test_a_damaged_pointer_falls_back_to_the_newest_intact_version(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                                   pointer: str) -> None:
+def test_a_damaged_pointer_falls_back_to_the_newest_intact_version(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, pointer: str
+) -> None:
     save(tmp_path)
     save(tmp_path)
     latest = tmp_path / LATEST
@@ -246,10 +269,12 @@ def test_a_damaged_pointer_falls_back_to_the_newest_intact_version(tmp_path: Pat
         latest.write_bytes(b"\xff\xfe\x00")
     else:
         latest.write_text("v9\n")
-    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint.versions"):
         version = latest_valid(tmp_path)
     assert version is not None and version.number == 2
-    assert "v9 named by LATEST is missing" in caplog.text if pointer == "missing version" else "unreadable" in caplog.text
+    assert (
+        "v9 named by LATEST is missing" in caplog.text if pointer == "missing version" else "unreadable" in caplog.text
+    )
     assert next_version(tmp_path) == (10 if pointer == "missing version" else 3)
     committed = save(tmp_path)  # the next commit replaces the damaged pointer
     version = latest_valid(tmp_path)
@@ -352,8 +377,11 @@ def test_background_writer_propagates_errors() -> None:
 def test_background_writer_close_finishes_jobs(tmp_path: Path) -> None:
     writer = BackgroundWriter()
     snapshot = rank_files(0, 1)
-    writer.submit(lambda: commit(tmp_path, 1, [write_rank_files(version_dir(tmp_path, 1), 0, snapshot)], {},
-                                 batch=1, config_digest="d"))
+    writer.submit(
+        lambda: commit(
+            tmp_path, 1, [write_rank_files(version_dir(tmp_path, 1), 0, snapshot)], {}, batch=1, config_digest="d"
+        )
+    )
     writer.close()
     version = latest_valid(tmp_path)
     assert version is not None and version.number == 1
@@ -381,6 +409,22 @@ def test_dumps_keeps_tensors_and_arrays_out_of_band_and_loads_them_writable() ->
     loaded["transposed"].add_(1)  # writable, without a warning about non-writable arrays
     with pytest.raises(ValueError, match="bad magic"):
         loads(b"not a checkpoint")
+
+
+def test_a_checkpoint_written_before_the_wings_names_its_classes_by_their_old_modules_and_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from melissa_dl.buffers import sample as sample_module
+
+    monkeypatch.setitem(sys.modules, "melissa_dl.sample", sample_module)
+    monkeypatch.setattr(sample_module.Sample, "__module__", "melissa_dl.sample")
+    written = b"".join(dumps([sample_module.Sample(3, 4, np.zeros(2), {"u": np.arange(5.0)})]))
+    assert b"melissa_dl.sample" in written
+    monkeypatch.undo()
+    assert "melissa_dl.sample" not in sys.modules
+    [sample] = loads(bytearray(written))
+    assert type(sample) is sample_module.Sample and (sample.simulation_id, sample.time_step) == (3, 4)
+    np.testing.assert_array_equal(sample.fields["u"], np.arange(5.0))
 
 
 def test_background_copy_reuses_an_earlier_copy_and_is_not_changed_by_later_steps() -> None:

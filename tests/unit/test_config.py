@@ -1,4 +1,5 @@
 """Loading, type-checking and consistency checks of the study configuration."""
+
 from __future__ import annotations
 
 import copy
@@ -9,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from melissa_dl.config import MiB, Config, ParameterConfig, load_config, parse_config
+from melissa_dl.config import Config, MiB, ParameterConfig, load_config, parse_config
 from melissa_dl.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,13 +57,19 @@ def test_minimal_config_gets_the_documented_defaults() -> None:
     assert config.study.parameters == [ParameterConfig("a", 0.0, 1.0), ParameterConfig("b", 0.0, 2.0)]
     assert type(config.study.parameters[0].low) is float  # JSON integers become floats where a number is expected
     assert (config.study.sampler, config.study.parameter_values, config.study.time_steps, config.study.seed) == (
-        "uniform", None, None, 0,
+        "uniform",
+        None,
+        None,
+        0,
     )
     assert (config.server.interface, config.server.handshake_port) == ("127.0.0.1", 0)
     assert (config.server.max_message_bytes, config.server.receive_queue_bytes) == (64 * MiB, 256 * MiB)
     assert config.server.bind_simulation_to_server_rank is False and config.server.reject_non_finite is True
-    assert (config.buffer.kind, config.buffer.capacity_samples, config.buffer.capacity_bytes) == ("reservoir", 1000,
-                                                                                                   None)
+    assert (config.buffer.kind, config.buffer.capacity_samples, config.buffer.capacity_bytes) == (
+        "reservoir",
+        1000,
+        None,
+    )
     assert (config.buffer.per_server_watermark, config.buffer.pseudo_epochs) == (1, 1)
     launcher = config.launcher
     assert (launcher.scheduler, launcher.client_ranks, launcher.job_limit, launcher.max_retries) == ("local", 1, 4, 2)
@@ -121,15 +128,27 @@ def test_wrong_types_name_the_json_path(path: tuple, value: Any, expected: str) 
     refused(edited({path: value}), expected)
 
 
-@pytest.mark.parametrize("path, value, expected", [
-    (("launcher", "scheduler"), "mpirn",
-     'launcher.scheduler: expected one of "local", "mpirun", "slurm", got "mpirn" (did you mean "mpirun"?)'),
-    (("buffer", "kind"), "reservior",
-     'buffer.kind: expected one of "fifo", "firo", "reservoir", got "reservior" (did you mean "reservoir"?)'),
-    (("buffer", "kind"), "lifo", 'buffer.kind: expected one of "fifo", "firo", "reservoir", got "lifo" '
-     '(did you mean "fifo"?)'),
-    (("training", "device"), "quantum", 'training.device: expected one of "auto", "cpu", "cuda", got "quantum"'),
-])
+@pytest.mark.parametrize(
+    "path, value, expected",
+    [
+        (
+            ("launcher", "scheduler"),
+            "mpirn",
+            'launcher.scheduler: expected one of "local", "mpirun", "slurm", got "mpirn" (did you mean "mpirun"?)',
+        ),
+        (
+            ("buffer", "kind"),
+            "reservior",
+            'buffer.kind: expected one of "fifo", "firo", "reservoir", got "reservior" (did you mean "reservoir"?)',
+        ),
+        (
+            ("buffer", "kind"),
+            "lifo",
+            'buffer.kind: expected one of "fifo", "firo", "reservoir", got "lifo" (did you mean "fifo"?)',
+        ),
+        (("training", "device"), "quantum", 'training.device: expected one of "auto", "cpu", "cuda", got "quantum"'),
+    ],
+)
 def test_a_misspelt_choice_gets_a_suggestion(path: tuple, value: str, expected: str) -> None:
     changes = {path: value}
     if path[0] == "training":
@@ -160,8 +179,12 @@ def test_missing_required_key(path: tuple, expected: str) -> None:
     "path, value, expected",
     [
         (("buffer", "kind"), "lifo", 'buffer.kind: expected one of "fifo", "firo", "reservoir", got "lifo"'),
-        (("study", "sampler"), "random", 'study.sampler: expected one of "uniform", "sobol", "halton", "lhs", "list", '
-                                         '"adaptive", "custom", got "random"'),
+        (
+            ("study", "sampler"),
+            "random",
+            'study.sampler: expected one of "uniform", "sobol", "halton", "lhs", "list", '
+            '"adaptive", "custom", got "random"',
+        ),
         (("launcher", "scheduler"), "pbs", 'launcher.scheduler: expected one of "local", "mpirun", "slurm", got "pbs"'),
     ],
 )

@@ -1,4 +1,5 @@
 """The security level's credentials, checks and numbers (no sockets)."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ import pytest
 import zmq
 from zmq.utils import z85
 
-from melissa_dl.protocol import MAX_KEEPALIVE, PROTOCOL_VERSION, keepalive
-from melissa_dl.security import Security, hello_bytes
+from melissa_dl.wire.protocol import MAX_KEEPALIVE, PROTOCOL_VERSION, keepalive
+from melissa_dl.wire.security import Security, hello_bytes
 
 TOKEN = bytes(range(32))
 
@@ -38,18 +39,27 @@ def test_the_curve_level_admits_the_studys_client_key_only() -> None:
     assert "secret" not in repr(security) and security.server_secret.decode() not in repr(security)
 
 
-@pytest.mark.parametrize("timeout, held", [
-    (300.0, MAX_KEEPALIVE),  # a client behind a slow server hears from it every few seconds
-    (1.0, 0.25),  # well inside the client's timeout, after which it takes a silent rank for dead
-])
+@pytest.mark.parametrize(
+    "timeout, held",
+    [
+        (300.0, MAX_KEEPALIVE),  # a client behind a slow server hears from it every few seconds
+        (1.0, 0.25),  # well inside the client's timeout, after which it takes a silent rank for dead
+    ],
+)
 def test_a_question_is_held_well_inside_the_client_timeout(timeout: float, held: float) -> None:
     assert keepalive(timeout) == held
 
 
 def test_the_hello_cap_holds_the_largest_hello_of_the_studys_fields() -> None:
     fields = [f"f{i}" for i in range(3000)] + ["température 😀" * 20]
-    hello = {"protocol": PROTOCOL_VERSION, "token": "ab" * 255, "simulation_id": 2**32 - 1, "attempt": 2**32 - 1,
-             "client_rank": 65534, "client_size": 65535,
-             "fields": {name: ["float64", [2**32 - 1] * 6] for name in fields}}
+    hello = {
+        "protocol": PROTOCOL_VERSION,
+        "token": "ab" * 255,
+        "simulation_id": 2**32 - 1,
+        "attempt": 2**32 - 1,
+        "client_rank": 65534,
+        "client_size": 65535,
+        "fields": {name: ["float64", [2**32 - 1] * 6] for name in fields},
+    }
     assert len(json.dumps(hello).encode()) < hello_bytes(fields)
     assert hello_bytes(["field"]) < 80 << 10  # what a peer may make the socket read before it logs in

@@ -1,4 +1,5 @@
 """ShardedEmbedding on one process, and the row -> rank map (no MPI)."""
+
 from __future__ import annotations
 
 import copy
@@ -11,9 +12,10 @@ import torch
 from kernel_paths import row_path  # noqa: F401 (a fixture, used through pytestmark)
 from torch import nn
 
-from melissa_dl import embedding as embedding_module
-from melissa_dl import row_kernels
-from melissa_dl.embedding import (
+from melissa_dl.embeddings import row_kernels
+from melissa_dl.embeddings import table as embedding_module
+from melissa_dl.embeddings.sparse_optim import make_sparse_optimizer
+from melissa_dl.embeddings.table import (
     ShardedEmbedding,
     row_owners,
     set_default_collectives,
@@ -21,7 +23,6 @@ from melissa_dl.embedding import (
     sum_rows,
     unique_ids,
 )
-from melissa_dl.sparse_optim import make_sparse_optimizer
 
 LR = 0.1
 COMPILE = row_kernels.load.__wrapped__  # uncached, and whatever path the test runs on
@@ -45,8 +46,9 @@ class NoCommunication:
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:
         raise AssertionError("no collective expected")
 
-    def alltoallv(self, send: torch.Tensor, send_counts: list[int],
-                  recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    def alltoallv(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         raise AssertionError("no collective expected")
 
     def close(self) -> None:
@@ -70,8 +72,9 @@ def test_shard_ranges_cover_contiguously_balanced_remainder_first(num_rows: int,
     owners = row_owners(rows, num_rows, size)
     expected = torch.cat([torch.full((stop - start,), r) for r, (start, stop) in enumerate(ranges)])
     assert torch.equal(owners, expected.long())
-    assert torch.equal(row_owners(rows.flip(0).view(-1, 1) if num_rows else rows, num_rows, size).view(-1),
-                       expected.flip(0).long())
+    assert torch.equal(
+        row_owners(rows.flip(0).view(-1, 1) if num_rows else rows, num_rows, size).view(-1), expected.flip(0).long()
+    )
 
 
 def test_shard_range_examples_and_invalid_arguments() -> None:
@@ -83,7 +86,7 @@ def test_shard_range_examples_and_invalid_arguments() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
-def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dtype, row_path: str) -> None:
+def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dtype, row_path: str) -> None:  # noqa: F811 (the fixture)
     ids = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(0))
     wide = torch.tensor([2**40, 3, 2**40, 5])  # keys of 64 bits
     for batch in (ids, ids[:0], wide, torch.tensor([2**61, -3, 2**61, -(2**61)])):  # the last beyond packing
@@ -102,17 +105,18 @@ def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dty
 
 
 @pytest.mark.parametrize("failure", ["numba missing", "a damaged cache file"])
-def test_a_compiler_that_fails_leaves_the_torch_path(failure: str, monkeypatch: pytest.MonkeyPatch,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
-    import melissa_dl
-    from melissa_dl import row_loops
+def test_a_compiler_that_fails_leaves_the_torch_path(
+    failure: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from melissa_dl import embeddings
+    from melissa_dl.embeddings import row_loops
 
     def broken(*args: object) -> object:
         raise EOFError(failure)
 
     if failure == "numba missing":
-        monkeypatch.setitem(sys.modules, "melissa_dl.row_loops", None)  # importing it raises ImportError
-        monkeypatch.delattr(melissa_dl, "row_loops")
+        monkeypatch.setitem(sys.modules, "melissa_dl.embeddings.row_loops", None)  # importing it raises ImportError
+        monkeypatch.delattr(embeddings, "row_loops")
     else:
         monkeypatch.setattr(row_loops, "adam", broken)
     assert COMPILE() is None
@@ -123,8 +127,11 @@ def test_a_compiler_that_fails_leaves_the_torch_path(failure: str, monkeypatch: 
 def test_a_table_moved_to_shared_memory_or_copied_trains_as_the_original(how: str) -> None:
     """``share_memory()`` gives the shard new memory under the same tensor; a copy of the module has a shard of
     its own: the optimizer must update the memory the shard has now."""
-    moved = {"share_memory": lambda m: m.share_memory(), "deepcopy": copy.deepcopy,
-             "pickle": lambda m: pickle.loads(pickle.dumps(m))}[how](table(optimizer="rowadagrad"))
+    moved = {
+        "share_memory": lambda m: m.share_memory(),
+        "deepcopy": copy.deepcopy,
+        "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+    }[how](table(optimizer="rowadagrad"))
     reference = table(optimizer="rowadagrad")
     for emb in (moved, reference):
         for ids in ([1, 2, 1], [2, 5]):
@@ -296,8 +303,10 @@ def test_load_rows_re_shards_rows_and_optimizer_state_to_another_k(before: int, 
 
     def piece(start: int, stop: int) -> dict:
         optimizer = {"step": extra["optimizer"]["step"], "moments": extra["optimizer"]["moments"][start:stop]}
-        return {"shard": state["shard"][start:stop],
-                "extra": {"num_rows": 20, "start": start, "stop": stop, "optimizer": optimizer}}
+        return {
+            "shard": state["shard"][start:stop],
+            "extra": {"num_rows": 20, "start": start, "stop": stop, "optimizer": optimizer},
+        }
 
     pieces = [piece(*shard_range(20, before, r)) for r in range(before)]
     for rank in range(after):

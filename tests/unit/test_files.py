@@ -1,4 +1,5 @@
 """Writes into the output folder: atomic, temporary files removed on failure, one-line verdicts."""
+
 from __future__ import annotations
 
 import errno
@@ -9,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from melissa_dl import files
-from melissa_dl.errors import ConfigError, OutputUnwritable
-from melissa_dl.files import check_writable, open_log, remove_temporaries, unwritable, write_atomic
-from melissa_dl.logs import setup_logging
+from launcher.schedulers import LogUnwritable, open_log
+from melissa_dl.errors import ConfigError
+from melissa_dl.runtime import files
+from melissa_dl.runtime.files import check_writable, remove_temporaries, unwritable, write_atomic
+from melissa_dl.runtime.logs import setup_logging
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,12 +22,14 @@ pytestmark = pytest.mark.timeout(60)
 def fail_with(number: int):
     def fail(*args: object, **options: object) -> None:
         raise OSError(number, os.strerror(number))
+
     return fail
 
 
 @pytest.mark.parametrize("where", ["fsync", "replace"])
-def test_a_full_disk_leaves_no_temporary_file_and_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 where: str) -> None:
+def test_a_full_disk_leaves_no_temporary_file_and_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
     target = tmp_path / "report.json"
     target.write_text("the previous report")
     monkeypatch.setattr(files.os, where, fail_with(errno.ENOSPC))
@@ -36,13 +40,16 @@ def test_a_full_disk_leaves_no_temporary_file_and_names_the_file(tmp_path: Path,
     assert target.read_text() == "the previous report"  # the old file stays whole
     assert caught.value.filename == str(target)
     line = unwritable(caught.value)
-    assert line == (f"cannot write {target}: ENOSPC (No space left on device); free space or fix the output "
-                    "folder, then run the same command to resume")
+    assert line == (
+        f"cannot write {target}: ENOSPC (No space left on device); free space or fix the output "
+        "folder, then run the same command to resume"
+    )
 
 
 def test_a_file_size_limit_is_reported_like_a_full_disk(tmp_path: Path) -> None:
     """What ``ulimit -f`` does to a writer (Python ignores SIGXFSZ): EFBIG part-way through a write."""
     import resource
+
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, hard))
     try:
@@ -74,7 +81,9 @@ def test_checking_a_folder_creates_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_read_only_output_folder_is_refused_naming_the_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_only_output_folder_is_refused_naming_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(files.tempfile, "TemporaryFile", fail_with(errno.EROFS))
     with pytest.raises(ConfigError) as caught:
         check_writable(tmp_path / "out")
@@ -91,11 +100,13 @@ def test_a_folder_the_server_writes_into_is_checked_with_the_output_folder(tmp_p
 def test_a_simulation_log_that_cannot_be_opened_is_the_output_folders_fault(tmp_path: Path) -> None:
     """Not an OSError: the launcher must not count it as a simulation that failed to start."""
     (tmp_path / "simulations").write_text("in the way")
-    with pytest.raises(OutputUnwritable) as caught:
+    with pytest.raises(LogUnwritable) as caught:
         open_log(tmp_path / "simulations" / "simulation0.attempt0.log")
     assert not isinstance(caught.value, OSError)
-    assert unwritable(caught.value) == (f"cannot write {tmp_path / 'simulations'}: EEXIST (File exists); free space "
-                                        "or fix the output folder, then run the same command to resume")
+    assert unwritable(caught.value) == (
+        f"cannot write {tmp_path / 'simulations'}: EEXIST (File exists); free space "
+        "or fix the output folder, then run the same command to resume"
+    )
 
 
 def test_temporaries_of_a_killed_writer_are_removed(tmp_path: Path) -> None:
@@ -130,7 +141,7 @@ def test_other_libraries_info_lines_stay_out_of_the_log_unless_named(tmp_path: P
     handlers, level = root.handlers[:], root.level
     try:
         setup_logging(0, tmp_path, levels)
-        logging.getLogger("melissa_dl.study").info("ours")
+        logging.getLogger("melissa_dl.study.study").info("ours")
         logging.getLogger("pde").info("theirs")
         logging.getLogger("pde.solver").warning("their warning")
         logging.getLogger("other").info("unnamed")

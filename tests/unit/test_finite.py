@@ -1,11 +1,12 @@
 """The receiver's non-finite check: one bad value anywhere in a field, of any float dtype, is found."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from melissa_dl import finite
-from melissa_dl.finite import all_finite
+from melissa_dl.ingest import finite
+from melissa_dl.ingest.finite import all_finite
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,5 @@
 """Rank 0's handshake checks, called directly (no socket): every refusal counted, none fatal to the thread."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from melissa_dl.handshake import HandshakeServer
-from melissa_dl.protocol import PROTOCOL_VERSION, encode_json
+from melissa_dl.ingest.handshake import HandshakeServer
+from melissa_dl.wire.protocol import PROTOCOL_VERSION, encode_json
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -17,18 +18,33 @@ GOOD = {"u": ["float32", [4, 8]], "v": ["int64", []]}
 
 
 def service(client_size: int = 1, layouts: dict[str, Any] | None = None) -> HandshakeServer:
-    handshake = HandshakeServer(token=TOKEN, fields=FIELDS, simulations=4,
-                                endpoints=[("tcp://a:1", "tcp://a:3"), ("tcp://a:2", "tcp://a:4")],
-                                bind_simulation=False, max_message_bytes=1 << 20, bind_address="127.0.0.1",
-                                client_size=client_size, layouts=layouts)
+    handshake = HandshakeServer(
+        token=TOKEN,
+        fields=FIELDS,
+        simulations=4,
+        endpoints=[("tcp://a:1", "tcp://a:3"), ("tcp://a:2", "tcp://a:4")],
+        bind_simulation=False,
+        max_message_bytes=1 << 20,
+        bind_address="127.0.0.1",
+        client_size=client_size,
+        layouts=layouts,
+    )
     for sim in range(3):
         handshake.expect(sim, 0)
     return handshake
 
 
 def hello(**change: Any) -> dict[str, Any]:
-    return {"protocol": PROTOCOL_VERSION, "token": TOKEN.hex(), "simulation_id": 0, "attempt": 0, "client_rank": 0,
-            "client_size": 1, "fields": GOOD, **change}
+    return {
+        "protocol": PROTOCOL_VERSION,
+        "token": TOKEN.hex(),
+        "simulation_id": 0,
+        "attempt": 0,
+        "client_rank": 0,
+        "client_size": 1,
+        "fields": GOOD,
+        **change,
+    }
 
 
 def ask(handshake: HandshakeServer, message: Any) -> dict[str, Any]:
@@ -38,8 +54,13 @@ def ask(handshake: HandshakeServer, message: Any) -> dict[str, Any]:
 
 def test_a_good_hello_gets_the_data_and_delivery_endpoints() -> None:
     reply = ask(service(), hello())
-    assert reply == {"ok": True, "endpoints": ["tcp://a:1", "tcp://a:2"], "acks": ["tcp://a:3", "tcp://a:4"],
-                     "fields": FIELDS, "bind_simulation": False}
+    assert reply == {
+        "ok": True,
+        "endpoints": ["tcp://a:1", "tcp://a:2"],
+        "acks": ["tcp://a:3", "tcp://a:4"],
+        "fields": FIELDS,
+        "bind_simulation": False,
+    }
 
 
 BAD_HELLOS: dict[str, tuple[Any, str, str]] = {
@@ -75,8 +96,11 @@ DETERMINISTIC: dict[str, tuple[dict[str, Any], str, str]] = {
     "missing field": (hello(fields={"u": GOOD["u"]}), "missing_field", "field 'v' missing"),
     "dtype outside the protocol": (hello(fields={**GOOD, "u": ["complex64", [4]]}), "dtype", "'complex64'"),
     "oversize": (hello(fields={**GOOD, "u": ["float32", [1 << 20]]}), "oversize", "4194304 bytes per step"),
-    "forgot comm=": (hello(client_size=2, client_rank=1), "client_size",
-                     "client rank 1 of 2, but launcher.client_ranks is 1"),
+    "forgot comm=": (
+        hello(client_size=2, client_rank=1),
+        "client_size",
+        "client rank 1 of 2, but launcher.client_ranks is 1",
+    ),
 }
 
 
@@ -110,6 +134,31 @@ def test_the_same_client_rank_twice_in_one_attempt_is_refused_and_a_relaunch_sta
     assert ask(handshake, hello(client_size=2, attempt=1, client_rank=1, fields=rows))["ok"]
 
 
+def test_a_hello_sent_again_with_its_nonce_is_answered_again_and_another_process_is_refused() -> None:
+    """A client whose connection was lost sends its hello again, with the nonce it drew; a second process claiming
+    the same rank draws another."""
+    handshake = service(client_size=2)
+    rows = {**GOOD, "v": ["int64", [1]]}
+    first = ask(handshake, hello(client_size=2, fields=rows, nonce="a1"))
+    assert first["ok"] and ask(handshake, hello(client_size=2, fields=rows, nonce="a1")) == first
+    reply = ask(handshake, hello(client_size=2, fields=rows, nonce="b2"))
+    assert reply["kind"] == "twice"
+    assert ask(handshake, hello(client_size=2, client_rank=1, fields=rows, nonce="c3"))["ok"]
+
+
+def test_the_same_nonce_with_other_fields_is_still_a_second_hello() -> None:
+    handshake = service(client_size=2)
+    assert ask(handshake, hello(client_size=2, nonce="a1", fields={**GOOD, "v": ["int64", [1]]}))["ok"]
+    reply = ask(handshake, hello(client_size=2, nonce="a1", fields={**GOOD, "v": ["int64", [2]]}))
+    assert reply["kind"] == "twice"
+
+
+@pytest.mark.parametrize("nonce", [7, "", "x" * 65, "é", ["a"]])
+def test_a_nonce_that_is_not_a_short_ascii_string_is_malformed(nonce: Any) -> None:
+    reply = ask(service(), hello(nonce=nonce))
+    assert reply["kind"] == "malformed" and "nonce" in reply["error"]
+
+
 def test_the_first_complete_simulation_pins_each_fields_dtype_and_shape() -> None:
     handshake = service(client_size=2)
     halves = [{"u": ["float32", [2, 8]], "v": ["int64", [1]]}, {"u": ["float32", [3, 8]], "v": ["int64", [1]]}]
@@ -127,8 +176,9 @@ def test_the_first_complete_simulation_pins_each_fields_dtype_and_shape() -> Non
 def test_slices_that_cannot_join_are_refused() -> None:
     handshake = service(client_size=2)
     assert ask(handshake, hello(client_size=2, fields={**GOOD, "v": ["int64", [2]]}))["ok"]
-    reply = ask(handshake, hello(client_size=2, client_rank=1, fields={**GOOD, "v": ["int64", [2]],
-                                                                         "u": ["float32", [4, 9]]}))
+    reply = ask(
+        handshake, hello(client_size=2, client_rank=1, fields={**GOOD, "v": ["int64", [2]], "u": ["float32", [4, 9]]})
+    )
     assert reply["kind"] == "shape" and "client rank 1 declares float32[4, 9], which cannot join" in reply["error"]
     reply = ask(handshake, hello(simulation_id=1, client_size=2))  # v is 0-d: nothing to stack on axis 0
     assert reply["kind"] == "shape" and "client rank 0 declares int64[]" in reply["error"]

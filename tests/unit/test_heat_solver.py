@@ -2,9 +2,10 @@
 
 The solver must be a correct PDE solver, because the integration tests train
 on its output, and its row decomposition must reproduce the P=1 field. The
-script is run against a stub ``melissa_dl.client`` in a subprocess, since the
+script is run against a stub ``melissa_dl`` (its ``Client``) in a subprocess, since the
 crash option calls ``os._exit``.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -126,8 +127,9 @@ def test_matches_dense_backward_euler(nx: int, ny: int, dt: float, alpha: float)
 
 def test_a_sixth_parameter_is_the_diffusivity() -> None:
     params = (0.3, 1.0, -0.5, 2.0, 0.7)
-    np.testing.assert_array_equal(run(HeatSolver((*params, 2.5), nx=9, ny=7), 5),
-                                  run(HeatSolver(params, nx=9, ny=7, alpha=2.5), 5))
+    np.testing.assert_array_equal(
+        run(HeatSolver((*params, 2.5), nx=9, ny=7), 5), run(HeatSolver(params, nx=9, ny=7, alpha=2.5), 5)
+    )
 
 
 def test_refined_solve_sends_the_coarse_points_of_the_fine_field() -> None:
@@ -175,8 +177,13 @@ def test_step_output_dtype_shape_and_freshness() -> None:
 
 @pytest.mark.parametrize(
     "params,nx,ny,dt",
-    [([0.0] * 4, 8, 8, 1e-3), ([0.0] * 7, 8, 8, 1e-3), ([0.0] * 6, 8, 8, 1e-3), ([0.0] * 5, 2, 8, 1e-3),
-     ([0.0] * 5, 8, 8, 0.0)],
+    [
+        ([0.0] * 4, 8, 8, 1e-3),
+        ([0.0] * 7, 8, 8, 1e-3),
+        ([0.0] * 6, 8, 8, 1e-3),
+        ([0.0] * 5, 2, 8, 1e-3),
+        ([0.0] * 5, 8, 8, 0.0),
+    ],
 )
 def test_rejects_bad_arguments(params: list[float], nx: int, ny: int, dt: float) -> None:
     with pytest.raises(ValueError):
@@ -208,10 +215,7 @@ def test_split_rows_rejects_bad_rank(size: int, rank: int) -> None:
 def test_rank_blocks_concatenate_to_full_field(nx: int, size: int) -> None:
     params = (0.2, 1.0, -1.0, 0.5, 2.0)
     full = run(HeatSolver(params, nx=nx, ny=13, dt=2e-3), 20)
-    per_rank = [
-        run(HeatSolver(params, nx=nx, ny=13, dt=2e-3, comm=FakeComm(rank, size)), 20)
-        for rank in range(size)
-    ]
+    per_rank = [run(HeatSolver(params, nx=nx, ny=13, dt=2e-3, comm=FakeComm(rank, size)), 20) for rank in range(size)]
     for step, expected in enumerate(full):
         blocks = [fields[step] for fields in per_rank]
         for rank, block in enumerate(blocks):
@@ -223,7 +227,7 @@ def test_rank_blocks_concatenate_to_full_field(nx: int, size: int) -> None:
 # ------------------------------------------------------ the instrumented script
 
 STUB_CLIENT = '''
-"""Stub of melissa_dl.client: records what heat.py does to a JSON log per rank."""
+"""Stub of melissa_dl.wire.client: records what heat.py does to a JSON log per rank."""
 import json, os, sys
 import numpy as np
 
@@ -285,8 +289,10 @@ def run_heat(
 ) -> tuple[int, dict, str]:
     """Run heat.py against the stubs; return its exit code, log and log prefix."""
     stub = tmp_path / "stub"
-    stubs = (("melissa_dl", "client", STUB_CLIENT, "from melissa_dl.client import Client\n"),
-             ("mpi4py", "MPI", STUB_MPI, ""))
+    stubs = (
+        ("melissa_dl", "client", STUB_CLIENT, "from melissa_dl.client import Client\n"),
+        ("mpi4py", "MPI", STUB_MPI, ""),
+    )
     for package, module, text, init in stubs:
         (stub / package).mkdir(parents=True, exist_ok=True)
         (stub / package / "__init__.py").write_text(init)
@@ -304,7 +310,10 @@ def run_heat(
     )
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE_DIR / "heat.py"), *args],
-        env=env, capture_output=True, text=True, timeout=50,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
     )
     assert proc.returncode in (0, 1), proc.stderr
     prefix = f"{log}.r{rank}"

@@ -1,4 +1,5 @@
 """Launcher and schedulers on real processes: limits, return codes, kills, MPI isolation."""
+
 from __future__ import annotations
 
 import errno
@@ -124,8 +125,7 @@ def test_only_the_jobs_that_ended_are_polled(tmp_path: Path, monkeypatch: pytest
         launcher.shutdown()
 
 
-def test_the_servers_calls_do_not_wait_for_a_start_and_a_job_killed_while_it_starts_is_stopped(
-        tmp_path: Path) -> None:
+def test_the_servers_calls_do_not_wait_for_a_start_and_a_job_killed_while_it_starts_is_stopped(tmp_path: Path) -> None:
     """A wave of a thousand starts held the launcher's lock for seconds, and rank 0's round with it."""
     entered, release = threading.Event(), threading.Event()
     started: list[Job] = []
@@ -159,8 +159,7 @@ def test_the_servers_calls_do_not_wait_for_a_start_and_a_job_killed_while_it_sta
 
 def test_exit_code_output_cwd_and_env_reach_the_server(tmp_path: Path) -> None:
     code = (
-        "import os, sys; print('out', os.getcwd()); print('err', os.environ['MELISSA_X'], "
-        "file=sys.stderr); sys.exit(3)"
+        "import os, sys; print('out', os.getcwd()); print('err', os.environ['MELISSA_X'], file=sys.stderr); sys.exit(3)"
     )
     work = tmp_path / "work"
     work.mkdir()
@@ -230,10 +229,7 @@ def test_kill_returns_at_once_and_polls_sigkill_a_job_ignoring_sigterm_after_the
 
 
 def test_kill_reaches_grandchildren(tmp_path: Path) -> None:
-    code = (
-        "import subprocess, sys, time; "
-        f"subprocess.Popen([sys.executable, '-c', {SLEEPER!r}]); time.sleep(60)"
-    )
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {SLEEPER!r}]); time.sleep(60)"
     launcher = python_launcher(tmp_path, code)
     launcher.submit(0, 0, {})
     launcher.poll()
@@ -282,8 +278,7 @@ def test_kill_drops_queued_job(tmp_path: Path) -> None:
 
 def test_shutdown_kills_all_jobs_within_one_grace(tmp_path: Path) -> None:
     code = (
-        "import os, signal; os.environ.get('IGNORE_TERM') and "
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN); " + SLEEPER
+        "import os, signal; os.environ.get('IGNORE_TERM') and signal.signal(signal.SIGTERM, signal.SIG_IGN); " + SLEEPER
     )
     launcher = python_launcher(tmp_path, code, job_limit=3)
     for simulation_id in range(4):
@@ -329,8 +324,10 @@ def test_with_its_own_thread_a_job_reaped_but_not_reported_is_not_reported_once_
 
 
 def test_shutdown_kills_the_threads_jobs_with_their_grace_and_ends_the_thread(tmp_path: Path) -> None:
-    code = PRINT_PID + "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (print('term', " \
+    code = (
+        PRINT_PID + "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (print('term', "
         "flush=True), sys.exit(0))); time.sleep(60)"
+    )
     launcher = python_launcher(tmp_path, code, job_limit=2)
     launcher.start_thread()
     for simulation_id in range(3):
@@ -365,9 +362,7 @@ def test_child_environment_strips_mpi_launch_and_prefers_venv(monkeypatch: pytes
     assert os.environ["PMI_FD"] == "9"  # the server's own environment is untouched
 
 
-def test_child_mpi_init_ignores_the_servers_launch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_child_mpi_init_ignores_the_servers_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in FAKE_MPI_LAUNCH.items():
         monkeypatch.setenv(name, value)
     code = "import sys; from mpi4py import MPI; print('size', MPI.COMM_WORLD.size, sys.prefix)"
@@ -385,8 +380,7 @@ def test_mpirun_runs_every_rank(
         for name, value in FAKE_MPI_LAUNCH.items():
             monkeypatch.setenv(name, value)
     code = (
-        "import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
-        "os.write(1, f'rank {c.rank} of {c.size}\\n'.encode())"
+        "import os; from mpi4py import MPI; c = MPI.COMM_WORLD; os.write(1, f'rank {c.rank} of {c.size}\\n'.encode())"
     )
     scheduler = MpirunScheduler(["python", "-c", code], tmp_path, ranks=2, mpirun=MPIRUN)
     launcher = Launcher(scheduler, 1, tmp_path / "logs")
@@ -415,9 +409,7 @@ def test_jobs_die_with_the_server(tmp_path: Path, ranks: int | None) -> None:
         f"s = LocalScheduler(c, p) if {ranks is None} else MpirunScheduler(c, p, {ranks}, {MPIRUN!r}); "
         "s.start(0, 0, {}, p / 'job.log'); time.sleep(60)"
     )
-    server = subprocess.Popen(
-        ["python", "-c", server_code], env=child_environment({"PYTHONPATH": str(REPO)})
-    )
+    server = subprocess.Popen(["python", "-c", server_code], env=child_environment({"PYTHONPATH": str(REPO)}))
     try:
         job_pids = read_pids(tmp_path / "job.log", ranks or 1)
     finally:

@@ -1,4 +1,6 @@
-"""The code's shape (DESIGN §12): no module imports another that imports it back, and functions stay short."""
+"""The code's shape (DESIGN §12): wings by concern, no module or wing imports another that imports it back, and
+functions stay short."""
+
 from __future__ import annotations
 
 import ast
@@ -10,14 +12,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("melissa_dl", "launcher")
 LONGEST = 50  # lines of a function, docstring included
+TOP_MODULES = 8  # modules directly under melissa_dl/ beside its wings (``__init__`` not counted)
 
 
 def modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
-        for path in sorted((ROOT / package).glob("*.py")):
-            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
+
+
+def wing(module: str) -> str:
+    """The node a module counts for among wings: its subpackage of ``melissa_dl`` (``melissa_dl.ingest``), the
+    ``launcher`` package, or itself (a module at the top of ``melissa_dl``)."""
+    parts = module.split(".")
+    if parts[0] == "launcher":
+        return "launcher"
+    if len(parts) > 2 or (ROOT / "melissa_dl" / parts[-1]).is_dir():
+        return ".".join(parts[:2])
+    return module
 
 
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
@@ -39,6 +54,54 @@ def test_no_module_imports_another_that_imports_it_back() -> None:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as error:
         pytest.fail(f"import cycle: {' -> '.join(error.args[1])}")
+
+
+def test_no_wing_imports_another_that_imports_it_back() -> None:
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        graph.setdefault(wing(name), set()).update(wing(other) for other in imports(path, known) - {name})
+    graph = {node: targets - {node} for node, targets in graph.items()}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as error:
+        pytest.fail(f"import cycle between wings: {' -> '.join(error.args[1])}")
+
+
+def test_the_package_is_a_few_modules_beside_its_wings() -> None:
+    top = sorted(path.stem for path in (ROOT / "melissa_dl").glob("*.py") if path.stem != "__init__")
+    assert len(top) <= TOP_MODULES, f"{len(top)} modules at the top of melissa_dl/: {', '.join(top)}"
+    wings = [path for path in (ROOT / "melissa_dl").iterdir() if (path / "__init__.py").is_file()]
+    assert len(wings) >= 6, wings
+    for path in wings:
+        assert ast.get_docstring(ast.parse((path / "__init__.py").read_text())), f"{path.name}/__init__.py says nothing"
+
+
+def test_the_launcher_imports_nothing_of_melissa_dl() -> None:
+    known = modules()
+    leaks = {
+        name: sorted(m for m in imports(path, known) if m.split(".")[0] == "melissa_dl")
+        for name, path in known.items()
+        if wing(name) == "launcher"
+    }
+    assert not any(leaks.values()), leaks
+
+
+def test_only_the_slurm_scheduler_names_slurm_in_code() -> None:
+    """Names and imports, not prose: a docstring may say that Slurm exists."""
+    named = []
+    for name, path in modules().items():
+        if name == "launcher.slurm":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            words = {
+                ast.Name: lambda n: [n.id],
+                ast.Attribute: lambda n: [n.attr],
+                ast.ImportFrom: lambda n: [n.module or "", *(a.name for a in n.names)],
+                ast.Import: lambda n: [a.name for a in n.names],
+            }.get(type(node), lambda n: [])(node)
+            named += [f"{name}:{node.lineno} {word}" for word in words if "slurm" in word.lower()]
+    assert not named, named
 
 
 def test_the_cycle_check_sees_a_cycle_under_type_checking(tmp_path: Path) -> None:

@@ -1,10 +1,11 @@
 """Per-sample losses: each rank's log, and rank 0's statistic per simulation from each step's first loss."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from melissa_dl.learning import LossLog, SimulationLosses
+from melissa_dl.study.learning import LossLog, SimulationLosses
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,5 @@
 """The per-simulation bitmaps of received time steps."""
+
 from __future__ import annotations
 
 import random
@@ -6,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from melissa_dl.ledger import Ledger
+from melissa_dl.ingest.ledger import Ledger
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,9 +1,10 @@
 """A socket's connections followed from its monitor's events: who is logging in, and how each refused one ended."""
+
 from __future__ import annotations
 
 import pytest
 
-from melissa_dl.connections import Logins
+from melissa_dl.ingest.connections import Logins
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,5 @@
 """The package face: the public API from ``melissa_dl`` itself, and a simulation's import does not load torch."""
+
 from __future__ import annotations
 
 import subprocess
@@ -7,15 +8,19 @@ import sys
 import pytest
 
 import melissa_dl
-from melissa_dl.client import Client
-from melissa_dl.embedding import ShardedEmbedding
-from melissa_dl.module import TrainingModule
-from melissa_dl.sparse_optim import RowAdagrad
+from melissa_dl.embeddings.sparse_optim import RowAdagrad
+from melissa_dl.embeddings.table import ShardedEmbedding
+from melissa_dl.train.module import TrainingModule
+from melissa_dl.wire.client import Client
 
 
 def test_the_public_api_is_importable_from_the_package() -> None:
-    assert (melissa_dl.Client, melissa_dl.TrainingModule, melissa_dl.ShardedEmbedding, melissa_dl.RowAdagrad) == \
-        (Client, TrainingModule, ShardedEmbedding, RowAdagrad)
+    assert (melissa_dl.Client, melissa_dl.TrainingModule, melissa_dl.ShardedEmbedding, melissa_dl.RowAdagrad) == (
+        Client,
+        TrainingModule,
+        ShardedEmbedding,
+        RowAdagrad,
+    )
     for name in melissa_dl.__all__:
         assert getattr(melissa_dl, name) is not None, name
     assert set(melissa_dl.__all__) <= set(dir(melissa_dl))

@@ -1,4 +1,5 @@
 """The study's PNGs: drawn from its status history and rank 0's TensorBoard events (issue 13, item 4)."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import matplotlib.image
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from melissa_dl.plots import BUFFERS, INTAKE, LOSS, SIMULATIONS, buffers, draw, loss, read_losses, simulations
-from melissa_dl.status import HISTORY
+from melissa_dl.runtime.status import HISTORY
+from melissa_dl.study.plots import BUFFERS, INTAKE, LOSS, SIMULATIONS, buffers, draw, loss, read_losses, simulations
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -17,12 +18,21 @@ START = 1_700_000_000.0
 
 
 def status(second: float, done: int, received: int, batches: int | None) -> dict:
-    return {"state": "running", "updated": START + second, "elapsed_s": second, "percent": 0, "eta_s": None,
-            "simulations": {"queued": 4 - done - 1, "running": 1, "done": done, "failed": 0, "total": 4},
-            "samples": {"received": received, "expected": 40, "consumed": received}, "MB_per_s": 1.5,
-            "buffers": [received % 7, received % 5], "refused": 0,
-            "training": None if batches is None else {"batches": batches, "batches_per_s": 10.0, "loss": 0.1,
-                                                      "validation_loss": None}}
+    return {
+        "state": "running",
+        "updated": START + second,
+        "elapsed_s": second,
+        "percent": 0,
+        "eta_s": None,
+        "simulations": {"queued": 4 - done - 1, "running": 1, "done": done, "failed": 0, "total": 4},
+        "samples": {"received": received, "expected": 40, "consumed": received},
+        "MB_per_s": 1.5,
+        "buffers": [received % 7, received % 5],
+        "refused": 0,
+        "training": None
+        if batches is None
+        else {"batches": batches, "batches_per_s": 10.0, "loss": 0.1, "validation_loss": None},
+    }
 
 
 def study_output(tmp_path: Path, trained: bool) -> Path:
@@ -63,11 +73,17 @@ def test_the_figures_hold_the_curves_with_labelled_axes(tmp_path: Path) -> None:
     (axes,) = buffers([1, 2, 3], "wall time (s)", history).axes
     assert [list(line.get_ydata()) for line in axes.get_lines()] == [[0, 3, 6], [0, 0, 0]]
     assert (axes.get_ylabel(), [text.get_text() for text in axes.get_legend().get_texts()]) == (
-        "samples held", ["rank 0", "rank 1"])
+        "samples held",
+        ["rank 0", "rank 1"],
+    )
     history[0]["buffers"] = [4]  # before a restart on more ranks
     (axes,) = buffers([1, 2, 3], "wall time (s)", history).axes
     first, second = (list(line.get_ydata()) for line in axes.get_lines())
     assert first == [4, 3, 6] and second == pytest.approx([float("nan"), 0, 0], nan_ok=True)
     (axes,) = simulations([1, 2, 3], "wall time (s)", history).axes
     assert axes.get_ylim() == (0, 4) and [t.get_text() for t in axes.get_legend().get_texts()] == [
-        "done", "running", "queued", "failed"]
+        "done",
+        "running",
+        "queued",
+        "failed",
+    ]

@@ -1,4 +1,5 @@
 """Rank 0's status: the status file, the progress history, a log line or a live bar (issue 13, item 3)."""
+
 from __future__ import annotations
 
 import io
@@ -10,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from melissa_dl.progress import StatusBoard, show_status
-from melissa_dl.receiver import ReceiverReport
-from melissa_dl.status import HISTORY, STATUS
+from melissa_dl.ingest.receiver import ReceiverReport
+from melissa_dl.runtime.status import HISTORY, STATUS
+from melissa_dl.study.progress import StatusBoard, show_status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,25 +21,31 @@ pytestmark = pytest.mark.timeout(60)
 def study(done: int, running: int, queued: int, failed: int = 0, ending: int = 0) -> SimpleNamespace:
     """``running`` counts the ``ending`` ones, as Study.counts() does."""
     counts = {"queued": queued, "running": running, "done": done, "failed": failed}
-    return SimpleNamespace(simulations=[None] * sum(counts.values()), counts=lambda: dict(counts),
-                           ending=lambda: ending)
+    return SimpleNamespace(
+        simulations=[None] * sum(counts.values()), counts=lambda: dict(counts), ending=lambda: ending
+    )
 
 
 def reports(samples: int) -> list[ReceiverReport]:
-    return [ReceiverReport(bytes_received=samples * 1000, samples=samples, buffer_size=3, rejected={"dtype": 1}),
-            ReceiverReport(bytes_received=0, samples=0, buffer_size=2)]
+    return [
+        ReceiverReport(bytes_received=samples * 1000, samples=samples, buffer_size=3, rejected={"dtype": 1}),
+        ReceiverReport(bytes_received=0, samples=0, buffer_size=2),
+    ]
 
 
-def test_a_status_every_interval_with_share_eta_rates_and_training(tmp_path: Path,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_a_status_every_interval_with_share_eta_rates_and_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO)
     start = time.monotonic()
-    board = StatusBoard(tmp_path, interval=2.0, start=start, expected_samples=400,
-                        refusals=lambda: {"handshake_cut": 2})
+    board = StatusBoard(
+        tmp_path, interval=2.0, start=start, expected_samples=400, refusals=lambda: {"handshake_cut": 2}
+    )
     board.update(start + 1.0, study(0, 4, 0), reports(50), 20, {"batches": 5, "loss": 0.5, "validation_loss": None})
     assert not (tmp_path / STATUS).exists()  # within the interval: nothing yet
-    board.update(start + 4.0, study(1, 3, 0, ending=1), reports(100), 80,
-                 {"batches": 40, "loss": 0.25, "validation_loss": 0.3})
+    board.update(
+        start + 4.0, study(1, 3, 0, ending=1), reports(100), 80, {"batches": 40, "loss": 0.25, "validation_loss": 0.3}
+    )
     status = json.loads((tmp_path / STATUS).read_text())
     assert (status["state"], status["percent"], status["eta_s"]) == ("running", 25.0, 12.0)
     assert status["simulations"] == {"queued": 0, "running": 2, "ending": 1, "done": 1, "failed": 0, "total": 4}
@@ -47,14 +54,17 @@ def test_a_status_every_interval_with_share_eta_rates_and_training(tmp_path: Pat
     assert status["refused"] == {"dtype": 1, "handshake_cut": 2}  # every socket's, by kind
     assert "buffers 5 samples | 3 refused (handshake_cut 2, dtype 1)" in caplog.text
     assert status["training"] == {"batches": 40, "loss": 0.25, "validation_loss": 0.3, "batches_per_s": 10.0}
-    assert ("25% done, 4 s elapsed, about 12 s left | simulations 1 done, 2 running, 1 ending, 0 queued, 0 failed "
-            "of 4") in caplog.text
+    assert (
+        "25% done, 4 s elapsed, about 12 s left | simulations 1 done, 2 running, 1 ending, 0 queued, 0 failed of 4"
+    ) in caplog.text
     board.finish(study(4, 0, 0), reports(400), 500, {"batches": 90, "loss": 0.1, "validation_loss": 0.2})
     shown = show_status(tmp_path)
     assert shown.startswith(f"study in {tmp_path}: finished") and "100% done" in shown and "about" not in shown
     assert "training 90 batches" in shown and "validation loss 0.2" in shown
-    assert [json.loads(line)["state"] for line in (tmp_path / HISTORY).read_text().splitlines()] == \
-        ["running", "finished"]
+    assert [json.loads(line)["state"] for line in (tmp_path / HISTORY).read_text().splitlines()] == [
+        "running",
+        "finished",
+    ]
 
 
 class Terminal(io.StringIO):
@@ -62,8 +72,9 @@ class Terminal(io.StringIO):
         return True
 
 
-def test_on_a_terminal_a_live_bar_replaces_the_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_on_a_terminal_a_live_bar_replaces_the_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO)
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)

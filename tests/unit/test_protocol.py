@@ -1,4 +1,5 @@
 """The data protocol's fixed header, credentials, routing rule and layout checks."""
+
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +10,7 @@ import struct
 import pytest
 
 from melissa_dl.errors import ProtocolError
-from melissa_dl.protocol import (
+from melissa_dl.wire.protocol import (
     DTYPES,
     HEADER_BYTES,
     KEY_BYTES,
@@ -52,8 +53,18 @@ WIRE = {
 
 def header(**overrides: object) -> Header:
     fields = dict(
-        kind=Kind.DATA, key=simulation_key(TOKEN, 5, 7), simulation_id=5, attempt=7, time_step=11, client_rank=1,
-        client_size=3, field_id=2, dtype="float64", shape=(2, 3), payload_bytes=48, offset=0,
+        kind=Kind.DATA,
+        key=simulation_key(TOKEN, 5, 7),
+        simulation_id=5,
+        attempt=7,
+        time_step=11,
+        client_rank=1,
+        client_size=3,
+        field_id=2,
+        dtype="float64",
+        shape=(2, 3),
+        payload_bytes=48,
+        offset=0,
     )
     fields.update(overrides)
     return Header(**fields)  # type: ignore[arg-type]
@@ -79,8 +90,15 @@ def test_header_round_trip(kind: Kind, shape: tuple[int, ...]) -> None:
 
 def test_header_round_trip_at_the_field_limits() -> None:
     sent = header(
-        simulation_id=(1 << 32) - 1, attempt=(1 << 32) - 1, time_step=(1 << 32) - 1, client_rank=(1 << 16) - 2, client_size=(1 << 16) - 1,
-        field_id=(1 << 16) - 1, shape=((1 << 32) - 1,) * MAX_NDIM, payload_bytes=(1 << 64) - 1, dtype=DTYPES[-1],
+        simulation_id=(1 << 32) - 1,
+        attempt=(1 << 32) - 1,
+        time_step=(1 << 32) - 1,
+        client_rank=(1 << 16) - 2,
+        client_size=(1 << 16) - 1,
+        field_id=(1 << 16) - 1,
+        shape=((1 << 32) - 1,) * MAX_NDIM,
+        payload_bytes=(1 << 64) - 1,
+        dtype=DTYPES[-1],
         offset=(1 << 64) - 1,
     )
     assert unpack_header(sent.pack()) == sent
@@ -91,9 +109,20 @@ def test_header_wire_layout_is_fixed_little_endian() -> None:
     assert HEADER_BYTES == 35 + 4 * MAX_NDIM + 16
     decoded = {name: struct.unpack_from(fmt, packed, offset)[0] for name, (offset, fmt) in WIRE.items()}
     assert decoded == {
-        "magic": MAGIC, "version": PROTOCOL_VERSION, "kind": int(Kind.DATA), "dtype": DTYPES.index("float64"),
-        "key": simulation_key(TOKEN, 5, 7), "simulation_id": 5, "attempt": 7, "time_step": 11, "client_rank": 1, "client_size": 3,
-        "field_id": 2, "ndim": 2, "payload_bytes": 48, "offset": 0,
+        "magic": MAGIC,
+        "version": PROTOCOL_VERSION,
+        "kind": int(Kind.DATA),
+        "dtype": DTYPES.index("float64"),
+        "key": simulation_key(TOKEN, 5, 7),
+        "simulation_id": 5,
+        "attempt": 7,
+        "time_step": 11,
+        "client_rank": 1,
+        "client_size": 3,
+        "field_id": 2,
+        "ndim": 2,
+        "payload_bytes": 48,
+        "offset": 0,
     }
     assert struct.unpack_from(f"<{MAX_NDIM}I", packed, 35) == (2, 3, 0, 0, 0, 0)
 
@@ -114,7 +143,16 @@ def test_header_wire_layout_is_fixed_little_endian() -> None:
         (patched("client_size", 0), "malformed", "client rank 1 of 0"),
     ],
     ids=[
-        "short", "long", "empty", "magic", "version", "kind-0", "kind-high", "dtype", "ndim", "crank=csize",
+        "short",
+        "long",
+        "empty",
+        "magic",
+        "version",
+        "kind-0",
+        "kind-high",
+        "dtype",
+        "ndim",
+        "crank=csize",
         "csize-0",
     ],
 )

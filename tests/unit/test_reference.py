@@ -1,4 +1,5 @@
 """The configuration reference (README table, config/schema.json) is generated from config.py's option docs."""
+
 from __future__ import annotations
 
 import json
@@ -41,15 +42,18 @@ def test_the_example_configs_pass_the_schema_and_the_loader(path: Path) -> None:
     load_config(path)
 
 
-@pytest.mark.parametrize("change, culprit", [
-    (lambda c: c["buffer"].update(kind="reservior"), "'reservior' is not one of"),
-    (lambda c: c.update(buffr={}), "Additional properties are not allowed ('buffr' was unexpected)"),
-    (lambda c: c["launcher"].update(job_limit="4"), "'4' is not of type 'integer'"),
-    (lambda c: c["launcher"].pop("command"), "'command' is a required property"),
-    (lambda c: c["launcher"]["slurm"].update(partiton="x"), "('partiton' was unexpected)"),
-    (lambda c: c["launcher"].update(job_limit=0), "0 is less than the minimum of 1"),
-    (lambda c: c["buffer"].update(capacity_samples=0), "0 is less than or equal to the minimum of 0"),
-])
+@pytest.mark.parametrize(
+    "change, culprit",
+    [
+        (lambda c: c["buffer"].update(kind="reservior"), "'reservior' is not one of"),
+        (lambda c: c.update(buffr={}), "Additional properties are not allowed ('buffr' was unexpected)"),
+        (lambda c: c["launcher"].update(job_limit="4"), "'4' is not of type 'integer'"),
+        (lambda c: c["launcher"].pop("command"), "'command' is a required property"),
+        (lambda c: c["launcher"]["slurm"].update(partiton="x"), "('partiton' was unexpected)"),
+        (lambda c: c["launcher"].update(job_limit=0), "0 is less than the minimum of 1"),
+        (lambda c: c["buffer"].update(capacity_samples=0), "0 is less than or equal to the minimum of 0"),
+    ],
+)
 def test_the_schema_refuses_what_the_loader_refuses(change, culprit: str) -> None:
     config = json.loads((reference.ROOT / "examples" / "heat_pde" / "config_slurm.json").read_text())
     change(config)

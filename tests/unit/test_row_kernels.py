@@ -1,12 +1,13 @@
 """The compiled row loops themselves: the packed sort of the ids, and the loops on keys of either width."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from melissa_dl import row_kernels
-from melissa_dl.row_kernels import Kernels, SortedKeys
+from melissa_dl.embeddings import row_kernels
+from melissa_dl.embeddings.row_kernels import Kernels, SortedKeys
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,8 +42,9 @@ def test_keys_are_32_bits_up_to_the_largest_id_that_fits_and_64_from_the_next(ke
 
 
 @pytest.mark.parametrize("ids, limit", [([3, 6], 6), ([-1, 2], 6), ([2**62, 3], 2**63 - 1), ([3, 1 << 40], 1 << 40)])
-def test_sorted_keys_refuse_ids_outside_the_limit_or_too_large_to_pack(kernels: Kernels, ids: list[int],
-                                                                       limit: int) -> None:
+def test_sorted_keys_refuse_ids_outside_the_limit_or_too_large_to_pack(
+    kernels: Kernels, ids: list[int], limit: int
+) -> None:
     assert kernels.sorted_keys(torch.tensor(ids), limit) is None
 
 
@@ -56,8 +58,7 @@ def test_unique_through_keys_of_either_width(kernels: Kernels) -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "row_adagrad", "adam"])
-def test_each_loop_gives_the_same_rows_from_keys_of_32_and_64_bits(kernels: Kernels, name: str,
-                                                                   dtype: type) -> None:
+def test_each_loop_gives_the_same_rows_from_keys_of_32_and_64_bits(kernels: Kernels, name: str, dtype: type) -> None:
     """The loops are compiled once per key width; both must update the same rows to the same bits."""
     rng = np.random.default_rng(0)
     ids = torch.from_numpy(rng.zipf(1.5, 300) % 40)  # repeated ids, runs of every length
@@ -67,10 +68,15 @@ def test_each_loop_gives_the_same_rows_from_keys_of_32_and_64_bits(kernels: Kern
     results = []
     for width_keys in (keys, SortedKeys(keys.keys.astype(np.int64), keys.bits)):
         weight = np.linspace(-1, 1, 40 * 8, dtype=dtype).reshape(40, 8)
-        state = {"sgd": [], "adagrad": [np.ones_like(weight)], "row_adagrad": [np.ones(40, dtype)],
-                 "adam": [np.ones((40, 2, 8), dtype)]}[name]
-        hyper = {"sgd": (0.1,), "adagrad": (0.1, 1e-10), "row_adagrad": (0.1, 1e-10),
-                 "adam": (0.9, 0.999, 0.01, 1e-8)}[name]
+        state = {
+            "sgd": [],
+            "adagrad": [np.ones_like(weight)],
+            "row_adagrad": [np.ones(40, dtype)],
+            "adam": [np.ones((40, 2, 8), dtype)],
+        }[name]
+        hyper = {"sgd": (0.1,), "adagrad": (0.1, 1e-10), "row_adagrad": (0.1, 1e-10), "adam": (0.9, 0.999, 0.01, 1e-8)}[
+            name
+        ]
         rows = getattr(kernels, name)(weight, *state, width_keys, grads, *hyper)
         results.append((rows, weight, *state))
     assert results[0][0] == results[1][0] == len(torch.unique(ids))

@@ -1,4 +1,5 @@
 """Buffers that keep processed samples as rows (``deterministic_process``): once per sample, same batches."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -8,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from melissa_dl.buffers import BUFFER_KINDS, Buffer, make_buffer
-from melissa_dl.dataset import END, StreamDataset, collate
+from melissa_dl.buffers.kinds import BUFFER_KINDS, Buffer, make_buffer
+from melissa_dl.buffers.sample import Sample
 from melissa_dl.errors import ConfigError
-from melissa_dl.sample import Sample
+from melissa_dl.train.dataset import END, StreamDataset, collate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,8 +33,9 @@ class Counted:
 
 
 def buffer(kind: str, capacity: int | None = 8, pseudo_epochs: int = 1) -> Buffer:
-    return make_buffer(kind, capacity_samples=capacity, capacity_bytes=None, watermark=0, seed=3,
-                       pseudo_epochs=pseudo_epochs)
+    return make_buffer(
+        kind, capacity_samples=capacity, capacity_bytes=None, watermark=0, seed=3, pseudo_epochs=pseudo_epochs
+    )
 
 
 @pytest.mark.parametrize("kind", BUFFER_KINDS)
@@ -77,7 +79,7 @@ def test_rows_are_reused_after_samples_leave_and_the_end_is_signalled() -> None:
         batch = dataset.next_batch()
         assert batch.data["y"][1].tolist() == [2 * round_, 2 * round_ + 1]
         assert batch.ids.tolist() == [[0, 2 * round_], [0, 2 * round_ + 1]]
-    assert fifo._rows is not None and fifo._rows._used == 2  # noqa: SLF001: the storage never grew
+    assert fifo._rows is not None and fifo._rows._used == 2  # the storage never grew
     assert dataset.next_batch(timeout=0.01) is None
     fifo.close()
     assert dataset.next_batch() is END
@@ -106,8 +108,11 @@ def test_a_sample_processing_to_another_shape_is_refused_by_name() -> None:
     assert len(kept) == 1
 
 
-@pytest.mark.parametrize("process", [lambda s: [s.parameters, s.fields["u"]], lambda s: s.fields["u"],
-                                     lambda s: (s.fields["u"], (s.parameters,))], ids=["list", "bare", "nested"])
+@pytest.mark.parametrize(
+    "process",
+    [lambda s: [s.parameters, s.fields["u"]], lambda s: s.fields["u"], lambda s: (s.fields["u"], (s.parameters,))],
+    ids=["list", "bare", "nested"],
+)
 def test_batches_keep_the_structure_of_one_output_whatever_their_size(process: Callable[[Sample], object]) -> None:
     fifo = buffer("fifo", capacity=None)
     dataset = StreamDataset(fifo, process, 3, deterministic=True)

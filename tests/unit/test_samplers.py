@@ -1,4 +1,5 @@
 """Samplers: bounds, determinism, space filling, restore mid-study, and the adaptive sampler's breeding."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -93,7 +94,9 @@ class Corners(Sampler):
         self.flip = flip
 
     def _draw(self, count: int) -> np.ndarray:
-        return np.array([self.high if (i % 2 == 1) != self.flip else self.low for i in range(self.drawn, self.drawn + count)])
+        return np.array(
+            [self.high if (i % 2 == 1) != self.flip else self.low for i in range(self.drawn, self.drawn + count)]
+        )
 
 
 def test_a_custom_sampler_is_built_with_its_options() -> None:
@@ -103,9 +106,19 @@ def test_a_custom_sampler_is_built_with_its_options() -> None:
 
 # -- adaptive -------------------------------------------------------------------
 
+
 def breeding(**changes: object) -> Breeding:
-    settings = dict(population=4, breed_after=8, lag=2, window=6, sigma=[0.05, 0.05], start=0.5, end=1.0,
-                    breakpoint=3, base="halton")
+    settings = dict(
+        population=4,
+        breed_after=8,
+        lag=2,
+        window=6,
+        sigma=[0.05, 0.05],
+        start=0.5,
+        end=1.0,
+        breakpoint=3,
+        base="halton",
+    )
     return Breeding(**{**settings, **changes})  # type: ignore[arg-type]
 
 

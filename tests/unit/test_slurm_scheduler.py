@@ -1,4 +1,5 @@
 """The Slurm scheduler against a scripted stand-in for its commands (the real Slurm: integration/test_slurm.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,9 +8,8 @@ import pytest
 
 from launcher import slurm
 from launcher.schedulers import RUN_MARKER
-from launcher.slurm import LOST, SlurmError, SlurmScheduler, job_environment
-from melissa_dl.config import SlurmConfig
-from melissa_dl.mpi import first_of_launch, launch_problem
+from launcher.slurm import LOST, SlurmError, SlurmOptions, SlurmScheduler, job_environment
+from melissa_dl.runtime.mpi import first_of_launch, launch_problem
 
 
 class FakeSlurm:
@@ -58,28 +58,44 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
 
 
 def scheduler(tmp_path: Path, ranks: int = 1, **options: object) -> SlurmScheduler:
-    return SlurmScheduler(["python", "sim.py", "--x", "a b"], tmp_path, ranks, SlurmConfig(**options).sbatch_options(),
-                          "melissa-out")
+    return SlurmScheduler(
+        ["python", "sim.py", "--x", "a b"], tmp_path, ranks, SlurmOptions(**options).sbatch_options(), "melissa-out"
+    )
 
 
 def test_sbatch_gets_the_options_the_log_and_srun_pmi2_for_mpi_simulations(
-        tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(RUN_MARKER, "run7")
     log = tmp_path / "simulations" / "simulation3.attempt1.log"
     log.parent.mkdir()
-    job = scheduler(tmp_path, ranks=4, partition="short", time_limit="00:10:00", account="proj",
-                    sbatch_args=["--mem=1G"]).start(3, 1, {"MELISSA_SIMULATION_ID": "3"}, log)
+    job = scheduler(
+        tmp_path, ranks=4, partition="short", time_limit="00:10:00", account="proj", sbatch_args=["--mem=1G"]
+    ).start(3, 1, {"MELISSA_SIMULATION_ID": "3"}, log)
     assert (job.job_id, job.label) == ("42", "Slurm job 42")
     [argv] = fake.commands("sbatch")
-    assert argv == ("sbatch", "--parsable", "--job-name=melissa-out-s3a1", f"--output={log}", "--open-mode=append",
-                    f"--chdir={tmp_path}", "--ntasks=4", "--partition=short", "--time=00:10:00", "--account=proj",
-                    "--mem=1G", "--comment=melissa_dl run run7", "--wrap",
-                    "exec srun --mpi=pmi2 --kill-on-bad-exit=1 -n 4 python sim.py --x 'a b'")
+    assert argv == (
+        "sbatch",
+        "--parsable",
+        "--job-name=melissa-out-s3a1",
+        f"--output={log}",
+        "--open-mode=append",
+        f"--chdir={tmp_path}",
+        "--ntasks=4",
+        "--partition=short",
+        "--time=00:10:00",
+        "--account=proj",
+        "--mem=1G",
+        "--comment=melissa_dl run run7",
+        "--wrap",
+        "exec srun --mpi=pmi2 --kill-on-bad-exit=1 -n 4 python sim.py --x 'a b'",
+    )
     assert log.exists()
 
 
 def test_one_rank_runs_the_command_itself_and_the_servers_job_is_not_inherited(
-        tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("SLURM_CONF", "/etc/test/slurm.conf")
     monkeypatch.delenv(RUN_MARKER, raising=False)
@@ -91,24 +107,29 @@ def test_one_rank_runs_the_command_itself_and_the_servers_job_is_not_inherited(
     assert job_environment({})["SLURM_CONF"] == "/etc/test/slurm.conf"
 
 
-def test_an_answer_that_is_not_a_job_id_is_a_start_failure(tmp_path: Path, fake: FakeSlurm,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_answer_that_is_not_a_job_id_is_a_start_failure(
+    tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(slurm, "_slurm", lambda *argv, env=None: "Submitted batch job 5\n")
     with pytest.raises(SlurmError, match="sbatch answered 'Submitted batch job 5', not a job id"):
         scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
 
 
-@pytest.mark.parametrize("shown, code", [
-    ("JobState=COMPLETED Reason=None ExitCode=0:0", 0),
-    ("JobState=FAILED Reason=NonZeroExitCode ExitCode=3:0", 3),
-    ("JobState=CANCELLED Reason=None ExitCode=0:15", -15),
-    ("JobState=CANCELLED Reason=None ExitCode=0:0", -15),  # cancelled while pending
-    ("JobState=TIMEOUT Reason=TimeLimit ExitCode=0:15", -15),  # as Slurm 22.05 records a time limit
-    ("JobState=NODE_FAIL Reason=None ExitCode=0:0", LOST),
-    ("no such fields", LOST),
-])
-def test_the_exit_code_of_an_ended_job_comes_from_scontrol(tmp_path: Path, fake: FakeSlurm, shown: str,
-                                                           code: int) -> None:
+@pytest.mark.parametrize(
+    "shown, code",
+    [
+        ("JobState=COMPLETED Reason=None ExitCode=0:0", 0),
+        ("JobState=FAILED Reason=NonZeroExitCode ExitCode=3:0", 3),
+        ("JobState=CANCELLED Reason=None ExitCode=0:15", -15),
+        ("JobState=CANCELLED Reason=None ExitCode=0:0", -15),  # cancelled while pending
+        ("JobState=TIMEOUT Reason=TimeLimit ExitCode=0:15", -15),  # as Slurm 22.05 records a time limit
+        ("JobState=NODE_FAIL Reason=None ExitCode=0:0", LOST),
+        ("no such fields", LOST),
+    ],
+)
+def test_the_exit_code_of_an_ended_job_comes_from_scontrol(
+    tmp_path: Path, fake: FakeSlurm, shown: str, code: int
+) -> None:
     job = scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
     assert job.poll() is None and not job.started()
     fake.states[job.job_id] = "RUNNING"
@@ -124,8 +145,9 @@ def test_a_job_slurm_forgot_counts_as_lost(tmp_path: Path, fake: FakeSlurm) -> N
     assert job.poll() == LOST
 
 
-def test_one_squeue_call_per_poll_for_all_jobs(tmp_path: Path, fake: FakeSlurm,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_squeue_call_per_poll_for_all_jobs(
+    tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(slurm, "POLL", 3600.0)
     runs = scheduler(tmp_path)
     jobs = [runs.start(sim, 0, {}, tmp_path / f"{sim}.log") for sim in range(5)]
@@ -139,9 +161,11 @@ def test_a_controller_that_does_not_answer_changes_nothing(tmp_path: Path, fake:
     job = scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
     fake.states[job.job_id] = "RUNNING"
     assert job.started()
-    fake.failing = {"squeue": "squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation",
-                    "scontrol": "scontrol: error: Socket timed out on send/recv operation",
-                    "scancel": "scancel: error: Socket timed out on send/recv operation"}
+    fake.failing = {
+        "squeue": "squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation",
+        "scontrol": "scontrol: error: Socket timed out on send/recv operation",
+        "scancel": "scancel: error: Socket timed out on send/recv operation",
+    }
     assert job.poll() is None and job.started()
     del fake.states[job.job_id]
     fake.ends[job.job_id] = "JobState=FAILED ExitCode=2:0"
@@ -170,14 +194,15 @@ def test_a_slurm_command_that_cannot_even_start_is_a_slurm_error(monkeypatch: py
         slurm._slurm("squeue")
 
 
-def test_job_options_that_sbatch_refuses_are_named(tmp_path: Path, fake: FakeSlurm,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_job_options_that_sbatch_refuses_are_named(
+    tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch
+) -> None:
     runs = scheduler(tmp_path, partition="short", time_limit="ten minutes")
-    assert runs.refusal() is None
+    assert runs.dry_run() is None
     [argv] = fake.commands("sbatch")
     assert "--test-only" in argv and "--partition=short" in argv and "--time=ten minutes" in argv
     fake.failing = {"sbatch": "sbatch: error: Invalid --time specification"}
-    assert runs.refusal() == "sbatch: error: Invalid --time specification"
+    assert runs.dry_run() == "sbatch refuses the simulations' job options: sbatch: error: Invalid --time specification"
 
 
 def test_a_single_job_slurm_forgot_is_lost_not_a_squeue_failure(tmp_path: Path, fake: FakeSlurm) -> None:
@@ -206,11 +231,20 @@ def test_srun_without_pmi2_is_named_as_the_problem(monkeypatch: pytest.MonkeyPat
     assert launch_problem(1) is None
 
 
-@pytest.mark.parametrize("environment, first", [({}, True), ({"PMI_RANK": "1"}, False), ({"PMI_RANK": "0"}, True),
-                                                ({"OMPI_COMM_WORLD_RANK": "2"}, False), ({"SLURM_PROCID": "1"}, False),
-                                                ({"SLURM_PROCID": "0"}, True)])
-def test_the_first_rank_of_a_launch_is_known_before_mpi(monkeypatch: pytest.MonkeyPatch, environment: dict,
-                                                         first: bool) -> None:
+@pytest.mark.parametrize(
+    "environment, first",
+    [
+        ({}, True),
+        ({"PMI_RANK": "1"}, False),
+        ({"PMI_RANK": "0"}, True),
+        ({"OMPI_COMM_WORLD_RANK": "2"}, False),
+        ({"SLURM_PROCID": "1"}, False),
+        ({"SLURM_PROCID": "0"}, True),
+    ],
+)
+def test_the_first_rank_of_a_launch_is_known_before_mpi(
+    monkeypatch: pytest.MonkeyPatch, environment: dict, first: bool
+) -> None:
     for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environment.items():

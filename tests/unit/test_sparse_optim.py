@@ -1,4 +1,5 @@
 """Sparse optimizers of embedding shards against torch's and hand-written references."""
+
 from __future__ import annotations
 
 import copy
@@ -8,8 +9,7 @@ import torch
 from kernel_paths import row_path  # noqa: F401 (a fixture, used through pytestmark)
 from torch import nn
 
-from melissa_dl.errors import ConfigError
-from melissa_dl.sparse_optim import (
+from melissa_dl.embeddings.sparse_optim import (
     SGD,
     Adagrad,
     Adam,
@@ -17,9 +17,13 @@ from melissa_dl.sparse_optim import (
     SparseOptimizer,
     make_sparse_optimizer,
 )
+from melissa_dl.errors import ConfigError
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:Sparse invariant checks"),
-              pytest.mark.usefixtures("row_path")]
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.filterwarnings("ignore:Sparse invariant checks"),
+    pytest.mark.usefixtures("row_path"),
+]
 
 ROWS, DIM = 50, 8
 # Repeated, overlapping, empty and disjoint row sets; row 40..49 is never touched.

@@ -1,4 +1,5 @@
 """A rank's stream part of a checkpoint (buffer, ledger, counters) written and restored, on the same or another K."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from melissa_dl.assembly import StreamSpec
-from melissa_dl.buffers import make_buffer
-from melissa_dl.checkpoint import commit, latest_valid, version_dir, write_rank_files
-from melissa_dl.serialization import dumps
-from melissa_dl.receiver import Receiver
-from melissa_dl.recovery import STREAM, Part, restore
-from melissa_dl.sample import Sample
+from melissa_dl.buffers.kinds import make_buffer
+from melissa_dl.buffers.sample import Sample
+from melissa_dl.checkpoint.recovery import STREAM, Part, restore
+from melissa_dl.checkpoint.serialization import dumps
+from melissa_dl.checkpoint.versions import commit, latest_valid, version_dir, write_rank_files
+from melissa_dl.ingest.assembly import StreamSpec
+from melissa_dl.ingest.receiver import Receiver
 
 pytestmark = pytest.mark.timeout(60)
 

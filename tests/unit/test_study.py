@@ -1,18 +1,19 @@
 """Rank 0's study bookkeeping, driven through a fake launcher and hand-made rank reports."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import pytest
 
 from launcher import NOT_RUNNABLE, START_FAILED, Sampler, make_sampler
 from launcher.samplers import Breeding
-from melissa_dl.assembly import Progress
-from melissa_dl.receiver import ReceiverReport
-from melissa_dl.report import final_report
-from melissa_dl.study import EXIT_GRACE, GIVE_UP_AFTER, LEARNING_GRACE, State, Study
+from melissa_dl.ingest.assembly import Progress
+from melissa_dl.ingest.receiver import ReceiverReport
+from melissa_dl.study.report import final_report
+from melissa_dl.study.study import EXIT_GRACE, GIVE_UP_AFTER, LEARNING_GRACE, State, Study
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,27 +77,44 @@ class FakeLauncher:
 
 def restored_state(simulations: list[dict], total: int) -> dict:
     """A checkpoint's study part in which every simulation was drawn, from each one's saved fields."""
-    return {"simulations": simulations, "sampler": {"drawn": total, "rng": np.random.default_rng(0).bit_generator.state},
-            "parameters": np.zeros((total, 1)), "losses": {"steps": {}, "final": {}}}
+    return {
+        "simulations": simulations,
+        "sampler": {"drawn": total, "rng": np.random.default_rng(0).bit_generator.state},
+        "parameters": np.zeros((total, 1)),
+        "losses": {"steps": {}, "final": {}},
+    }
 
 
 class Harness:
     """The study on a fake launcher, ticked as the bookkeeping rounds do: each tick's news are taken after it."""
 
-    def __init__(self, simulations: int = 2, max_retries: int = 2, restored: list[dict] | dict | None = None,
-                 job_limit: int = 1 << 20, sampler: Sampler | None = None) -> None:
+    def __init__(
+        self,
+        simulations: int = 2,
+        max_retries: int = 2,
+        restored: list[dict] | dict | None = None,
+        job_limit: int = 1 << 20,
+        sampler: Sampler | None = None,
+    ) -> None:
         self.launcher = FakeLauncher()
         self.expected: list[tuple[int, int | None]] = []
         self.study = Study(
-            simulations, RANKS, self.launcher,  # type: ignore[arg-type]
+            simulations,
+            RANKS,
+            self.launcher,  # type: ignore[arg-type]
             sampler or make_sampler("uniform", [0.0], [1.0], 0, simulations),
             environment=lambda sim, attempt, parameters: {"SIM": str(sim), "ATTEMPT": str(attempt)},
             expect=lambda sim, attempt: self.expected.append((sim, attempt)),
-            max_retries=max_retries, timeout=TIMEOUT, job_limit=job_limit,
+            max_retries=max_retries,
+            timeout=TIMEOUT,
+            job_limit=job_limit,
         )
         if restored is not None:
-            self.study.load_state_dict(restored if isinstance(restored, dict)
-                                       else restored_state(restored + [{}] * (simulations - len(restored)), simulations))
+            self.study.load_state_dict(
+                restored
+                if isinstance(restored, dict)
+                else restored_state(restored + [{}] * (simulations - len(restored)), simulations)
+            )
         self.study.start()
         self.tick(0.0)  # the parameters drawn, then sent to the ranks
         self.tick(0.0)  # and the simulations launched
@@ -140,9 +158,17 @@ def h() -> Harness:
 
 def test_start_submits_every_simulation_as_attempt_0_once_the_ranks_have_its_parameters() -> None:
     launcher = FakeLauncher()
-    study = Study(2, RANKS, launcher, make_sampler("uniform", [0.0, 5.0], [1.0, 6.0], 0, 2),  # type: ignore[arg-type]
-                  environment=lambda sim, attempt, parameters: {"P": str(parameters.tolist())},
-                  expect=lambda sim, attempt: None, max_retries=1, timeout=TIMEOUT, job_limit=4)
+    study = Study(
+        2,
+        RANKS,
+        launcher,
+        make_sampler("uniform", [0.0, 5.0], [1.0, 6.0], 0, 2),  # type: ignore[arg-type]
+        environment=lambda sim, attempt, parameters: {"P": str(parameters.tolist())},
+        expect=lambda sim, attempt: None,
+        max_retries=1,
+        timeout=TIMEOUT,
+        job_limit=4,
+    )
     study.start()
     study.tick([ReceiverReport()] * RANKS, now=0.0)
     attempts, ended, parameters = study.take_news()
@@ -151,8 +177,10 @@ def test_start_submits_every_simulation_as_attempt_0_once_the_ranks_have_its_par
     np.testing.assert_array_equal(np.stack([parameters[0], parameters[1]]), drawn)
     study.tick([ReceiverReport()] * RANKS, now=0.2)  # the round after: every rank has them
     assert study.take_news()[0] == {0: 0, 1: 0}
-    assert [(sim, env["P"]) for sim, _, env in launcher.submitted] == [(0, str(drawn[0].tolist())),
-                                                                       (1, str(drawn[1].tolist()))]
+    assert [(sim, env["P"]) for sim, _, env in launcher.submitted] == [
+        (0, str(drawn[0].tolist())),
+        (1, str(drawn[1].tolist())),
+    ]
 
 
 def test_start_submits_every_simulation_as_attempt_0(h: Harness) -> None:
@@ -373,7 +401,8 @@ def test_a_deterministic_refusal_fails_the_simulation_at_once_without_retry(h: H
 
 
 def test_a_failure_carries_the_end_of_the_simulations_output_and_its_log(
-        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
     """The reason a user needs is the simulation's own exception, in its log (issue 13, item 1)."""
     h.running(0.0, 0)
     h.launcher.outputs[(0, 0)] = "Traceback (most recent call last): | ValueError: grid too coarse"
@@ -381,10 +410,14 @@ def test_a_failure_carries_the_end_of_the_simulations_output_and_its_log(
     h.tick(1.0)
     sim = h.study.simulations[0]
     assert (sim.log, sim.output) == ("simulations/simulation0.attempt0.log", h.launcher.outputs[(0, 0)])
-    assert sim.reason == "exit code 1; output (simulations/simulation0.attempt0.log): Traceback (most recent call " \
+    assert (
+        sim.reason == "exit code 1; output (simulations/simulation0.attempt0.log): Traceback (most recent call "
         "last): | ValueError: grid too coarse"
-    assert "simulation 0 attempt 0: exit code 1; output (simulations/simulation0.attempt0.log): Traceback " \
+    )
+    assert (
+        "simulation 0 attempt 0: exit code 1; output (simulations/simulation0.attempt0.log): Traceback "
         "(most recent call last): | ValueError: grid too coarse; relaunching" in caplog.text
+    )
     entry = final_report(h.study, reports(), {}, 0, 1.0, None)["per_simulation"][0]
     assert (entry["log"], entry["output"]) == (sim.log, sim.output)
 
@@ -410,8 +443,10 @@ def test_frames_refused_for_what_they_hold_fail_the_simulation_at_once(h: Harnes
     h.tick(1.0, *refused)
     sim = h.study.simulations[0]
     assert (sim.state, h.launcher.attempts(0)) == (State.FAILED, [0])
-    assert sim.reason == "exited with steps missing; its frames were refused: simulation 0, step 3: field 'u': " \
+    assert (
+        sim.reason == "exited with steps missing; its frames were refused: simulation 0, step 3: field 'u': "
         "NaN or infinite values"
+    )
     h.launcher.exit(1, 0)  # another kind of refusal (a stale attempt's frame) is no reason to give up the simulation
     stale = reports({1: [(1, 4), (0, 4)]})
     stale[0].refused[1] = ("routing", "simulation 1, step 0: sent to rank 0, not its owner")
@@ -421,8 +456,9 @@ def test_frames_refused_for_what_they_hold_fail_the_simulation_at_once(h: Harnes
 
 def test_a_client_usage_error_is_not_retried(h: Harness) -> None:
     h.running(0.0, 0)
-    h.launcher.outputs[(0, 0)] = "Traceback | melissa_dl.errors.ClientError: field 'u': got float64[4], declared " \
-        "float32[4]"
+    h.launcher.outputs[(0, 0)] = (
+        "Traceback | melissa_dl.errors.ClientError: field 'u': got float64[4], declared float32[4]"
+    )
     h.launcher.exit(0, 1)
     h.tick(1.0)
     assert (h.state(0), h.launcher.attempts(0)) == (State.FAILED, [0])

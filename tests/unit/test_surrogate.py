@@ -7,6 +7,7 @@ set must be reproducible and held out from the study. Loaded with the
 server's own ``load_module_class``, so the test also covers importing it by
 path (its ``from solver import ...`` relies on that).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -19,8 +20,8 @@ import torch
 from torch.utils.data import default_collate
 
 from launcher.samplers import make_sampler
-from melissa_dl.module import TrainingModule, load_module_class
-from melissa_dl.sample import Sample
+from melissa_dl.buffers.sample import Sample
+from melissa_dl.train.module import TrainingModule, load_module_class
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,8 +78,9 @@ def test_process_normalises_into_float32_tensors() -> None:
 
 
 def test_a_diffusivity_range_adds_a_sixth_input_and_held_out_truth_uses_refine() -> None:
-    module = HeatSurrogate(hidden=8, depth=1, nx=9, ny=7, steps=3, diffusivity=[0.5, 2.5], refine=2,
-                           validation_simulations=2)
+    module = HeatSurrogate(
+        hidden=8, depth=1, nx=9, ny=7, steps=3, diffusivity=[0.5, 2.5], refine=2, validation_simulations=2
+    )
     assert module.net[0].in_features == 7
     parameters = np.array([100.0, 500.0, 300.0, 200.0, 400.0, 2.0])
     x, _ = module.process(Sample(0, 0, parameters, {"temperature": np.zeros((9, 7), np.float32)}))

@@ -1,0 +1,483 @@
+"""Bounded, thread-safe sample buffers between the receiver and the training loop.
+
+One ``threading.Condition`` per buffer guards everything; the producer (network
+receiver) and the consumer (training loop) wake each other with ``notify_all``:
+the consumer only when a put is blocked (nothing else waits for room), the
+producer only when a waiting get can now be served (a consumer starved of data
+would otherwise wake at every sample to find too few).
+
+Choices, and why:
+
+* Entries (a sample plus how many times it was served) live in a list, and
+  random removal swaps the victim with the last entry, so it is O(1). FIFO uses
+  a deque instead, because it removes from the front and must keep the order.
+* The Reservoir keeps its list partitioned as ``[never served | served]``.
+  Serving an entry for the first time swaps it across the boundary, so picking
+  a served entry to evict is one ``randrange`` over the served part, with no
+  scan and no side index to keep in sync.
+* A buffer is *full* when it cannot grow: the sample count or byte capacity is
+  reached, or the producer is blocked on a sample that does not fit. A full
+  buffer serves what it holds even below the watermark or below the requested
+  batch size, since waiting for more would deadlock.
+* A sample larger than ``capacity_bytes`` is accepted when the buffer is empty;
+  otherwise it could never be stored and reception would stall forever.
+* ``put`` after ``close()`` (or a ``put`` blocked when ``close()`` happens)
+  raises ``BufferClosed``: reception is over, so such a sample is a bug.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, MutableSequence, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from melissa_dl.buffers.rows import Rows
+from melissa_dl.buffers.sample import Sample
+from melissa_dl.errors import BufferClosed, ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Entry:
+    sample: Sample
+    served: int = 0
+    row: int = -1  # of its processed outputs, when the buffer keeps them (``keep_processed``)
+    nbytes: int = field(init=False)  # the sample's, here so that freeing a batch does not visit the samples
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.sample.nbytes
+
+
+class Buffer(ABC):
+    """Common machinery; subclasses only choose what to serve and what to drop."""
+
+    kind: str = ""
+
+    def __init__(
+        self,
+        *,
+        capacity_samples: int | None,
+        capacity_bytes: int | None,
+        watermark: int,
+        seed: int,
+        pseudo_epochs: int = 1,
+    ) -> None:
+        self._cap_samples = capacity_samples
+        self._cap_bytes = capacity_bytes
+        self._watermark = watermark
+        self._pseudo_epochs = pseudo_epochs
+        self._rng = random.Random(seed)
+        self._cond = threading.Condition(threading.Lock())
+        self._entries: MutableSequence[_Entry] = self._new_container()
+        self._blocked: list[int] = []  # nbytes of puts waiting for room
+        self._takers: list[int] = []  # sizes asked by gets waiting for samples
+        self._nbytes = 0
+        self._total_put = 0
+        self._total_served = 0
+        self._put_wait = 0.0
+        self._get_wait = 0.0
+        self._closed = False
+        self._rows: Rows | None = None
+
+    # ----------------------------------------------------------- public API
+    def put(self, sample: Sample, timeout: float | None = None, on_insert: Callable[[], None] | None = None) -> bool:
+        """Store ``sample``, waiting for room; False if ``timeout`` expires first.
+
+        ``on_insert`` runs under the buffer's lock once the sample is in, so
+        that ``state_dict_with`` sees the sample and its side effect together.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        nb = sample.nbytes
+        blocked = False
+        rows = self._rows
+        prepared = rows.prepare(sample) if rows is not None else None  # the user's process, outside the lock
+        with self._cond:
+            try:
+                while True:
+                    if self._closed:
+                        raise BufferClosed(f"{self.kind} buffer: put after close()")
+                    self._make_room(nb)
+                    if self._fits(nb):
+                        break
+                    if not blocked:  # the consumer may now treat us as full
+                        self._blocked.append(nb)
+                        blocked = True
+                        self._cond.notify_all()
+                    waited = self._block(deadline)
+                    if waited is None:
+                        return False
+                    self._put_wait += waited
+            finally:
+                if blocked:
+                    self._blocked.remove(nb)
+            self._insert(self._entry(sample, prepared if rows is self._rows else None))
+            self._nbytes += nb
+            self._total_put += 1
+            if on_insert is not None:
+                on_insert()
+            if self._takers and self._servable(min(self._takers)) is not None:
+                self._cond.notify_all()
+            return True
+
+    def get_batch(self, size: int, timeout: float | None = None) -> list[Sample] | None:
+        """Up to ``size`` distinct samples; [] at end of stream, None on timeout."""
+        return self._take(size, timeout, lambda entries: [e.sample for e in entries])
+
+    def get_processed(self, size: int, timeout: float | None = None) -> tuple[Any, Any] | list[Any] | None:
+        """As ``get_batch``, but the batch of the samples' kept ``process`` outputs (see ``keep_processed``) and
+        their ``(simulation, step)`` (``Rows.gather``)."""
+        rows = self._rows
+        assert rows is not None, "keep_processed() first"
+        return self._take(size, timeout, lambda entries: rows.gather([e.row for e in entries]))
+
+    def keep_processed(self, process: Callable[[Sample], Any]) -> None:
+        """From now on, run ``process`` once per sample as it is put, and keep its outputs as rows
+        (``melissa_dl.buffers.rows``) for ``get_processed``; the samples held already are processed now."""
+        with self._cond:
+            self._rows = Rows(process, self._cap_samples or 64)
+            for entry in self._entries:
+                entry.row = self._rows.add(entry.sample, self._rows.prepare(entry.sample))
+
+    def _take(self, size: int, timeout: float | None, form: Callable[[Sequence[_Entry]], T]) -> T | list[Any] | None:
+        """``form`` of up to ``size`` entries served (called under the lock, before any of them leaves);
+        [] at end of stream, None on timeout."""
+        if size < 1:
+            raise ValueError(f"batch size must be >= 1, got {size}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (k := self._servable(size)) is None:
+                self._takers.append(size)
+                try:
+                    waited = self._block(deadline)
+                finally:
+                    self._takers.remove(size)
+                if waited is None:
+                    return None
+                self._get_wait += waited
+            if k == 0:
+                return []
+            batch = self._serve(k, form)
+            if self._blocked:  # room freed, or entries became evictable: only a blocked put waits for that
+                self._cond.notify_all()
+            return batch
+
+    def close(self) -> None:
+        """Reception is over: wake every waiter so the buffer drains."""
+        with self._cond:
+            if not self._closed:
+                self._on_close()
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def producer_waiting(self) -> bool:
+        """A put is waiting for room: the buffer is what holds reception back."""
+        return bool(self._blocked)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def total_put(self) -> int:
+        return self._total_put
+
+    @property
+    def total_served(self) -> int:
+        return self._total_served
+
+    @property
+    def put_wait_seconds(self) -> float:
+        return self._put_wait
+
+    @property
+    def get_wait_seconds(self) -> float:
+        return self._get_wait
+
+    def served_counts(self) -> list[tuple[int, int, int]]:
+        """``(simulation_id, time_step, times served)`` per held sample, storage order."""
+        with self._cond:
+            return [(e.sample.simulation_id, e.sample.time_step, e.served) for e in self._entries]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Picklable snapshot; arrays are shared with the buffer, not copied."""
+        return self.state_dict_with(lambda: None)[0]
+
+    def state_dict_with(self, other: Callable[[], T]) -> tuple[dict[str, Any], T]:
+        """``state_dict()`` and ``other()`` taken under the same lock (see ``put``'s ``on_insert``)."""
+        with self._cond:
+            return {
+                "kind": self.kind,
+                "entries": [
+                    {
+                        "simulation_id": e.sample.simulation_id,
+                        "time_step": e.sample.time_step,
+                        "parameters": e.sample.parameters,
+                        "fields": dict(e.sample.fields),
+                        "served": e.served,
+                    }
+                    for e in self._entries
+                ],
+                "total_put": self._total_put,
+                "total_served": self._total_served,
+                "put_wait_seconds": self._put_wait,
+                "get_wait_seconds": self._get_wait,
+                "closed": self._closed,
+                "rng_state": self._rng.getstate(),
+            }, other()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the whole state with ``state`` from a buffer of the same kind."""
+        if state["kind"] != self.kind:
+            raise ConfigError(f"buffer: checkpoint holds a {state['kind']!r} buffer, configured kind is {self.kind!r}")
+        with self._cond:
+            self._entries = self._new_container()
+            if self._rows is not None:
+                self._rows = Rows(self._rows.process, self._cap_samples or 64)
+            for d in state["entries"]:
+                sample = Sample(d["simulation_id"], d["time_step"], d["parameters"], dict(d["fields"]))
+                entry = self._entry(sample)
+                entry.served = d["served"]
+                self._entries.append(entry)
+            self._nbytes = sum(e.sample.nbytes for e in self._entries)
+            self._total_put = state["total_put"]
+            self._total_served = state["total_served"]
+            self._put_wait = state["put_wait_seconds"]
+            self._get_wait = state["get_wait_seconds"]
+            self._closed = state["closed"]
+            self._rng.setstate(state["rng_state"])
+            self._after_load()
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ machinery
+    def _block(self, deadline: float | None) -> float | None:
+        """Wait for a notify; seconds spent, or None when ``deadline`` has passed."""
+        start = time.monotonic()
+        if deadline is None:
+            self._cond.wait()
+        elif deadline <= start:
+            return None
+        else:
+            self._cond.wait(deadline - start)
+        return time.monotonic() - start
+
+    def _fits(self, nb: int) -> bool:
+        n = len(self._entries)
+        if self._cap_samples is not None and n >= self._cap_samples:
+            return False
+        return self._cap_bytes is None or n == 0 or self._nbytes + nb <= self._cap_bytes
+
+    def _servable(self, size: int) -> int | None:
+        """How many entries a get of ``size`` takes now, or None while it must wait for more."""
+        n = len(self._entries)
+        if self._closed or self._full():
+            return min(size, n)
+        if self._total_put >= self._watermark and n >= size:
+            return size
+        return None
+
+    def _full(self) -> bool:
+        """The buffer cannot grow (probe: a blocked put, else a 1-byte sample)."""
+        return not self._fits(min(self._blocked) if self._blocked else 1)
+
+    def _entry(self, sample: Sample, prepared: Any = None) -> _Entry:
+        """A new entry, with its row of processed outputs when the buffer keeps them."""
+        if self._rows is None:
+            return _Entry(sample)
+        return _Entry(sample, row=self._rows.add(sample, prepared or self._rows.prepare(sample)))
+
+    @abstractmethod
+    def _serve(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
+        """``form`` of ``k`` entries chosen by the kind (called before any leaves), which are then served:
+        the batch's hot path, so one pass per step and no call per entry where possible."""
+
+    def _remove(self, i: int) -> _Entry:
+        """O(1) removal: the last entry takes the place of entry ``i``."""
+        entries = self._entries
+        entry = entries[i]
+        entries[i] = entries[-1]
+        entries.pop()
+        return entry
+
+    def _forget(self, entries: Sequence[_Entry]) -> None:
+        """Entries left: their bytes and rows are free again."""
+        self._nbytes -= sum([entry.nbytes for entry in entries])
+        if self._rows is not None:
+            self._rows.release([entry.row for entry in entries])
+
+    def _new_container(self) -> MutableSequence[_Entry]:
+        return []
+
+    def _insert(self, entry: _Entry) -> None:
+        self._entries.append(entry)
+
+    def _make_room(self, nb: int) -> None:
+        """Hook for kinds that may evict to make room; default: never evict."""
+
+    def _after_load(self) -> None:
+        """Hook to rebuild derived structures after ``load_state_dict``."""
+
+    def _on_close(self) -> None:
+        """Hook: reception just ended."""
+
+
+class FifoBuffer(Buffer):
+    """Served in arrival order, removed when served."""
+
+    kind = "fifo"
+
+    def _new_container(self) -> MutableSequence[_Entry]:
+        return deque()
+
+    def _serve(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
+        """The first ``k`` entries, all leaving: no per-entry bookkeeping but the bytes and rows freed."""
+        popleft = self._entries.popleft  # type: ignore[attr-defined]
+        entries = [popleft() for _ in range(k)]
+        batch = form(entries)
+        self._forget(entries)
+        self._total_served += k
+        return batch
+
+
+class FiroBuffer(Buffer):
+    """First in, random out; removed after ``pseudo_epochs`` servings.
+
+    The entries are kept in a uniformly random order: an arrival goes to a
+    random place and that place's entry to the end (the inside-out
+    Fisher-Yates shuffle), so the last ``k`` entries are ``k`` picked at
+    random, taken with one slice; an entry served fewer than ``pseudo_epochs``
+    times goes back the same way.
+    """
+
+    kind = "firo"
+
+    def _insert(self, entry: _Entry) -> None:
+        entries = self._entries
+        entries.append(entry)
+        j = self._rng.randrange(len(entries))
+        entries[-1], entries[j] = entries[j], entries[-1]
+
+    def _serve(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
+        picked = self._entries[-k:]
+        del self._entries[-k:]
+        batch = form(picked)
+        if self._pseudo_epochs == 1:  # all leave: no count left to keep
+            self._forget(picked)
+        else:
+            self._serve_again(picked)
+        self._total_served += k
+        return batch
+
+    def _serve_again(self, picked: Sequence[_Entry]) -> None:
+        """Count a serving of each picked entry: those served ``pseudo_epochs`` times leave, the others go back."""
+        gone = []
+        for entry in picked:
+            entry.served += 1
+            if entry.served >= self._pseudo_epochs:
+                gone.append(entry)
+            else:
+                self._insert(entry)
+        self._forget(gone)
+
+
+class ReservoirBuffer(Buffer):
+    """Random out, kept; when full, an arrival replaces a random served sample.
+
+    Invariant: ``_entries[:_n_fresh]`` were never served, the rest were;
+    after reception the order is shuffled once and the buffer drains as a
+    FIRO does, from the end.
+    """
+
+    kind = "reservoir"
+    _n_fresh = 0
+
+    def _insert(self, entry: _Entry) -> None:
+        entries = self._entries
+        entries.append(entry)
+        entries[-1], entries[self._n_fresh] = entries[self._n_fresh], entries[-1]
+        self._n_fresh += 1
+
+    def _serve(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
+        """``k`` entries at random; a first serving moves the entry across the boundary (in descending order
+        of place: moving entry i only touches places >= i, so the places still to settle stay valid)."""
+        entries = self._entries
+        if self._closed:
+            return self._drain(k, form)
+        places = self._rng.sample(range(len(entries)), k)
+        picked = [entries[i] for i in places]
+        batch = form(picked)
+        for entry in picked:
+            entry.served += 1
+        self._total_served += k
+        fresh = self._n_fresh
+        for i in sorted((i for i in places if i < fresh), reverse=True):
+            fresh -= 1
+            entries[i], entries[fresh] = entries[fresh], entries[i]
+        self._n_fresh = fresh
+        return batch
+
+    def _drain(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
+        """After reception, the last ``k`` of the order shuffled at ``close``: served once more and gone
+        (so there is no count left to keep)."""
+        picked = self._entries[-k:]
+        del self._entries[-k:]
+        batch = form(picked)
+        self._forget(picked)
+        self._total_served += k
+        return batch
+
+    def _on_close(self) -> None:
+        self._rng.shuffle(self._entries)
+        self._n_fresh = 0  # the order is no longer partitioned, and nothing is put any more
+
+    def _make_room(self, nb: int) -> None:
+        while not self._fits(nb) and self._n_fresh < len(self._entries):
+            self._forget([self._remove(self._rng.randrange(self._n_fresh, len(self._entries)))])
+
+    def _after_load(self) -> None:
+        """Open: never-served entries first (a checkpoint taken while draining has them anywhere). Closed:
+        the order shuffled at ``close``, as it was."""
+        if self._closed:
+            self._n_fresh = 0
+            return
+        self._entries[:] = sorted(self._entries, key=lambda e: e.served > 0)  # stable: a no-op if partitioned
+        self._n_fresh = sum(1 for e in self._entries if e.served == 0)
+
+
+_KINDS: dict[str, type[Buffer]] = {cls.kind: cls for cls in (FifoBuffer, FiroBuffer, ReservoirBuffer)}
+
+
+BUFFER_KINDS = tuple(_KINDS)
+"""The buffer kinds by the name ``buffer.kind`` gives (the config's choices come from here)."""
+
+
+def make_buffer(
+    kind: str,
+    *,
+    capacity_samples: int | None,
+    capacity_bytes: int | None,
+    watermark: int,
+    seed: int,
+    pseudo_epochs: int = 1,
+) -> Buffer:
+    """Build the buffer named by the configuration's ``kind`` (its section, checked, holds the other values)."""
+    return _KINDS[kind](
+        capacity_samples=capacity_samples,
+        capacity_bytes=capacity_bytes,
+        watermark=watermark,
+        seed=seed,
+        pseudo_epochs=pseudo_epochs,
+    )

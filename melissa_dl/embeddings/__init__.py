@@ -1,0 +1,1 @@
+"""Embedding tables sharded across ranks and the sparse optimizers that update their rows."""

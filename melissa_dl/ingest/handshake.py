@@ -1,0 +1,287 @@
+"""Rank 0's handshake service: admits clients and tells them where to send.
+
+A client rank sends one JSON object::
+
+    {"protocol": 4, "token": "<hex>", "simulation_id": 3, "attempt": 0, "client_rank": 0,
+     "client_size": 2, "fields": {"temperature": ["float32", [16, 32]]}, "nonce": "<hex>"}
+
+and receives ``{"ok": true, "endpoints": [...], "acks": [...], "fields": [...],
+"bind_simulation": false}`` (each server rank's data socket and delivery
+service, :mod:`melissa_dl.ingest.delivery`) or ``{"ok": false, "kind": ..., "error": ...}``.
+Refusals are counted like bad data frames; whatever a hello holds, checking
+it can only refuse it, never end the thread. The service runs in its own
+thread with its own REP socket; the study tells it which attempt of which
+simulation it expects.
+
+Two mistakes would otherwise corrupt the science silently, so they are
+refused here, where the whole study is in view: a client whose size
+contradicts ``launcher.client_ranks`` or a second hello from the same client
+rank of one attempt (an MPI simulation that forgot ``comm=``: every rank
+would send its half-field as a whole one), and fields whose dtype or shape
+differ from the study's pinned ones (configured in ``study.fields``, or set by
+the first simulation admitted). Such refusals are deterministic: the study
+fails the simulation at once instead of relaunching it
+(:meth:`HandshakeServer.take_failures`).
+
+A client sends its hello again when the connection that carried it was lost
+(the answer may have been lost with it): the guard may cut a connection that
+had already logged in when it sees it too late. The hello's ``nonce``, drawn
+once per client, tells that repeat, answered as the first was, from a second
+process claiming the same rank, refused as ``twice``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from melissa_dl.errors import ProtocolError
+from melissa_dl.ingest.connections import ConnectionGuard, ServerSocketThread
+from melissa_dl.wire.protocol import (
+    PROTOCOL_VERSION,
+    Layout,
+    check_layout,
+    decode_json,
+    describe,
+    encode_json,
+    integers,
+    quote,
+)
+from melissa_dl.wire.security import Security, hello_bytes
+
+if TYPE_CHECKING:
+    from melissa_dl.config import Config
+
+logger = logging.getLogger(__name__)
+
+HELLO_QUEUE = 4  # hellos queued per connection (a REQ client sends one at a time)
+
+NONCE_CHARS = 64  # of a hello's nonce (a client sends 16 hex digits)
+# refusals that the same simulation would meet again on every relaunch
+DETERMINISTIC = frozenset({"unknown_field", "missing_field", "dtype", "shape", "oversize", "client_size", "twice"})
+
+
+class HandshakeServer(ServerSocketThread):
+    socket_type = zmq.REP
+    guard_name = "handshake"
+
+    def __init__(
+        self,
+        *,
+        token: bytes,
+        fields: Sequence[str],
+        simulations: int,
+        endpoints: Sequence[tuple[str, str]],
+        bind_simulation: bool,
+        max_message_bytes: int,
+        bind_address: str,
+        client_size: int = 1,
+        layouts: dict[str, Layout] | None = None,
+        port: int = 0,
+        security: Security | None = None,
+    ) -> None:
+        super().__init__(
+            "handshake",
+            bind_address,
+            port,
+            security=security if security is not None else Security("token", token),
+            message_cap=hello_bytes(fields),
+        )
+        self._token = token
+        self._fields = list(fields)
+        self._simulations = simulations
+        self._max_message_bytes = max_message_bytes
+        self._accept = {
+            "ok": True,
+            "endpoints": [data for data, _ in endpoints],
+            "acks": [ack for _, ack in endpoints],
+            "fields": self._fields,
+            "bind_simulation": bind_simulation,
+        }
+        self._client_size = client_size
+        self._pins: dict[str, Layout] = dict(layouts or {})  # whole (joined) layout of each field
+        self._expected: dict[int, int] = {}  # simulation -> the attempt it runs
+        self._admitted: dict[int, dict[int, dict[str, Layout]]] = {}  # simulation -> client rank -> its slices
+        self._nonces: dict[int, dict[int, str]] = {}  # simulation -> client rank -> its hello's nonce
+        self._failures: list[tuple[int, str]] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(
+        cls, config: Config, token: bytes, endpoints: Sequence[tuple[str, str]], bind_address: str, security: Security
+    ) -> HandshakeServer:
+        """Rank 0's handshake socket for the study ``config`` describes, sending clients to ``endpoints`` (each
+        rank's data and delivery endpoints)."""
+        return cls(
+            token=token,
+            fields=config.study.field_names,
+            simulations=config.study.simulations,
+            endpoints=endpoints,
+            bind_simulation=config.server.bind_simulation_to_server_rank,
+            max_message_bytes=config.server.max_message_bytes,
+            bind_address=bind_address,
+            client_size=config.launcher.client_ranks,
+            layouts=config.study.field_layouts,
+            port=config.server.handshake_port,
+            security=security,
+        )
+
+    def expect(self, simulation_id: int, attempt: int | None) -> None:
+        """Admit the clients of this attempt of a simulation (None: stop admitting its clients)."""
+        with self._lock:
+            self._admitted.pop(simulation_id, None)
+            self._nonces.pop(simulation_id, None)
+            if attempt is None:
+                self._expected.pop(simulation_id, None)
+            else:
+                self._expected[simulation_id] = attempt
+
+    def take_failures(self) -> list[tuple[int, str]]:
+        """Simulations refused for a reason a relaunch would meet again, with that reason; each reported once."""
+        with self._lock:
+            failures, self._failures = self._failures, []
+        return failures
+
+    def configure(self, socket: zmq.Socket) -> None:
+        socket.setsockopt(zmq.RCVHWM, HELLO_QUEUE)  # a peer pipelining hellos holds at most this many
+
+    def handle(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
+        socket.send(encode_json(self.answer(socket.recv_multipart())))
+
+    def answer(self, request: list[bytes]) -> dict[str, Any]:
+        """The reply to one request; checking it never raises."""
+        try:
+            if len(request) != 1:
+                raise ProtocolError(f"handshake: {len(request)} message parts instead of 1", "malformed")
+            self._check(decode_json(request[0], "handshake"))
+        except ProtocolError as error:
+            return self._refuse(error.kind, str(error))
+        except Exception as error:  # an input nobody foresaw must cost this peer its hello, not the study its rank 0
+            return self._refuse("malformed", f"handshake: {type(error).__name__}: {quote(str(error))}")
+        return self._accept
+
+    def _refuse(self, kind: str, message: str) -> dict[str, Any]:
+        self.rejections.reject(f"handshake_{kind}", message)
+        return {"ok": False, "kind": kind, "error": message}
+
+    def _check(self, hello: Any) -> None:
+        """Refuse anything but a well-formed hello of an expected simulation."""
+        if not isinstance(hello, dict):
+            raise ProtocolError("handshake: expected a JSON object", "malformed")
+        version = hello.get("protocol")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"handshake: protocol version {quote(version)}, server speaks {PROTOCOL_VERSION}", "version"
+            )
+        token = hello.get("token")
+        if not (isinstance(token, str) and token.isascii() and hmac.compare_digest(token, self._token.hex())):
+            raise ProtocolError("handshake: bad or missing token", "credentials")
+        numbers = integers(hello, ("simulation_id", "attempt", "client_rank", "client_size"))
+        if numbers is None or not (0 <= numbers[2] < numbers[3] < 1 << 16 and 0 <= numbers[1] < 1 << 32):
+            raise ProtocolError(
+                "handshake: simulation_id, attempt, client_rank and client_size must be integers", "malformed"
+            )
+        sim, attempt, crank, csize = numbers
+        if not 0 <= sim < self._simulations:
+            raise ProtocolError(f"handshake: simulation {sim} is not in the study", "unknown_simulation")
+        with self._lock:
+            expected = self._expected.get(sim)
+        if expected is None:
+            raise ProtocolError(
+                f"handshake: simulation {sim} is not expected (not launched, done or failed)", "not_expected"
+            )
+        if attempt != expected:
+            raise ProtocolError(
+                f"handshake: simulation {sim}: attempt {attempt}, the running one is {expected}", "stale_attempt"
+            )
+        try:
+            self._admit(sim, crank, csize, hello.get("fields"), _nonce(hello))
+        except ProtocolError as error:
+            if error.kind in DETERMINISTIC:
+                with self._lock:
+                    if self._expected.get(sim) == attempt:
+                        self._failures.append((sim, str(error)))
+            raise
+
+    def _admit(self, sim: int, crank: int, csize: int, fields: Any, nonce: str | None) -> None:
+        """Check one client rank's declaration against the study; remember it until its simulation's end (a
+        repeat of an admitted hello, by its ``nonce``, is admitted again)."""
+        where = f"handshake: simulation {sim}"
+        if csize != self._client_size:
+            cause = " (an MPI simulation that did not pass comm= to Client?)" if csize == 1 else ""
+            raise ProtocolError(
+                f"{where}: client rank {crank} of {csize}, but launcher.client_ranks is {self._client_size}{cause}",
+                "client_size",
+            )
+        if not isinstance(fields, dict):
+            raise ProtocolError(f"{where} declares no fields", "malformed")
+        for name in fields:
+            if name not in self._fields:
+                raise ProtocolError(f"{where}: unknown field {quote(name)} (study has {self._fields})", "unknown_field")
+        slices = {}
+        for name in self._fields:
+            if name not in fields:
+                raise ProtocolError(f"{where}: field '{name}' missing", "missing_field")
+            slices[name] = check_layout(f"{where}, field '{name}'", fields[name], self._max_message_bytes)
+        with self._lock:
+            ranks = self._admitted.setdefault(sim, {})
+            nonces = self._nonces.setdefault(sim, {})
+            if crank in ranks and nonce is not None and nonces.get(crank) == nonce and ranks[crank] == slices:
+                return  # the same client again: its connection, and perhaps our answer, was lost
+            if crank in ranks:
+                raise ProtocolError(
+                    f"{where}: client rank {crank} of {csize} said hello twice in one attempt (several processes "
+                    "with the same rank: an MPI simulation that did not pass comm= to Client?)",
+                    "twice",
+                )
+            self._check_pins(where, {**ranks, crank: slices}, csize)
+            ranks[crank] = slices
+            if nonce is not None:
+                nonces[crank] = nonce
+
+    def _check_pins(self, where: str, ranks: dict[int, dict[str, Layout]], csize: int) -> None:
+        """Slices must join into each field's pinned layout; the first complete simulation pins unpinned fields."""
+        complete = len(ranks) == csize
+        for name in self._fields:
+            slices = [ranks[r][name] for r in sorted(ranks)]
+            for crank, (dtype, shape) in zip(sorted(ranks), slices):
+                if dtype != slices[0][0] or (csize > 1 and (not shape or shape[1:] != slices[0][1][1:])):
+                    raise ProtocolError(
+                        f"{where}, field '{name}': client rank {crank} declares "
+                        f"{describe((dtype, shape))}, which cannot join {describe(slices[0])}",
+                        "shape",
+                    )
+            whole, pinned = joined(slices), self._pins.get(name)
+            if pinned is None:
+                continue
+            if whole[0] != pinned[0] or (whole[1] != pinned[1] if complete else whole[1][1:] != pinned[1][1:]):
+                kind = "dtype" if whole[0] != pinned[0] else "shape"
+                raise ProtocolError(
+                    f"{where}, field '{name}': declares {describe(whole)}"
+                    f"{'' if complete else ' so far'}, the study's is {describe(pinned)}",
+                    kind,
+                )
+        if complete:
+            for name in self._fields:
+                self._pins.setdefault(name, joined([ranks[r][name] for r in sorted(ranks)]))
+
+
+def _nonce(hello: dict[str, Any]) -> str | None:
+    """The hello's nonce (a client's own random string, ``NONCE_CHARS`` at most), if it has one."""
+    nonce = hello.get("nonce")
+    if nonce is not None and not (isinstance(nonce, str) and 0 < len(nonce) <= NONCE_CHARS and nonce.isascii()):
+        raise ProtocolError(f"handshake: nonce {quote(nonce)} is not a short ASCII string", "malformed")
+    return nonce
+
+
+def joined(slices: list[Layout]) -> Layout:
+    """The layout of a field whose client-rank slices are stacked on axis 0."""
+    dtype, shape = slices[0]
+    if len(slices) == 1:
+        return dtype, shape
+    return dtype, (sum(s[1][0] for s in slices), *shape[1:])

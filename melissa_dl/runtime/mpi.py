@@ -1,0 +1,106 @@
+"""How a failure on one rank ends the whole MPI job instead of hanging it.
+
+An uncaught exception in any thread of any rank is logged with its traceback
+and followed by ``MPI_Abort``, which makes ``mpirun`` kill every rank and exit
+non-zero (1; 2 without a traceback for an output folder that is full or
+read-only, where a restart cannot help). SIGTERM is turned into ``SystemExit``
+so that ``finally`` blocks, which stop the simulation jobs, still run; then
+the job is aborted with 128 + 15 (``end_every_rank``). While training, the
+first SIGTERM or SIGINT (``mpirun`` forwards both to every rank) asks for a
+graceful stop instead: the ranks agree on a batch, checkpoint and exit
+(``GracefulStop``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
+
+from melissa_dl.runtime.files import unwritable
+from melissa_dl.runtime.status import EXIT_CONFIG
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+Comm: TypeAlias = "MPI.Comm"
+"""An MPI communicator, in signatures; the modules that only pass one along need not import mpi4py."""
+
+logger = logging.getLogger(__name__)
+
+ABORT_GRACE = 0.5  # seconds
+
+
+def install_abort_on_error(comm: Comm) -> None:
+    """Abort ``comm`` on any uncaught exception (after ``finally`` blocks ran)."""
+
+    def abort(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+        reason = unwritable(error)
+        if reason is None:
+            logger.critical("fatal error, aborting the MPI job", exc_info=(kind, error, trace))
+        else:  # a full or read-only output folder: one line, and a code the supervisor does not restart on
+            logger.critical("%s", reason)
+        logging.shutdown()
+        time.sleep(ABORT_GRACE)  # let mpirun forward what this rank printed before it tears the job down
+        comm.Abort(1 if reason is None else EXIT_CONFIG)
+
+    sys.excepthook = abort
+    threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)  # type: ignore[arg-type]
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def end_every_rank(comm: Comm, signalled: SystemExit) -> NoReturn:
+    """End the job on a signal's ``SystemExit``: the other ranks may wait inside a collective, where Python
+    runs no signal handler, so a plain exit of this rank would leave them (and ``mpirun``) hanging."""
+    code = signalled.code if isinstance(signalled.code, int) else 1
+    logger.warning("signal %d: ending every rank", code - 128)
+    logging.shutdown()
+    time.sleep(ABORT_GRACE)  # as abort() does: mpirun forwards that line before it tears the job down
+    comm.Abort(code)
+    raise AssertionError("MPI_Abort returned")  # pragma: no cover
+
+
+def first_of_launch() -> bool:
+    """Whether this process is rank 0 of its launch (hydra, Open MPI, srun), before or without MPI: the one
+    that speaks for all K when they all meet the same error."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return os.environ[name] == "0"
+    return True
+
+
+def launch_problem(size: int) -> str | None:
+    """Why this MPI job is not what its launcher started, if it is not.
+
+    ``srun`` without ``--mpi=pmi2`` starts every task as an MPI singleton of
+    size 1: K servers that each think they are alone.
+    """
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if size == 1 and tasks > 1:
+        return (
+            f"srun started {tasks} tasks but MPI sees one rank in each: start the server with "
+            f"`srun --mpi=pmi2 -n {tasks} melissa-server CONFIG` (the mpich wheel's MPI speaks PMI-2)"
+        )
+    return None
+
+
+class GracefulStop:
+    """While installed, the first SIGTERM/SIGINT sets ``requested``; a second one exits at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            sys.exit(128 + signum)
+        self.requested = True
+        logger.warning("signal %d: stopping after a checkpoint at the next batch (send it again to exit now)", signum)

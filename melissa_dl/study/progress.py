@@ -1,0 +1,181 @@
+"""Rank 0's view of a running study: the status line or live bar, the status file, the progress history.
+
+Every ``server.status_interval`` seconds rank 0 writes ``<output>/status.json``
+atomically (what ``melissa-server --status OUTPUT_DIR`` prints, from any
+shell or a login node), appends the same numbers to ``<output>/progress.jsonl``
+(what the plots of ``plots.py`` draw over time), and shows them: a live
+``tqdm`` bar when its stderr is a terminal, a plain log line otherwise (under
+``mpirun``, whose ranks write into pipes, or into a file).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from melissa_dl.ingest.receiver import ReceiverReport
+from melissa_dl.runtime.files import write_atomic
+from melissa_dl.runtime.status import HISTORY, STATUS
+from melissa_dl.study.study import Study
+from melissa_dl.wire.rejections import merge_rejections
+
+logger = logging.getLogger(__name__)
+
+MB = 1e6
+
+
+class StatusBoard:
+    """Rank 0's progress: ``update`` every round, at most one status per ``interval`` seconds; ``finish`` at the end."""
+
+    def __init__(
+        self,
+        output: Path,
+        interval: float,
+        start: float,
+        expected_samples: int | None,
+        refusals: Callable[[], dict[str, int]] = dict,
+    ) -> None:
+        self.output = output
+        self.refusals = refusals  # of what is not a rank's receiver: the handshake socket's
+        self.interval = interval
+        self.start = start
+        self.expected_samples = expected_samples
+        self._last: tuple[float, int, int] = (start, 0, 0)  # time, bytes received, batches
+        self._first_batches: int | None = None  # at the first status: a resumed run's rates count its own
+        self._latest: dict[str, Any] | None = None
+        self._bar: Any = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=100, unit="%", bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}")
+
+    def update(
+        self,
+        now: float,
+        study: Study,
+        reports: Sequence[ReceiverReport],
+        consumed: int,
+        training: dict[str, Any] | None,
+    ) -> None:
+        if now - self._last[0] >= self.interval:
+            self._publish(self.status(now, study, reports, consumed, training, "running"))
+
+    def finish(
+        self, study: Study, reports: Sequence[ReceiverReport], consumed: int, training: dict[str, Any] | None
+    ) -> None:
+        self._publish(self.status(time.monotonic(), study, reports, consumed, training, "finished"))
+        if self._bar is not None:
+            self._bar.close()
+
+    def stopped(self) -> None:
+        """The study stopped on request: the latest status says so (a restart resumes it)."""
+        if self._latest is not None:
+            self._latest.update(state="stopped", updated=time.time())
+            write_atomic(self.output / STATUS, (json.dumps(self._latest) + "\n").encode())
+        if self._bar is not None:
+            self._bar.close()
+
+    def status(
+        self,
+        now: float,
+        study: Study,
+        reports: Sequence[ReceiverReport],
+        consumed: int,
+        training: dict[str, Any] | None,
+        state: str,
+    ) -> dict[str, Any]:
+        """What ``status.json`` holds: counts, rates since the last status, the share done and the time left."""
+        batches = training["batches"] if training else 0
+        if self._first_batches is None:
+            self._first_batches = batches
+        # rates since the last status; the last one's over the whole run
+        then, bytes_then, batches_then = self._last if state == "running" else (self.start, 0, self._first_batches)
+        elapsed, interval = now - self.start, max(now - then, 1e-9)
+        received, nbytes = sum(r.samples for r in reports), sum(r.bytes_received for r in reports)
+        counts, ending = study.counts(), study.ending()
+        counts.update(running=counts["running"] - ending, ending=ending)
+        total = len(study.simulations)
+        ended = counts["done"] + counts["failed"]
+        share = received / self.expected_samples if self.expected_samples else ended / total
+        share = 1.0 if state == "finished" else min(share, 1.0)
+        self._last = (now, nbytes, batches)
+        return {
+            "state": state,
+            "updated": time.time(),
+            "elapsed_s": round(elapsed, 1),
+            "percent": round(100 * share, 1),
+            "eta_s": round(elapsed * (1 - share) / share, 1) if 0 < share < 1 else None,
+            "simulations": {**counts, "total": total},
+            "samples": {"received": received, "expected": self.expected_samples, "consumed": consumed},
+            "MB_per_s": round((nbytes - bytes_then) / interval / MB, 3),
+            "buffers": [r.buffer_size for r in reports],
+            "refused": merge_rejections([*(r.rejected for r in reports), self.refusals()]),
+            "training": None
+            if training is None
+            else {**training, "batches_per_s": round((batches - batches_then) / interval, 2)},
+        }
+
+    def _publish(self, status: dict[str, Any]) -> None:
+        self._latest = status
+        text = json.dumps(status)
+        write_atomic(self.output / STATUS, (text + "\n").encode())
+        with open(self.output / HISTORY, "a") as history:
+            history.write(text + "\n")
+        if self._bar is None:
+            logger.info("%s", " | ".join(describe(status)))
+            return
+        self._bar.n = status["percent"]
+        self._bar.set_postfix_str(" | ".join(describe(status)[1:]), refresh=True)
+
+
+def describe(status: dict[str, Any]) -> list[str]:
+    """A status as short lines: progress, simulations, samples, training."""
+    sims, samples, training = status["simulations"], status["samples"], status["training"]
+    eta = status["eta_s"]
+    lines = [
+        f"{status['percent']:.0f}% done, {_duration(status['elapsed_s'])} elapsed"
+        + (f", about {_duration(max(eta, 1))} left" if eta is not None else ""),
+        f"simulations {sims['done']} done, {sims['running']} running, {sims.get('ending', 0)} ending, "
+        f"{sims['queued']} queued, {sims['failed']} failed of {sims['total']}",
+        f"samples {samples['received']} received"
+        + (f" of {samples['expected']}" if samples["expected"] else "")
+        + f", {samples['consumed']} consumed | {status['MB_per_s']:.1f} MB/s | buffers {sum(status['buffers'])} "
+        f"samples | {_refused(status['refused'])}",
+    ]
+    if training is not None:
+        loss = training.get("loss")
+        validation = training.get("validation_loss")
+        lines.append(
+            f"training {training['batches']} batches, {training['batches_per_s']:.1f} batch/s"
+            + (f", loss {loss:.4g}" if loss is not None else "")
+            + (f", validation loss {validation:.4g}" if validation is not None else "")
+        )
+    return lines
+
+
+def _refused(counts: dict[str, int] | int) -> str:
+    """``3 refused (data_cut 2, handshake_auth 1)``: the most frequent kinds first (an older status: a total)."""
+    if isinstance(counts, int):
+        return f"{counts} refused"
+    kinds = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    shown = ", ".join(f"{kind} {n}" for kind, n in kinds[:3]) + (", ..." if len(kinds) > 3 else "")
+    return f"{sum(counts.values())} refused" + (f" ({shown})" if kinds else "")
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
+def show_status(output: Path) -> str:
+    """``melissa-server --status OUTPUT_DIR``: the latest status, as lines; ``FileNotFoundError`` if none."""
+    status = json.loads((output / STATUS).read_text())
+    age = time.time() - status["updated"]
+    head = f"study in {output}: {status['state']}, status of {_duration(age)} ago"
+    return "\n".join([head, *(f"  {line}" for line in describe(status))])

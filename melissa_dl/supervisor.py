@@ -1,0 +1,177 @@
+"""``melissa-launcher config.json``: run the server under mpirun and restart it when it dies.
+
+The server (``mpirun -n K melissa-server config.json``) runs in its own
+session. It is restarted from its checkpoints, up to
+``launcher.max_server_restarts`` times, when it exits with an unexpected code
+(a crash, a killed rank) or when rank 0 has not touched the heartbeat file
+for ``launcher.server_timeout`` seconds (a hung rank). Exit codes that a
+restart cannot change end the supervisor with the same code: 0 (done),
+2 (configuration, or an output folder that is full or not writable), 3
+(simulations failed), 75 (stopped by a signal).
+
+Before each restart every process of the dead run is killed: each run's
+processes (mpirun, the server ranks and the simulations they started, which
+inherit the server's environment) carry a marker variable, so none is left
+running and no two servers ever work on the same study. SIGTERM or SIGINT to
+the supervisor is passed on to the server, which checkpoints and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from launcher.jobs import SCHEDULERS, scheduler_class
+from launcher.schedulers import RUN_MARKER, die_with_parent, venv_mpirun
+from melissa_dl.config import load_config
+from melissa_dl.errors import ConfigError
+from melissa_dl.runtime.files import check_writable
+from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
+
+logger = logging.getLogger("melissa-launcher")
+
+FINAL_CODES = frozenset({0, EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED})
+POLL = 0.5  # seconds between two looks at the server
+
+
+def marked_processes(marker: str) -> list[int]:
+    """Pids of the processes whose environment holds ``RUN_MARKER=marker`` (Linux /proc)."""
+    needle = f"{RUN_MARKER}={marker}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours
+            continue
+        if needle in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_run(marker: str, timeout: float = 30.0) -> None:
+    """SIGKILL every process of one run and wait until none is left."""
+    deadline = time.monotonic() + timeout
+    while pids := marked_processes(marker):
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {pids} of the dead server survive SIGKILL")
+        time.sleep(0.1)
+
+
+class Supervisor:
+    def __init__(self, config_path: str, ranks: int, fresh: bool) -> None:
+        config = load_config(config_path)
+        check_writable(config.output_path)
+        self.config_path = config_path
+        self.ranks = ranks
+        self.fresh = fresh
+        self.heartbeat = config.output_path / HEARTBEAT
+        self.timeout = config.launcher.server_timeout
+        self.max_restarts = config.launcher.max_server_restarts
+        self.scheduler = scheduler_class(config.launcher.scheduler)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.stopping = False
+
+    def command(self, fresh: bool) -> list[str]:
+        """``mpirun -n K`` the server; inside a batch system's allocation, what that scheduler starts ranks with
+        (``Scheduler.server_launch``: Slurm's ``srun``, on the allocation's nodes)."""
+        inside = (scheduler_class(kind).server_launch(self.ranks) for kind in SCHEDULERS)
+        launch = next((command for command in inside if command is not None), [venv_mpirun(), "-n", str(self.ranks)])
+        return [*launch, sys.executable, "-m", "melissa_dl", self.config_path, *(["--fresh"] if fresh else [])]
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._forward)
+        restarts = 0
+        while True:
+            marker = uuid.uuid4().hex
+            code = self._run_once(marker, fresh=self.fresh and restarts == 0)
+            self._end_run(marker)
+            if code in FINAL_CODES or self.stopping:
+                return code
+            if restarts == self.max_restarts:
+                logger.error("server failed (exit code %d) after %d restarts; giving up", code, restarts)
+                return code
+            restarts += 1
+            logger.warning(
+                "server died (exit code %d); restarting it from its checkpoints (restart %d of %d)",
+                code,
+                restarts,
+                self.max_restarts,
+            )
+
+    def _run_once(self, marker: str, fresh: bool) -> int:
+        started = time.time()
+        if self.stopping:  # a signal between two runs
+            return EXIT_STOPPED
+        # start_new_session: a terminal's Ctrl-C reaches the server once, through _forward;
+        # die_with_parent: a supervisor killed outright stops its server (which checkpoints) too
+        self.process = subprocess.Popen(
+            self.command(fresh),
+            env={**os.environ, RUN_MARKER: marker},
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        )
+        while (code := self.process.poll()) is None:
+            time.sleep(POLL)
+            try:
+                beat = max(started, self.heartbeat.stat().st_mtime)
+            except OSError:  # not written yet
+                beat = started
+            if time.time() - beat > self.timeout:
+                logger.error(
+                    "no heartbeat from the server for %.0f s (launcher.server_timeout): killing it", time.time() - beat
+                )
+                kill_run(marker)
+        return code
+
+    def _end_run(self, marker: str) -> None:
+        """Kill what is left of a run: a hung rank, the simulations of a dead server (batch jobs: cancelled)."""
+        try:
+            self.scheduler.end_run(marker)
+        except OSError as error:
+            logger.warning("could not end the jobs of the ended server's simulations: %s", error)
+        kill_run(marker)
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        """Pass a stop request on to the server (it checkpoints and exits 75); no restart follows."""
+        self.stopping = True
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="melissa-launcher", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="the study's JSON configuration")
+    parser.add_argument("-n", "--ranks", type=int, default=1, help="server ranks (default 1)")
+    parser.add_argument("--fresh", action="store_true", help="start over instead of resuming (first start only)")
+    args = parser.parse_args(argv)
+    if args.ranks < 1:
+        parser.error("--ranks must be at least 1")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s melissa-launcher %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
+    try:
+        supervisor = Supervisor(args.config, args.ranks, args.fresh)
+    except ConfigError as error:
+        sys.stderr.write(f"melissa-launcher: {args.config}: {error}\n")
+        return EXIT_CONFIG
+    return supervisor.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""StreamDataset: a rank's buffer seen as a torch ``IterableDataset`` of batches.
+
+Batches are formed here rather than by a ``DataLoader``: the buffer already
+guarantees distinct samples, the user's ``process`` runs once per serving
+(once per sample if the module declares ``deterministic_process``), and
+``collate`` stacks the results with one copy per output of the batch (no
+Python call per element). ``process`` may return numpy arrays instead of
+tensors: they are stacked by numpy and handed to torch once per batch, which
+on small samples is several times cheaper than a ``torch.from_numpy`` per
+sample (bench/pipeline.py). ``next_batch`` lets the training loop wait with a
+timeout, so that it can keep the ranks' bookkeeping going while data is late.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, default_collate
+
+from melissa_dl.buffers.kinds import Buffer
+from melissa_dl.buffers.sample import Sample
+
+END = object()  # what next_batch returns once reception is over and the buffer drained
+
+
+def collate(items: list[Any]) -> Any:
+    """Stack per-sample outputs (tensors, numpy arrays, numbers, or tuples/dicts of them)."""
+    first = items[0]
+    if isinstance(first, np.ndarray):
+        return torch.from_numpy(np.stack(items))
+    if isinstance(first, torch.Tensor):
+        return torch.stack(items)
+    if isinstance(first, (tuple, list)):
+        return type(first)(collate(list(column)) for column in zip(*items))
+    if isinstance(first, dict):
+        return {key: collate([item[key] for item in items]) for key in first}
+    return default_collate(items)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A training batch: what the module's ``process`` made of its samples, stacked, and whose they are."""
+
+    data: Any
+    ids: np.ndarray  # [n, 2]: (simulation, step) of each sample, in batch order
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class StreamDataset(IterableDataset):
+    """``deterministic``: ``process`` runs once per sample as the buffer takes it, and batches are formed
+    from its kept outputs (``Buffer.keep_processed``)."""
+
+    def __init__(
+        self, buffer: Buffer, process: Callable[[Sample], Any], batch_size: int, deterministic: bool = False
+    ) -> None:
+        super().__init__()
+        self.buffer = buffer
+        self.process = process
+        self.batch_size = batch_size
+        self.deterministic = deterministic
+        if deterministic:
+            buffer.keep_processed(process)
+
+    def next_batch(self, timeout: float | None = None) -> Batch | object | None:
+        """A batch, None if none could be formed within ``timeout``, or END."""
+        if self.deterministic:
+            formed = self.buffer.get_processed(self.batch_size, timeout=timeout)
+            if isinstance(formed, tuple):
+                return Batch(*formed)
+            return END if formed == [] else None
+        samples = self.buffer.get_batch(self.batch_size, timeout=timeout)
+        if samples is None:
+            return None
+        if not samples:
+            return END
+        ids = np.array([(s.simulation_id, s.time_step) for s in samples], dtype=np.int64)
+        return Batch(collate([self.process(s) for s in samples]), ids)
+
+    def __iter__(self) -> Iterator[Batch]:
+        while isinstance(batch := self.next_batch(), Batch):
+            yield batch

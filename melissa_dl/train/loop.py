@@ -1,0 +1,341 @@
+"""The consumer loop of every rank: batches in lockstep, the bookkeeping round, the stop, the checkpoints.
+
+Every iteration each rank tries to form a batch (waiting at most ``WAIT``
+seconds), then all ranks join one small all-reduce of five counters: ranks
+with a batch ready, ranks whose stream ended, whether rank 0 wants a
+bookkeeping round, ranks whose buffer is full, and ranks asked to stop
+(SIGTERM). So every rank takes the same decisions at the same iteration: a
+training step only when all K ranks hold a batch (the global loss is the mean
+of the K per-rank losses, DESIGN §5), a stop as soon as any rank has run dry
+(no rank ever waits in a collective that another will not join), and the
+study's bookkeeping while data is late. A rank keeps a batch it formed until
+the step happens, so nothing is skipped. Without training, ranks drain
+independently and stop when all are dry.
+
+While data keeps up, that round costs no collective of its own: before a
+step every rank takes its next batch without waiting and starts the next
+round's all-reduce, which completes during the step's gradient all-reduce
+(MPI progresses both in one call), so the next iteration finds its decision
+made. Not before a snapshot (a rank would hold a formed batch the snapshot
+misses) nor once a stop is asked for.
+
+The checkpoints' life is here too: a snapshot right after every
+``checkpoint_interval``-th step (no rank then holds a formed batch), its
+commit in a later bookkeeping round, and a last one when training ends or
+stops. The trainer only steps and gives its state; the bookkeeping round
+only talks to the study.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from melissa_dl.buffers.kinds import Buffer
+from melissa_dl.buffers.sample import Sample
+from melissa_dl.checkpoint.recovery import Checkpointer
+from melissa_dl.errors import TrainingStalled
+from melissa_dl.ingest.handshake import HandshakeServer
+from melissa_dl.ingest.receiver import Receiver, ReceiverReport
+from melissa_dl.runtime.allocator import FreedMemory
+from melissa_dl.runtime.mpi import Comm, GracefulStop
+from melissa_dl.study.learning import Records
+from melissa_dl.study.progress import StatusBoard
+from melissa_dl.study.study import Generation, Study
+from melissa_dl.train.dataset import END
+from melissa_dl.train.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+WAIT = 0.05  # seconds a rank waits for its buffer before joining the next round
+POLL = 0.0002  # seconds between two checks of a pending collective
+STOP_WAIT = 20.0  # seconds a requested stop waits for a round where no rank holds a formed batch
+READY, ENDED, DUE, FULL, STOP = range(5)  # the counters of a round
+DRAIN_BATCH = 64  # samples taken from the buffer at once without training
+
+
+class Outcome(Enum):
+    ENDED = "ended"  # a rank (lockstep) or every rank (draining) ran dry after reception ended
+    STOPPED = "stopped"  # on request, at a round where no rank held a formed batch: safe to checkpoint
+    STOPPED_MIDWAY = "stopped midway"  # on request, but no such round came within STOP_WAIT seconds
+
+
+class Bookkeeping:
+    """The ranks' bookkeeping round: reports to rank 0, the study's decisions, the end of reception, and every
+    rank's freed memory given back to the kernel from time to time.
+
+    ``study``, ``handshake`` and ``status`` are rank 0's; the other ranks pass none.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        receiver: Receiver,
+        interval: float,
+        heartbeat: Path,
+        study: Study | None = None,
+        handshake: HandshakeServer | None = None,
+        status: StatusBoard | None = None,
+    ) -> None:
+        self.comm = comm
+        self.receiver = receiver
+        self.interval = interval
+        self.heartbeat = heartbeat
+        self.study = study
+        self.handshake = handshake
+        self.status = status
+        self.next_sync = time.monotonic() + interval
+        self.freed = FreedMemory()
+        self.over = False
+        self.losses: Callable[[], Records | None] = lambda: None  # this rank's losses per sample, when learning
+        self.on_generations: Callable[[list[Generation]], None] = lambda generations: None  # rank 0
+
+    def due(self) -> bool:
+        """Also after the study is over: draining the buffers still commits checkpoints and beats the heart."""
+        return time.monotonic() >= self.next_sync
+
+    def sync(self, consumed: int, training: dict[str, Any] | None = None) -> None:
+        """Collective: rank 0 learns what every rank received and ``consumed``, advances the study, shows where
+        it and ``training`` stand, and tells the ranks which attempts are current, which simulations finished,
+        and whether the study is over."""
+        self.receiver.check()
+        reports = self.gather()
+        total = self.comm.reduce(consumed)  # rank 0's; None elsewhere
+        news: Any
+        over, news = False, ({}, [], {})  # without a study (benches): nothing to follow
+        if self.study is not None:
+            assert self.handshake is not None and self.status is not None and total is not None
+            if self.handshake.error is not None:
+                raise self.handshake.error
+            for sim, reason in self.handshake.take_failures():
+                self.study.fail(sim, reason)
+            self.study.tick(reports)
+            self.on_generations(self.study.take_generations())
+            self.status.update(time.monotonic(), self.study, reports, total, training)
+            over, news = self.study.over, self.study.take_news()
+        was_over = self.over
+        self.over, news = self.comm.bcast((over, news))
+        self.receiver.follow(*news)
+        self.beat()
+        if self.over and not was_over:  # every simulation is done or failed: what is buffered is all there will be
+            self.receiver.stop()
+            self.receiver.buffer.close()
+            self.freed.release()  # the connections' memory, freed with the sockets
+        else:
+            self.freed.release_if_due()
+        self.next_sync = time.monotonic() + self.interval
+
+    def gather(self) -> list[ReceiverReport]:
+        """Collective: every rank's receiver report, on rank 0 (elsewhere an empty list), whose study learns the
+        losses per sample that came with them."""
+        gathered = self.comm.gather((self.receiver.report(), self.losses()))
+        if gathered is None:
+            return []
+        if self.study is not None:
+            self.study.learn([losses for _, losses in gathered if losses is not None])
+        return [report for report, _ in gathered]
+
+    def open(self, consumed: int, training: dict[str, Any] | None = None) -> None:
+        """The first two rounds: the first simulations' parameters go to the ranks, then they are launched."""
+        self.sync(consumed, training)
+        self.sync(consumed, training)
+
+    def beat(self) -> None:
+        """Rank 0 tells ``melissa-launcher`` that the ranks got through a collective round."""
+        if self.study is not None:
+            os.utime(self.heartbeat)  # needs no file descriptor, unlike touch()
+
+
+class Loop:
+    """Consumes a rank's buffer in rounds with the other ranks until the study ends or a stop is asked for."""
+
+    def __init__(
+        self, comm: Comm, bookkeeping: Bookkeeping, stop: GracefulStop, checkpointer: Checkpointer | None = None
+    ) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.bookkeeping = bookkeeping
+        self.buffer: Buffer = bookkeeping.receiver.buffer
+        self.stop = stop
+        self.checkpointer = checkpointer
+        self.consumed: Callable[[], int] = lambda: 0  # samples taken from this rank's buffer so far
+        self.training: Callable[[], dict[str, Any] | None] = lambda: None  # where training stands, for the status
+
+    def train(self, trainer: Trainer, next_batch: Callable[[float], Any], checkpoint_interval: int) -> Outcome:
+        """Train in lockstep; snapshot every ``checkpoint_interval`` batches and at the end, unless stopped
+        midway (a checkpoint then could lose samples)."""
+        assert self.checkpointer is not None
+        checkpointer, summary = self.checkpointer, trainer.summary
+
+        def snapshot_after(batches: int) -> bool:
+            return checkpoint_interval > 0 and batches % checkpoint_interval == 0
+
+        def step(batch: Any) -> None:
+            trainer.step(batch)
+            if snapshot_after(summary.batches):
+                checkpointer.snapshot(summary.batches, summary.samples)
+
+        self.consumed = lambda: summary.samples
+        self.training = trainer.status
+        if trainer.losses is not None:
+            self.bookkeeping.losses = trainer.losses.take
+        self.bookkeeping.on_generations = trainer.log_generations
+        self.bookkeeping.open(self.consumed(), self.training())  # the simulations start while begin() runs
+        start = time.monotonic()  # the first validation counts, as it always did
+        trainer.begin()
+        self.stop.install()  # a signal before is an exit: there is nothing to checkpoint yet
+        outcome = self._rounds(
+            next_batch, step, trainer.options.stall_timeout, look_ahead=lambda: not snapshot_after(summary.batches + 1)
+        )
+        summary.duration_s += time.monotonic() - start
+        self._log(outcome, summary.batches)
+        if outcome is Outcome.ENDED:
+            trainer.validate_unless_done()
+        if outcome is not Outcome.STOPPED_MIDWAY:
+            checkpointer.snapshot(summary.batches, summary.samples)
+        checkpointer.final(complete=outcome is Outcome.ENDED)
+        trainer.close()
+        return outcome
+
+    def drain(self) -> Outcome:
+        """Without training: take and count what the buffer serves, independently of the other ranks."""
+        drained = 0
+
+        def next_samples(wait: float) -> list[Sample] | object | None:
+            samples = self.buffer.get_batch(DRAIN_BATCH, timeout=wait)
+            return END if samples == [] else samples
+
+        def count(samples: list[Sample]) -> None:
+            nonlocal drained
+            drained += len(samples)
+
+        self.consumed = lambda: drained
+        self.bookkeeping.open(0)
+        return self._rounds(next_samples, count, stall_timeout=None)
+
+    def _rounds(
+        self,
+        next_batch: Callable[[float], Any],
+        step: Callable[[Any], None],
+        stall_timeout: float | None,
+        look_ahead: Callable[[], bool] = lambda: False,
+    ) -> Outcome:
+        """Consume until one rank (with a ``stall_timeout``: lockstep training) or every rank (without:
+        independent draining) is dry, or a rank was asked to stop.
+
+        When every rank steps, the next round may travel with the step (see ``_step_ahead``) if
+        ``look_ahead()`` allows holding the next batch through it (not before a snapshot).
+        """
+        synchronous = stall_timeout is not None
+        flags, next_flags = np.zeros(5, dtype=np.int64), np.zeros(5, dtype=np.int64)
+        pending, ahead = None, False  # ahead: this round's flags came with the last step, in next_flags
+        self._stalled_since: float | None = None
+        self._stopping_since: float | None = None
+        while True:
+            if ahead:
+                flags, next_flags = next_flags, flags
+            else:
+                if pending is None:
+                    pending = next_batch(WAIT)
+                self._wait(self._exchange(flags, pending))
+            ready, ahead = pending is not None and pending is not END, False
+            if flags[DUE]:
+                self.bookkeeping.sync(self.consumed(), self.training())
+                if self.checkpointer is not None:
+                    self.checkpointer.sync()
+            if flags[ENDED] >= (1 if synchronous else self.size):
+                return Outcome.ENDED
+            if ready and (flags[READY] == self.size or not synchronous):
+                if synchronous and not flags[STOP] and self._stopping_since is None and look_ahead():
+                    pending, ahead = self._step_ahead(step, pending, next_batch, next_flags), True
+                else:
+                    step(pending)
+                    pending = None
+            if (stopped := self._stopped(flags, synchronous)) is not None:
+                return stopped
+            if synchronous:
+                self._check_stall(flags, stall_timeout)  # type: ignore[arg-type]
+
+    def _step_ahead(
+        self, step: Callable[[Any], None], batch: Any, next_batch: Callable[[float], Any], flags: np.ndarray
+    ) -> Any:
+        """Step on ``batch`` with the next round in flight: the next batch is taken first (without waiting),
+        and the round's all-reduce, started before the step, completes during the step's gradient
+        all-reduce, so that lockstep costs no collective of its own. ``flags`` receives the next round's;
+        returns the next batch (None if none was ready, or END)."""
+        following = next_batch(0)
+        request = self._exchange(flags, following)
+        step(batch)
+        self._wait(request)
+        return following
+
+    def _exchange(self, flags: np.ndarray, pending: Any) -> MPI.Request:
+        """Start the round's all-reduce of what this rank holds and wants."""
+        overdue = (
+            self.rank == 0 and self._stopping_since is not None and time.monotonic() - self._stopping_since > STOP_WAIT
+        )
+        flags[:] = (
+            pending is not None and pending is not END,
+            pending is END,
+            self.rank == 0 and self.bookkeeping.due(),
+            self.buffer.producer_waiting,
+            self.stop.requested + overdue * (self.size + 1),
+        )
+        return self.comm.Iallreduce(MPI.IN_PLACE, flags)
+
+    @staticmethod
+    def _wait(request: MPI.Request) -> None:
+        """Polled rather than waited in: simulations and the other ranks may share these cores."""
+        while not request.Test():
+            time.sleep(POLL)
+
+    def _stopped(self, flags: np.ndarray, synchronous: bool) -> Outcome | None:
+        """A stop happens at a round where no rank holds a formed batch, so every sample taken from a buffer
+        has been trained and a checkpoint taken then loses none. If no such round comes within ``STOP_WAIT``
+        seconds (by rank 0's clock, so that all ranks agree), it happens anyway, midway."""
+        if not flags[STOP] and self._stopping_since is None:
+            return None
+        self._stopping_since = self._stopping_since or time.monotonic()
+        if flags[READY] in (0, self.size) or not synchronous:
+            return Outcome.STOPPED
+        return Outcome.STOPPED_MIDWAY if flags[STOP] > self.size else None
+
+    def _check_stall(self, flags: np.ndarray, stall_timeout: float) -> None:
+        """In lockstep, a rank without data while another rank's buffer is full can wait forever (that
+        buffer's clients are blocked, so the study cannot end): after ``stall_timeout`` seconds of it the job
+        stops with an error instead."""
+        if flags[READY] == self.size or flags[FULL] == 0:
+            self._stalled_since = None
+            return
+        self._stalled_since = self._stalled_since or time.monotonic()
+        if time.monotonic() - self._stalled_since > stall_timeout:
+            raise TrainingStalled(
+                f"training stalled for {stall_timeout:g} s: {self.size - flags[READY]} of {self.size} ranks have "
+                f"no batch while {flags[FULL]} have a full buffer (routing sends them no data: with "
+                "server.bind_simulation_to_server_rank, run at least as many simulations at once as ranks)"
+            )
+
+    def _log(self, outcome: Outcome, batches: int) -> None:
+        if outcome is Outcome.STOPPED_MIDWAY:
+            logger.warning(
+                "stop requested, but for %g s some ranks always held a batch the others could not "
+                "match: stopping without a last checkpoint (a restart resumes from the last one written)",
+                STOP_WAIT,
+            )
+        elif outcome is Outcome.STOPPED:
+            logger.info("training stopped on request after %d batches", batches)
+        else:
+            logger.info(
+                "training stopped after %d batches; %d buffered samples left untrained (training stops "
+                "when the first rank runs dry)",
+                batches,
+                len(self.buffer),
+            )

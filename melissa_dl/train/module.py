@@ -1,0 +1,103 @@
+"""The one class a user writes to train on a study: ``TrainingModule``.
+
+Like a LightningModule it *is* the model (an ``nn.Module``) and carries the
+hooks the server calls; the server owns the loop, the devices and every
+collective, so a user never writes MPI or ``torch.distributed`` code::
+
+    class Surrogate(TrainingModule):
+        def __init__(self, hidden: int = 256):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, hidden), nn.ReLU(), nn.Linear(hidden, 1024))
+
+        def configure_optimizer(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+        def process(self, sample):                    # each time a sample is served into a batch, or once
+                                                      # per sample with deterministic_process = True
+            x = torch.tensor([*sample.parameters, sample.time_step], dtype=torch.float32)
+            return x, torch.from_numpy(sample.fields["temperature"]).flatten()
+
+        def training_step(self, batch):               # batch: the processed samples, stacked
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+The config names the file and the class (``training.module``,
+``training.class_name``); ``training.options`` are passed to the constructor.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from melissa_dl.buffers.sample import Sample
+from melissa_dl.errors import ConfigError
+from melissa_dl.runtime.plugins import load_class
+
+
+class TrainingModule(nn.Module, ABC):
+    """Subclass it; define ``configure_optimizer``, ``process`` and ``training_step``."""
+
+    rank: int = 0  # set by the server before any hook runs
+    world_size: int = 1
+    deterministic_process: bool = False
+    """True when ``process`` depends on the sample alone (no randomness, no state that changes) and returns
+    the same shapes and dtypes for every sample: the server then runs it once per sample, as the sample
+    arrives, keeps its outputs as rows of preallocated tensors, and forms each batch with one ``index_select``
+    per output (``melissa_dl.buffers.rows``; a second copy of the buffered samples, processed). False: ``process``
+    runs every time a sample is served into a batch."""
+
+    @abstractmethod
+    def configure_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of the module's parameters."""
+
+    @abstractmethod
+    def process(self, sample: Sample) -> Any:
+        """Turn one buffered sample into tensors (a tensor, a tuple or a dict of them)."""
+
+    @abstractmethod
+    def training_step(self, batch: Any) -> torch.Tensor:
+        """The loss of one batch; the server averages it over ranks.
+
+        It must not change parameters or embedding shards in place: only the
+        optimizers do, after it, and a checkpoint's copy of them may be in the
+        making while it runs.
+        """
+
+    def validation_step(self, batch: Any) -> torch.Tensor:
+        """The validation loss of one batch (by default the training loss)."""
+        return self.training_step(batch)
+
+    def validation_samples(self) -> Sequence[Sample]:
+        """Held-out samples for validation; none by default (no validation)."""
+        return ()
+
+
+def load_module_class(path: Path, class_name: str) -> type[TrainingModule]:
+    """Import the user's file and return its TrainingModule subclass."""
+    return load_class(path, class_name, TrainingModule, "training")
+
+
+def check_options(cls: type[TrainingModule], options: dict[str, Any]) -> None:
+    """``training.options`` against the constructor: a misspelt or missing option is a config error, not a
+    ``TypeError`` on every rank."""
+    parameters = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    named = [n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in options:
+        if key not in named:
+            close = difflib.get_close_matches(key, named, n=1)
+            takes = f" ({cls.__name__} takes {', '.join(named) or 'none'})"
+            hint = f" (did you mean '{close[0]}'?)" if close else takes
+            raise ConfigError(f"training.options.{key}: not an option of {cls.__name__}{hint}")
+    for name in named:
+        if parameters[name].default is inspect.Parameter.empty and name not in options:
+            raise ConfigError(f"training.options.{name}: missing, {cls.__name__} requires it")

@@ -1,0 +1,410 @@
+"""One rank's replica of the user's module: how it steps, validates, saves, and gives or takes its state.
+
+The trainer knows nothing of where batches come from or when checkpoints are
+taken (``loop.py`` decides both); it offers its state as two checkpoint parts:
+itself (this rank's embedding shards, RNG states, counters and the losses
+per sample not yet sent to rank 0) and ``dense`` (the module without its
+sharded tables, and the optimizer's state over whole parameters: one for all
+ranks, which rank 0 writes; :mod:`melissa_dl.train.data_parallel`).
+
+When the study's sampler learns (``study.sampler`` ``adaptive``), every step
+records each sample's loss with its ``(simulation, step)``
+(:mod:`melissa_dl.study.learning`): ``training_step`` returns one loss per sample
+(their mean is trained on), or the module defines ``sample_losses``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import os
+import random
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from melissa_dl.checkpoint.snapshots import BackgroundCopy, copy_to_cpu
+from melissa_dl.config import TrainingConfig
+from melissa_dl.embeddings.table import ShardedEmbedding, set_default_collectives, shard_range
+from melissa_dl.errors import ConfigError
+from melissa_dl.runtime.collectives import make_collectives
+from melissa_dl.runtime.files import write_atomic
+from melissa_dl.runtime.mpi import Comm
+from melissa_dl.study.learning import LossLog
+from melissa_dl.train.data_parallel import make_data_parallel
+from melissa_dl.train.dataset import Batch, collate
+from melissa_dl.train.module import TrainingModule, load_module_class
+
+if TYPE_CHECKING:
+    from melissa_dl.checkpoint.recovery import OldRanks
+    from melissa_dl.study.study import Generation
+
+logger = logging.getLogger(__name__)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+_STATM = os.open("/proc/self/statm", os.O_RDONLY)  # opened once: a rank out of descriptors still reads it
+
+
+def rss_megabytes() -> float:
+    return int(os.pread(_STATM, 128, 0).split()[1]) * resource.getpagesize() / 1e6
+
+
+def torch_threads(comm: Comm) -> int:
+    """One thread per core this rank may run on, shared with the ranks of its node allowed there too (all of
+    them under ``mpirun`` without binding, none under ``srun --cpu-bind``): a core running two ranks'
+    OpenMP threads makes both spin and wait. The affinity mask, not the node's core count: Slurm's
+    cpusets and ``taskset`` give a process fewer cores than the node has."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    mine = os.sched_getaffinity(0)
+    sharing = sum(1 for cores in node.allgather(mine) if cores & mine)
+    node.Free()
+    return max(1, len(mine) // sharing)
+
+
+@dataclass
+class TrainingSummary:
+    batches: int = 0
+    samples: int = 0  # on this rank
+    duration_s: float = 0.0
+    validation: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        losses = [loss for _, loss in self.validation]
+        return {
+            "batches": self.batches,
+            "duration_s": round(self.duration_s, 3),
+            "batches_per_s": round(self.batches / self.duration_s, 3) if self.duration_s > 0 else 0.0,
+            "validation": [[b, loss] for b, loss in self.validation],
+            "first_validation_loss": losses[0] if losses else None,
+            "last_validation_loss": losses[-1] if losses else None,
+        }
+
+
+class Trainer:
+    """One rank's replica of the user's module, its optimizer and its TensorBoard writer.
+
+    ``scalars``: more TensorBoard points to log with the training loss (the stream's, from the receiver).
+    """
+
+    def __init__(
+        self,
+        options: TrainingConfig,
+        base_dir: Path,
+        output: Path,
+        comm: Comm,
+        scalars: Callable[[], dict[str, float]] = dict,
+        learning: bool = False,
+    ) -> None:
+        self.options = options
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.scalars = scalars
+        cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device(f"cuda:{self.rank % torch.cuda.device_count()}" if cuda else "cpu")
+        torch.set_num_threads(torch_threads(comm))
+        torch.manual_seed(options.seed)  # the same seed everywhere: replicas start identical
+        self.collectives = make_collectives(comm, self.device)
+        set_default_collectives(self.collectives)  # the user's ShardedEmbeddings shard over these ranks
+        module_class = load_module_class(base_dir / options.module, options.class_name)
+        self.module: TrainingModule = module_class(**options.options)
+        self.module.rank, self.module.world_size = self.rank, self.size
+        self.module.to(self.device)
+        self.tables = {name: m for name, m in self.module.named_modules() if isinstance(m, ShardedEmbedding)}
+        self.optimizer = self.module.configure_optimizer()
+        self.parallel = make_data_parallel(self.module, self.optimizer, self.collectives)
+        self.validation_set: list[Any] = []  # this rank's share of the held-out samples, from begin()
+        self.output = output
+        self.writer: Any = None  # opened by begin(), after a restore has set the step to continue from
+        self.copies: list[BackgroundCopy] = []  # of the last state taken, until the next optimizer step
+        self._spare: dict[str, Any] = {}  # written copies, whose memory the next copies overwrite
+        self.dense = Dense(self)
+        self.summary = TrainingSummary()
+        self.rows_updated = 0  # embedding rows this rank updated since the last TensorBoard point
+        self.last_loss: float | None = None  # this rank's training loss at the last TensorBoard point
+        self._last_log = (time.monotonic(), 0)  # time, batches
+        self.losses = LossLog() if learning else None  # per sample, for a sampler that learns
+        self._generations: list[Generation] = []  # to picture once the writer is open
+
+    def begin(self) -> None:
+        """Take this rank's share of the held-out samples (here, once the study runs: a module may solve them,
+        and the simulations need not wait for it); open the TensorBoard curves where the restored run left
+        them; validate the untrained model."""
+        from torch.utils.tensorboard import SummaryWriter  # slow import, only when training
+
+        held_out = list(self.module.validation_samples())
+        # equal shares, so that every rank runs as many validation batches (lookups of sharded tables are collectives)
+        self.validation_set = held_out[: len(held_out) - len(held_out) % self.size][self.rank :: self.size]
+
+        # purge_step: a resumed run replaces what a dead one logged after its checkpoint (taken after batch b's points)
+        self.writer = SummaryWriter(
+            str(self.output / "tensorboard" / f"rank{self.rank}"), purge_step=self.summary.batches + 1
+        )
+        self.log_generations([])  # those drawn before it opened
+        if self.summary.batches == 0:  # a resumed run validates where an uninterrupted one would
+            self.validate()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.collectives.close()
+
+    def step(self, batch: Batch) -> None:
+        self.module.train()
+        self.parallel.zero_grad()
+        data = to_device(batch.data, self.device)
+        loss = self.module.training_step(data)
+        if loss.ndim:  # one loss per sample
+            if self.losses is not None:
+                self.losses.record(batch.ids, loss.detach().cpu().numpy())
+            loss = loss.mean()
+        elif self.losses is not None:
+            self.losses.record(batch.ids, self._sample_losses(data))
+        self.parallel.backward(loss)
+        for pending in self.copies:  # a checkpoint's copy of what the optimizers are about to change
+            pending.wait()
+        self.copies.clear()
+        self.parallel.step()
+        for table in self.tables.values():
+            self.rows_updated += table.apply_gradients()
+        self.summary.batches += 1
+        self.summary.samples += len(batch)
+        if self.summary.batches % self.options.log_interval == 0:
+            self.log_scalars(loss.detach().item())
+        if self.summary.batches % self.options.nb_batches_update == 0:
+            self.validate()
+
+    def _sample_losses(self, data: Any) -> np.ndarray:
+        """The module's ``sample_losses``, for one whose ``training_step`` returns the batch's mean."""
+        hook = getattr(self.module, "sample_losses", None)
+        if hook is None:
+            raise ConfigError(
+                f"study.sampler: the sampler learns from each sample's loss, but "
+                f"{self.options.class_name}.training_step returns one loss per batch; return one per "
+                "sample (the server trains on their mean) or define sample_losses(batch)"
+            )
+        with torch.no_grad():
+            return hook(data).detach().cpu().numpy()
+
+    def log_scalars(self, loss: float) -> None:
+        now = time.monotonic()
+        then, batches = self._last_log
+        step = self.summary.batches
+        for tag, value in (
+            ("train/loss", loss),
+            ("train/batches_per_s", (step - batches) / max(now - then, 1e-9)),
+            ("memory/rss_mb", rss_megabytes()),
+            *((("embeddings/rows_updated", self.rows_updated),) if self.tables else ()),
+            *self.scalars().items(),
+        ):
+            self.writer.add_scalar(tag, value, step)
+        self.rows_updated = 0
+        self.last_loss = loss
+        self._last_log = (now, step)
+
+    def log_generations(self, generations: list[Generation]) -> None:
+        """Rank 0: each generation's bred fraction and picture (``plots.generation``), on TensorBoard."""
+        self._generations += generations
+        if self.writer is None:
+            return
+        from melissa_dl.study.plots import generation
+
+        for g in self._generations:
+            self.writer.add_scalar("sampling/bred_fraction", g.bred_fraction, g.number)
+            self.writer.add_figure(
+                "sampling/generations",
+                generation(g.number, g.bred_fraction, g.names, g.drawn, g.bred, g.known, g.statistics),
+                g.number,
+            )
+        self._generations = []
+
+    def status(self) -> dict[str, Any]:
+        """Where training stands, for the study's status: batches, the last losses logged."""
+        validation = self.summary.validation
+        return {
+            "batches": self.summary.batches,
+            "loss": self.last_loss,
+            "validation_loss": validation[-1][1] if validation else None,
+        }
+
+    def validate_unless_done(self) -> None:
+        """Validate, unless the model of this batch already was (by a step, or before a restart)."""
+        if not self.summary.validation or self.summary.validation[-1][0] != self.summary.batches:
+            self.validate()
+
+    @torch.no_grad()
+    def validate(self) -> None:
+        """Mean validation loss over every rank's share of the held-out samples (a collective)."""
+        self.module.eval()
+        totals = np.zeros(2)  # sum of loss x samples, samples
+        chunk = self.options.validation_batch_size
+        for i in range(0, len(self.validation_set), chunk):
+            samples = self.validation_set[i : i + chunk]
+            batch = to_device(collate([self.module.process(s) for s in samples]), self.device)
+            totals += (float(self.module.validation_step(batch).mean()) * len(samples), len(samples))
+        self.comm.Allreduce(MPI.IN_PLACE, totals)
+        if totals[1] == 0:
+            return
+        loss = totals[0] / totals[1]
+        self.summary.validation.append((self.summary.batches, loss))
+        self.writer.add_scalar("validation/loss", loss, self.summary.batches)
+        if self.rank == 0:
+            logger.info("validation loss %.6g after %d batches", loss, self.summary.batches)
+
+    def save(self, output: Path) -> Path:
+        """Rank 0 writes the module's state with every embedding table whole (a collective).
+
+        The tables are gathered so that the file loads into the module on one
+        rank (``load_state_dict(state, strict=False)``: the optimizer state of
+        the shards is left out; checkpoints keep it).
+        """
+        state = self.module.state_dict()
+        for name, table in self.tables.items():
+            shards = self.comm.gather(table.shard.cpu().numpy())
+            if self.rank == 0:
+                assert shards is not None
+                state[f"{name}.shard"] = torch.from_numpy(np.concatenate(shards))
+                state.pop(f"{name}._extra_state", None)
+        path = output / "model.pt"
+        if self.rank == 0:
+            stream = io.BytesIO()
+            torch.save(state, stream)
+            write_atomic(path, stream.getbuffer())
+        return path
+
+    def copy_later(self, name: str, state: Any) -> BackgroundCopy:
+        """A copy of ``state`` made while the next batch's forward and backward run (``step`` waits for it
+        first), into the memory of the last written copy of the same name."""
+        pending = BackgroundCopy(
+            state,
+            self._spare.pop(name, None),  # dict pop and store: atomic under the GIL
+            on_release=lambda written: self._spare.__setitem__(name, written),
+        )
+        self.copies.append(pending)
+        return pending
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint: its shards with their row ranges and sparse optimizer state
+        (copied in the background: only optimizer steps change them), the RNG states and the counters."""
+        module = self.module.state_dict()
+        tables = {
+            name: {"shard": module[f"{name}.shard"], "extra": module[f"{name}._extra_state"]} for name in self.tables
+        }
+        return {
+            "tables": self.copy_later("tables", tables),
+            "rng": rng_states(),
+            "summary": copy.deepcopy(self.summary),
+            "losses": self.losses.state_dict() if self.losses is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from this rank's part of a checkpoint of as many ranks."""
+        for name, table in self.tables.items():
+            table.load_rows([state["tables"][name]])
+        set_rng_states(state["rng"])
+        self.summary = state["summary"]
+        if self.losses is not None and state.get("losses") is not None:
+            self.losses.load_state_dict(state["losses"])
+
+    def load_resharded(self, old: OldRanks) -> None:
+        """Continue from a checkpoint of another number of ranks: each table's rows from the old shards that
+        overlap this rank's range, the samples trained and the unsent losses regrouped so that their sums stay
+        right."""
+        own = self.rank if self.rank < old.size else 0
+        sources = {own} | {
+            rank
+            for table in self.tables.values()
+            for rank in range(old.size)
+            if _overlap(shard_range(table.num_rows, old.size, rank), (table.start, table.stop))
+        }
+        states = {rank: old.read(rank) for rank in sorted(sources)}
+        for name, table in self.tables.items():
+            table.load_rows([state["tables"][name] for state in states.values()])
+        set_rng_states(states[own]["rng"])
+        self.summary = states[own]["summary"]
+        self.summary.samples = sum(n for rank, n in enumerate(old.meta["samples"]) if rank % self.size == self.rank)
+        if self.losses is not None:  # the old ranks' unsent losses, regrouped as the samples are
+            for rank in range(self.rank, old.size, self.size):
+                records = (states[rank] if rank in states else old.read(rank)).get("losses")
+                if records is not None and records["records"] is not None:
+                    self.losses.record(*records["records"])
+
+
+class Dense:
+    """The replicated part of a trainer's state: the module without its sharded tables, and the optimizer."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """On rank 0 (None elsewhere; every rank calls it, as a sharded optimizer's state is gathered): the
+        parameters and the optimizer's own state are copied in the background (only optimizer steps change them),
+        the module's other buffers now (a forward may change them)."""
+        trainer = self.trainer
+        optimizer = trainer.parallel.state_dict()
+        if trainer.rank != 0:
+            return None
+        module = trainer.module.state_dict()
+        for name in trainer.tables:
+            del module[f"{name}.shard"], module[f"{name}._extra_state"]
+        parameters = {name for name, _ in trainer.module.named_parameters()}
+        buffers = copy_to_cpu({k: v for k, v in module.items() if k not in parameters})
+        dense = {**{k: v for k, v in module.items() if k in parameters}, **buffers}  # parameters first, as before
+        return {
+            "module": trainer.copy_later("module", dense),
+            "optimizer": optimizer if trainer.parallel.state_is_copy else trainer.copy_later("optimizer", optimizer),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        trainer = self.trainer
+        missing, unexpected = trainer.module.load_state_dict(state["module"], strict=False)
+        missing = [
+            key
+            for key in missing
+            if key.split(".")[-1] not in ("shard", "_extra_state") or key.rsplit(".", 1)[0] not in trainer.tables
+        ]
+        if missing or unexpected:
+            raise ConfigError(
+                f"training.class_name: the checkpoint's module does not match "
+                f"{trainer.options.class_name} (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+                "start over with --fresh"
+            )
+        trainer.parallel.load_state_dict(state["optimizer"])
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return max(a[0], b[0]) < min(a[1], b[1])
+
+
+def rng_states() -> dict[str, Any]:
+    """Every generator a module may draw from, so that a resumed run draws what the dead one would have."""
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])

@@ -1,0 +1,429 @@
+"""The send API a simulation uses to stream its fields to the server.
+
+    with Client({"temperature": ("float32", (nx, ny))}) as client:
+        for t in range(steps):
+            client.send("temperature", t, solve(client.parameters))
+
+The launcher puts the simulation id, parameters, server endpoint, secret
+token and security level in the environment; the client handshakes with rank
+0, connects one PUSH socket per server rank, declares its fields on each, and
+routes every step to the rank that owns it. In an MPI-parallel simulation,
+pass the communicator: each rank sends its own slice (stacked on axis 0 in
+rank order by the server). Every socket carries the study's credentials
+(:func:`melissa_dl.wire.security.configure_client`); a server that refuses them
+raises ``HandshakeRefused`` at once.
+
+``send`` copies the array into ZeroMQ's queue, so the simulation may overwrite
+it at once (a slice over :data:`~melissa_dl.wire.protocol.PART_BYTES` goes as
+several messages, one per part); it blocks when the queue is full (back-pressure) for as long as
+the server lives, however long that is, and raises ``ServerUnreachable`` once
+the rank it sends to has been unreachable for ``client_timeout`` seconds. The
+client knows a rank lives from two sources: a socket monitor shows its
+connection (a server that exits or is killed closes it at once), and the rank's
+delivery service (:mod:`melissa_dl.ingest.delivery`), which a blocked send asks every
+:func:`~melissa_dl.wire.protocol.keepalive` seconds, answers however full the
+buffer is; a frozen process or a lost node answers nothing. No send timeout:
+back-pressure is not death (a blocked send wakes every ``WAKE_MS`` to look at
+its connection, so a refusal or ``client_timeout`` is noticed up to that much
+later).
+
+``finalize`` tells each server rank how many steps it should hold, then waits
+until every rank's delivery service confirms that it has read every message
+sent to it, again for as long as the server lives: a client that exits has
+lost nothing, however far behind the server is (a process that exits with
+frames still in its kernel's socket buffer may have them reset away). A
+FINALIZE lost with a broken connection is sent again; messages lost with it
+cannot be, and ``finalize`` raises ``ServerUnreachable`` saying how many, so
+that the study relaunches the simulation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import zmq
+
+from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
+from melissa_dl.runtime.mpi import Comm
+from melissa_dl.wire.protocol import (
+    PART_BYTES,
+    PROTOCOL_VERSION,
+    Header,
+    Kind,
+    encode_json,
+    keepalive,
+    owner_rank,
+    parts,
+    simulation_key,
+)
+from melissa_dl.wire.security import ENV_SECURITY, configure_client, describe_handshake_failure, monitor_event
+
+logger = logging.getLogger(__name__)
+
+ENV_SERVER = "MELISSA_SERVER"
+ENV_TOKEN = "MELISSA_TOKEN"
+ENV_SIMULATION_ID = "MELISSA_SIMULATION_ID"
+ENV_ATTEMPT = "MELISSA_ATTEMPT"
+ENV_PARAMETERS = "MELISSA_PARAMETERS"
+ENV_PARAMETER_NAMES = "MELISSA_PARAMETER_NAMES"
+ENV_CLIENT_TIMEOUT = "MELISSA_CLIENT_TIMEOUT"
+ENV_SEND_QUEUE_BYTES = "MELISSA_SEND_QUEUE_BYTES"
+
+WAKE_MS = 1000  # a blocked send looks at its connection at least this often
+ANSWER_POLL_MS = 100  # how often a finalize waiting for the ranks' answers looks at its connections
+
+
+def _require(environ: Mapping[str, str], name: str) -> str:
+    value = environ.get(name)
+    if value is None:
+        raise ClientError(f"{name} is not set: start this simulation through melissa-server's launcher")
+    return value
+
+
+class _Link:
+    """A client socket with the study's credentials, and what its monitor says of its connection."""
+
+    EVENTS = (
+        zmq.EVENT_HANDSHAKE_SUCCEEDED
+        | zmq.EVENT_DISCONNECTED
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
+
+    def __init__(self, context: zmq.Context, kind: int, endpoint: str, environ: Mapping[str, str]) -> None:
+        self.endpoint = endpoint
+        self.socket = context.socket(kind)
+        try:
+            self.level = configure_client(self.socket, environ)
+            self.monitor = self.socket.get_monitor_socket(self.EVENTS)
+        except BaseException:
+            self.socket.close(linger=0)
+            raise
+        self.up = False
+        self.since = time.monotonic()  # of the last change between up and down
+        self.refused: str | None = None  # the server refused our credentials or mechanism: no retry will help
+        self.failed_handshakes = 0  # closed midway, as a CURVE server does with a client of another server key
+        self.drops = 0  # connections lost: what was in flight on them may be lost
+
+    def update(self) -> None:
+        """Take the monitor's pending events."""
+        while self.monitor.poll(0):
+            kind, value = monitor_event(self.monitor)
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.up, self.since = True, time.monotonic()
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                self.refused = describe_handshake_failure(kind, value)
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self.failed_handshakes += 1
+            elif self.up:  # disconnected: the server closed or died
+                self.up, self.since = False, time.monotonic()
+                self.drops += 1
+
+    def down_for(self) -> float:
+        return 0.0 if self.up else time.monotonic() - self.since
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self.socket.close(linger=0)
+
+
+class _Questions:
+    """A server rank's delivery service, asked over a DEALER link one question at a time."""
+
+    def __init__(self, link: _Link) -> None:
+        self.link = link
+        self.asked: float | None = None  # when the open question was sent
+        self.heard = time.monotonic()  # when the rank last answered (or the link was opened)
+
+    def ask(self, question: bytes) -> None:
+        """Send ``question`` unless one is open (a full queue: the rank is unreachable, which silence tells)."""
+        if self.asked is None:
+            try:
+                self.link.socket.send(question, zmq.NOBLOCK)
+                self.asked = time.monotonic()
+            except zmq.Again:
+                pass
+
+    def answer(self) -> dict[str, Any] | None:
+        """The answer to the open question, if it came."""
+        if not self.link.socket.poll(0):
+            return None
+        reply = json.loads(self.link.socket.recv())
+        self.asked, self.heard = None, time.monotonic()
+        return reply
+
+    def silent_for(self) -> float:
+        """Seconds an open question has waited for its answer (0 if none is open)."""
+        return 0.0 if self.asked is None else time.monotonic() - self.asked
+
+
+class Client:
+    """One client rank's connection to the server for one simulation."""
+
+    def __init__(
+        self,
+        fields: Mapping[str, tuple[Any, Sequence[int]]],
+        comm: Comm | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        self.simulation_id = int(_require(env, ENV_SIMULATION_ID))
+        self.attempt = int(env.get(ENV_ATTEMPT, "0"))
+        self.parameters = np.asarray(json.loads(_require(env, ENV_PARAMETERS)), dtype=np.float64)
+        names = json.loads(env.get(ENV_PARAMETER_NAMES, "[]"))
+        self.named_parameters: dict[str, float] = dict(zip(names, self.parameters.tolist()))
+        """The parameters by the names ``study.parameters`` gives them (``parameters`` in that order)."""
+        self._timeout = float(env.get(ENV_CLIENT_TIMEOUT, "300"))
+        queue_bytes = int(env.get(ENV_SEND_QUEUE_BYTES, str(64 << 20)))
+        self.rank, self.size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
+        self._layouts = {
+            name: (np.dtype(dtype).name, tuple(int(n) for n in shape)) for name, (dtype, shape) in fields.items()
+        }
+        token = _require(env, ENV_TOKEN)
+        self._environ = dict(env)
+        self._context = zmq.Context()
+        self._links: list[_Link] = []
+        self._questions: list[_Questions] = []
+        try:
+            reply = self._handshake(_require(env, ENV_SERVER), token)
+            self._key = simulation_key(bytes.fromhex(token), self.simulation_id, self.attempt)
+            self._field_ids = {name: i for i, name in enumerate(reply["fields"])}
+            self._bind_simulation = bool(reply["bind_simulation"])
+            largest = max([1, *(int(np.prod(s)) * np.dtype(d).itemsize for d, s in self._layouts.values())])
+            for endpoint in reply["endpoints"]:
+                link = _Link(self._context, zmq.PUSH, endpoint, self._environ)
+                self._links.append(link)
+                link.socket.setsockopt(zmq.SNDHWM, max(2, queue_bytes // largest))
+                link.socket.setsockopt(zmq.SNDTIMEO, WAKE_MS)  # a send blocked by a full queue wakes this often
+                link.socket.connect(endpoint)
+            for endpoint in reply["acks"]:
+                self._questions.append(_Questions(_Link(self._context, zmq.DEALER, endpoint, self._environ)))
+                self._questions[-1].link.socket.connect(endpoint)
+            self._steps: list[set[int]] = [set() for _ in self._links]
+            self._sent = [0] * len(self._links)  # messages sent to each rank, as its delivery service counts them
+            declaration = encode_json({"fields": {n: [d, list(s)] for n, (d, s) in self._layouts.items()}})
+            for rank in range(len(self._links)):
+                self._send(rank, self._header(Kind.DECLARE, 0, 0, "uint8", (), len(declaration)), declaration)
+        except BaseException:
+            self.close()
+            raise
+
+    def _handshake(self, endpoint: str, token: str) -> dict[str, Any]:
+        hello = {
+            "protocol": PROTOCOL_VERSION,
+            "token": token,
+            "simulation_id": self.simulation_id,
+            "attempt": self.attempt,
+            "client_rank": self.rank,
+            "client_size": self.size,
+            "fields": {n: [d, list(s)] for n, (d, s) in self._layouts.items()},
+            "nonce": secrets.token_hex(8),
+        }
+        link = _Link(self._context, zmq.REQ, endpoint, self._environ)
+        try:
+            # a hello may be sent again; only the answer to the latest one counts
+            link.socket.setsockopt(zmq.REQ_RELAXED, 1)
+            link.socket.setsockopt(zmq.REQ_CORRELATE, 1)
+            link.socket.connect(endpoint)
+            link.socket.send(encode_json(hello))
+            poller = zmq.Poller()
+            poller.register(link.socket, zmq.POLLIN)
+            poller.register(link.monitor, zmq.POLLIN)
+            deadline = time.monotonic() + self._timeout
+            drops = 0
+            while True:
+                link.update()
+                self._check_refused(link)
+                if link.drops > drops:  # the connection that carried the hello, or its answer, was lost
+                    drops = link.drops
+                    link.socket.send(encode_json(hello))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    hint = (
+                        f" ({link.failed_handshakes} ZeroMQ handshakes with it failed: another security level "
+                        f"or CURVE server key than {ENV_SECURITY}={link.level}?)"
+                        if link.failed_handshakes
+                        else ""
+                    )
+                    raise ServerUnreachable(f"no handshake answer from {endpoint} within {self._timeout:g} s{hint}")
+                if link.socket in dict(poller.poll(int(left * 1000) + 1)):
+                    reply = json.loads(link.socket.recv())
+                    break
+        finally:
+            link.close()
+        if not reply.get("ok"):
+            raise HandshakeRefused(f"simulation {self.simulation_id}: {reply.get('error')}")
+        return reply
+
+    def _check_refused(self, link: _Link) -> None:
+        if link.refused is not None:
+            raise HandshakeRefused(
+                f"simulation {self.simulation_id}: {link.endpoint}: {link.refused}: this simulation's credentials "
+                f"({ENV_SECURITY}={link.level}) are not the server's (a stale environment, or another study's server?)"
+            )
+
+    def _check_alive(self, rank: int) -> None:
+        """Raise if a server rank refused us or has been unreachable for the client timeout: no connection, or
+        its delivery service silent (a frozen process, a lost node)."""
+        link, questions = self._links[rank], self._questions[rank]
+        for each in (link, questions.link):
+            each.update()
+            self._check_refused(each)
+        if max(link.down_for(), questions.link.down_for(), questions.silent_for()) >= self._timeout:
+            raise ServerUnreachable(
+                f"simulation {self.simulation_id}: server rank {rank} ({link.endpoint}) has been "
+                f"unreachable for {self._timeout:g} s (no connection, no answer)"
+            )
+
+    def _question(self, rank: int, wait: bool) -> bytes:
+        return encode_json(
+            {
+                "simulation_id": self.simulation_id,
+                "attempt": self.attempt,
+                "client_rank": self.rank,
+                "key": self._key.hex(),
+                "sent": self._sent[rank],
+                "wait": wait,
+            }
+        )
+
+    def _ping(self, rank: int) -> None:
+        """While a send is blocked: ask the rank whether it lives, every keepalive seconds."""
+        questions = self._questions[rank]
+        questions.answer()
+        if time.monotonic() - questions.heard >= keepalive(self._timeout):
+            questions.ask(self._question(rank, wait=False))
+
+    def _header(
+        self, kind: Kind, time_step: int, field_id: int, dtype: str, shape: tuple[int, ...], size: int, offset: int = 0
+    ) -> bytes:
+        return Header(
+            kind,
+            self._key,
+            self.simulation_id,
+            self.attempt,
+            time_step,
+            self.rank,
+            self.size,
+            field_id,
+            dtype,
+            shape,
+            size,
+            offset,
+        ).pack()
+
+    def _send(self, rank: int, header: bytes, payload: Any) -> None:
+        """Queue a message for a server rank; while the queue is full, wait as long as that rank lives."""
+        link = self._links[rank]
+        while True:
+            try:  # waits inside ZeroMQ for at most WAKE_MS (SNDTIMEO): no Python loop per wake-up
+                link.socket.send(header, zmq.SNDMORE)
+                break
+            except zmq.Again:
+                self._ping(rank)
+                self._check_alive(rank)
+        link.socket.send(payload)  # a message's first part taken, ZeroMQ takes the rest: its queue counts messages
+        self._sent[rank] += 1
+
+    def send(self, field: str, time_step: int, array: Any) -> None:
+        """Send this rank's slice of ``field`` at ``time_step`` (an integer index >= 0)."""
+        layout = self._layouts.get(field)
+        if layout is None:
+            raise ClientError(f"field '{field}' was not declared (declared: {sorted(self._layouts)})")
+        if not 0 <= time_step < 1 << 32:
+            raise ClientError(f"field '{field}': time step {time_step} is not in [0, 2**32)")
+        data = np.ascontiguousarray(array).reshape(np.shape(array))  # keeps 0-d arrays 0-d
+        if (data.dtype.name, data.shape) != layout:
+            raise ClientError(
+                f"field '{field}': got {data.dtype.name}{list(data.shape)}, declared {layout[0]}{list(layout[1])}"
+            )
+        rank = owner_rank(self.simulation_id, time_step, len(self._links), self._bind_simulation)
+        field_id, (dtype, shape) = self._field_ids[field], layout
+        if data.nbytes <= PART_BYTES:
+            self._send(rank, self._header(Kind.DATA, time_step, field_id, dtype, shape, data.nbytes), data)
+        else:
+            octets = data.reshape(-1).view(np.uint8)
+            for offset in parts(data.nbytes):
+                header = self._header(Kind.DATA, time_step, field_id, dtype, shape, data.nbytes, offset)
+                self._send(rank, header, octets[offset : offset + PART_BYTES])
+        self._steps[rank].add(time_step)
+
+    def finalize(self) -> None:
+        """Announce the steps sent to each server rank, wait until every rank has read everything, and close."""
+        try:
+            for rank in range(len(self._links)):
+                self._send(rank, *self._finalize_message(rank))
+            self._await_delivery()
+        finally:
+            self.close()
+
+    def _finalize_message(self, rank: int) -> tuple[bytes, bytes]:
+        body = encode_json({"steps": len(self._steps[rank])})
+        return self._header(Kind.FINALIZE, 0, 0, "uint8", (), len(body)), body
+
+    def _await_delivery(self) -> None:
+        """Until every rank confirms it read every message sent to it (or its simulation ended), for as long as
+        the ranks live; a FINALIZE lost with a broken connection is sent again."""
+        waiting = set(range(len(self._links)))
+        for link in self._links:
+            link.update()
+        drops = [link.drops for link in self._links]  # when the FINALIZE was queued
+        for rank in waiting:
+            self._questions[rank].ask(self._question(rank, wait=True))
+        poller = zmq.Poller()
+        for questions in self._questions:
+            poller.register(questions.link.socket, zmq.POLLIN)
+        while waiting:
+            poller.poll(ANSWER_POLL_MS)
+            for rank in sorted(waiting):
+                answer = self._questions[rank].answer()
+                if answer is None:
+                    self._check_alive(rank)
+                    continue
+                read, finalized, ended = int(answer["read"]), bool(answer["finalized"]), bool(answer["ended"])
+                if ended or (finalized and read >= self._sent[rank]):
+                    waiting.discard(rank)
+                    continue
+                if finalized:  # the FINALIZE, sent last, was read: what is missing before it is lost
+                    raise ServerUnreachable(
+                        f"simulation {self.simulation_id}: server rank {rank} ({self._links[rank].endpoint}) read "
+                        f"{read} of the {self._sent[rank]} messages sent to it: {self._sent[rank] - read} lost with a "
+                        "broken connection"
+                    )
+                link = self._links[rank]
+                if link.up and link.drops > drops[rank]:  # reconnected since: the FINALIZE may be lost
+                    try:  # not counted: it stands for the lost one
+                        link.socket.send_multipart(list(self._finalize_message(rank)), zmq.NOBLOCK)
+                        drops[rank] = link.drops
+                    except zmq.Again:
+                        pass  # the queue is full: it still holds what was not lost, the FINALIZE among it
+                self._questions[rank].ask(self._question(rank, wait=True))
+
+    def close(self) -> None:
+        """Close the sockets at once: what a finalize confirmed is delivered, anything else is dropped."""
+        for link in [*self._links, *(questions.link for questions in self._questions)]:
+            link.close()
+        self._links, self._questions = [], []
+        self._context.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        if kind is None:
+            self.finalize()
+        else:  # no finalize: the attempt will not count, and the user's exception must surface unchanged
+            self.close()
