@@ -16,6 +16,7 @@ import json
 import math
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -121,7 +122,8 @@ class AdaptiveConfig:
             base=self.base,
         )
 
-    def check(self, dimensions: int) -> None:
+    def check(self, config: Config) -> None:
+        dimensions = len(config.study.parameters)
         for name in ("start", "end"):
             _require(0.0 <= getattr(self, name) <= 1.0, f"study.adaptive.{name}", "must be between 0 and 1")
         sigmas = self.sigma if isinstance(self.sigma, list) else [self.sigma]
@@ -227,6 +229,27 @@ class StudyConfig:
             return {}
         return {name: (f.dtype, tuple(f.shape)) for name, f in self.fields.items()}
 
+    def _check_sampler(self, config: Config) -> None:
+        """The sampler's needs outside the study section: training to learn from, the custom sampler's file."""
+        if self.sampler == "adaptive":
+            _require(
+                config.training is not None, "study.sampler", "'adaptive' learns from training: add a training section"
+            )
+            breeding = self.adaptive.breeding(config.launcher.job_limit, len(self.parameters))
+            _require(
+                breeding.lag < breeding.breed_after,
+                "study.adaptive.lag",
+                f"{breeding.lag} leaves no parent before the first bred generation "
+                f"(breed_after={breeding.breed_after})",
+            )
+        if self.sampler == "custom":
+            assert self.custom_sampler is not None
+            _require(
+                (config.base_dir / self.custom_sampler.module).is_file(),
+                "study.custom_sampler.module",
+                f"no file {self.custom_sampler.module}",
+            )
+
     def _check_parameter_values(self) -> None:
         """``parameter_values`` with sampler ``list`` and only then, a finite row per simulation."""
         if self.sampler == "list":
@@ -247,7 +270,7 @@ class StudyConfig:
             )
             _require(all(map(math.isfinite, row)), f"study.parameter_values[{i}]", "values must be finite")
 
-    def check(self) -> None:
+    def check(self, config: Config) -> None:
         _require(len(self.fields) > 0, "study.fields", "at least one field is needed")
         _require(len(set(self.fields)) == len(self.fields), "study.fields", "field names must be unique")
         _require(len(self.fields) < 1 << 16, "study.fields", "at most 65535 fields")
@@ -264,6 +287,7 @@ class StudyConfig:
             _require(p.low <= p.high, f"study.parameters[{i}].high", f"{p.high} is below low={p.low}")
         _require(0 < self.simulations < 1 << 32, "study.simulations", "must be between 1 and 2**32 - 1")
         self._check_parameter_values()
+        self._check_sampler(config)
         if self.time_steps is not None:
             _require(0 < self.time_steps < 1 << 32, "study.time_steps", "must be between 1 and 2**32 - 1")
         statistic = self.loss_statistic
@@ -275,7 +299,6 @@ class StudyConfig:
             "study.loss_statistic",
             f"expected mean, max or qNN (a quantile, q01 to q99), got {statistic!r}",
         )
-        self.adaptive.check(len(self.parameters))
         for i, name in enumerate(self.adaptive.plot_parameters):
             close = difflib.get_close_matches(name, self.parameter_names, n=1)
             _require(
@@ -330,7 +353,7 @@ class ServerConfig:
         "above unless named here.",
     )
 
-    def check(self) -> None:
+    def check(self, config: Config) -> None:
         _require(0 <= self.handshake_port < 1 << 16, "server.handshake_port", "not a port number")
 
 
@@ -346,7 +369,7 @@ class BufferConfig:
     pseudo_epochs: int = option(1, minimum=1, doc="FIRO: times a sample is served before it is removed.")
     seed: int = option(0, doc="Seed of the buffer's random choices (rank r uses seed + r).")
 
-    def check(self) -> None:
+    def check(self, config: Config) -> None:
         _require(
             self.capacity_samples is not None or self.capacity_bytes is not None,
             "buffer.capacity_samples",
@@ -424,7 +447,7 @@ class LauncherConfig:
         3, minimum=0, doc="`melissa-launcher`: restarts of a dead server before giving up."
     )
 
-    def check(self) -> None:
+    def check(self, config: Config) -> None:
         _require(len(self.command) > 0, "launcher.command", "must not be empty")
         _require(
             scheduler_class(self.scheduler).runs_mpi or self.client_ranks == 1,
@@ -456,14 +479,15 @@ class TrainingConfig:
         3, minimum=1, doc="Committed checkpoint versions kept on disk; older ones are deleted."
     )
 
-    def check(self, base_dir: Path, buffer: BufferConfig) -> None:
+    def check(self, config: Config) -> None:
+        buffer = config.buffer
         if buffer.capacity_samples is not None:
             _require(
                 self.batch_size <= buffer.capacity_samples,
                 "training.batch_size",
                 f"{self.batch_size} is above buffer.capacity_samples={buffer.capacity_samples}",
             )
-        _require((base_dir / self.module).is_file(), "training.module", f"no file {self.module}")
+        _require((config.base_dir / self.module).is_file(), "training.module", f"no file {self.module}")
 
 
 @dataclass
@@ -610,31 +634,25 @@ def _require(condition: bool, path: str, message: str) -> None:
 
 
 def _check(config: Config) -> None:
-    """Refuse values that are well typed and within their bounds but inconsistent: each section checks itself."""
-    config.study.check()
-    config.server.check()
-    config.buffer.check()
-    config.launcher.check()
-    if config.training is not None:
-        config.training.check(config.base_dir, config.buffer)
-    study = config.study
-    if study.sampler == "adaptive":
-        _require(
-            config.training is not None, "study.sampler", "'adaptive' learns from training: add a training section"
-        )
-        breeding = study.adaptive.breeding(config.launcher.job_limit, len(study.parameters))
-        _require(
-            breeding.lag < breeding.breed_after,
-            "study.adaptive.lag",
-            f"{breeding.lag} leaves no parent before the first bred generation (breed_after={breeding.breed_after})",
-        )
-    if study.sampler == "custom":
-        assert study.custom_sampler is not None
-        _require(
-            (config.base_dir / study.custom_sampler.module).is_file(),
-            "study.custom_sampler.module",
-            f"no file {study.custom_sampler.module}",
-        )
+    """Refuse values that are well typed and within their bounds but inconsistent: every section with a
+    ``check(config)`` checks itself and its ties to the others, found by walking the config (a new section
+    needs no line here)."""
+    for section in sections(config):
+        if callable(check := getattr(section, "check", None)):
+            check(config)
+
+
+def sections(value: Any) -> Iterator[Any]:
+    """The dataclass instances in ``value`` (itself first, then those of its fields, lists and maps included)."""
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from sections(item)
+    elif isinstance(value, dict):
+        yield from sections(list(value.values()))
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        yield value
+        for f in dataclasses.fields(value):
+            yield from sections(getattr(value, f.name))
 
 
 def parse_config(data: Any, base_dir: Path) -> Config:

@@ -299,10 +299,28 @@ class Buffer(ABC):
             return _Entry(sample)
         return _Entry(sample, row=self._rows.add(sample, prepared or self._rows.prepare(sample)))
 
-    @abstractmethod
     def _serve(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
-        """``form`` of ``k`` entries chosen by the kind (called before any leaves), which are then served:
-        the batch's hot path, so one pass per step and no call per entry where possible."""
+        """``form`` of ``k`` entries the kind picks (called before any leaves), which are then served: the batch's
+        hot path, so one pass per step and no call per entry where possible."""
+        picked = self._pick(k)
+        batch = form(picked)
+        self._served(picked)
+        self._total_served += k
+        return batch
+
+    @abstractmethod
+    def _pick(self, k: int) -> Sequence[_Entry]:
+        """The ``k`` entries the kind serves next; those that will leave may already be out of ``_entries``."""
+
+    def _served(self, picked: Sequence[_Entry]) -> None:
+        """What serving does to the ``picked`` entries, once formed into a batch: by default, they leave."""
+        self._forget(picked)
+
+    def _take_last(self, k: int) -> Sequence[_Entry]:
+        """The last ``k`` entries, out of ``_entries``."""
+        picked = self._entries[-k:]
+        del self._entries[-k:]
+        return picked
 
     def _remove(self, i: int) -> _Entry:
         """O(1) removal: the last entry takes the place of entry ``i``."""
@@ -342,14 +360,10 @@ class FifoBuffer(Buffer):
     def _new_container(self) -> MutableSequence[_Entry]:
         return deque()
 
-    def _serve(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
+    def _pick(self, k: int) -> Sequence[_Entry]:
         """The first ``k`` entries, all leaving: no per-entry bookkeeping but the bytes and rows freed."""
         popleft = self._entries.popleft  # type: ignore[attr-defined]
-        entries = [popleft() for _ in range(k)]
-        batch = form(entries)
-        self._forget(entries)
-        self._total_served += k
-        return batch
+        return [popleft() for _ in range(k)]
 
 
 class FiroBuffer(Buffer):
@@ -370,19 +384,14 @@ class FiroBuffer(Buffer):
         j = self._rng.randrange(len(entries))
         entries[-1], entries[j] = entries[j], entries[-1]
 
-    def _serve(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
-        picked = self._entries[-k:]
-        del self._entries[-k:]
-        batch = form(picked)
+    def _pick(self, k: int) -> Sequence[_Entry]:
+        return self._take_last(k)
+
+    def _served(self, picked: Sequence[_Entry]) -> None:
+        """Count a serving of each picked entry: those served ``pseudo_epochs`` times leave, the others go back."""
         if self._pseudo_epochs == 1:  # all leave: no count left to keep
             self._forget(picked)
-        else:
-            self._serve_again(picked)
-        self._total_served += k
-        return batch
-
-    def _serve_again(self, picked: Sequence[_Entry]) -> None:
-        """Count a serving of each picked entry: those served ``pseudo_epochs`` times leave, the others go back."""
+            return
         gone = []
         for entry in picked:
             entry.served += 1
@@ -403,6 +412,7 @@ class ReservoirBuffer(Buffer):
 
     kind = "reservoir"
     _n_fresh = 0
+    _places: list[int] | None = None  # of the entries picked last, unless they were drained
 
     def _insert(self, entry: _Entry) -> None:
         entries = self._entries
@@ -410,34 +420,28 @@ class ReservoirBuffer(Buffer):
         entries[-1], entries[self._n_fresh] = entries[self._n_fresh], entries[-1]
         self._n_fresh += 1
 
-    def _serve(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
-        """``k`` entries at random; a first serving moves the entry across the boundary (in descending order
-        of place: moving entry i only touches places >= i, so the places still to settle stay valid)."""
-        entries = self._entries
+    def _pick(self, k: int) -> Sequence[_Entry]:
+        """``k`` entries at random; after reception, the last ``k`` of the order shuffled at ``close``, served
+        once more and gone (so there is no count left to keep)."""
         if self._closed:
-            return self._drain(k, form)
-        places = self._rng.sample(range(len(entries)), k)
-        picked = [entries[i] for i in places]
-        batch = form(picked)
+            self._places = None
+            return self._take_last(k)
+        self._places = self._rng.sample(range(len(self._entries)), k)
+        return [self._entries[i] for i in self._places]
+
+    def _served(self, picked: Sequence[_Entry]) -> None:
+        """A first serving moves the entry across the boundary (in descending order of place: moving entry i only
+        touches places >= i, so the places still to settle stay valid)."""
+        if self._places is None:
+            self._forget(picked)
+            return
         for entry in picked:
             entry.served += 1
-        self._total_served += k
-        fresh = self._n_fresh
-        for i in sorted((i for i in places if i < fresh), reverse=True):
+        entries, fresh = self._entries, self._n_fresh
+        for i in sorted((i for i in self._places if i < fresh), reverse=True):
             fresh -= 1
             entries[i], entries[fresh] = entries[fresh], entries[i]
         self._n_fresh = fresh
-        return batch
-
-    def _drain(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
-        """After reception, the last ``k`` of the order shuffled at ``close``: served once more and gone
-        (so there is no count left to keep)."""
-        picked = self._entries[-k:]
-        del self._entries[-k:]
-        batch = form(picked)
-        self._forget(picked)
-        self._total_served += k
-        return batch
 
     def _on_close(self) -> None:
         self._rng.shuffle(self._entries)

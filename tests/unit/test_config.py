@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -371,3 +372,33 @@ def test_fields_may_pin_their_dtype_and_shape() -> None:
 )
 def test_pinned_field_layouts_are_checked(fields: dict[str, Any], message: str) -> None:
     refused(edited({("study", "fields"): fields}), message)
+
+
+def test_every_section_that_checks_itself_is_found_without_a_list() -> None:
+    """``check(config)`` on every dataclass of the config that has one; a section added elsewhere (a scheduler's
+    options) is checked as well, with no line in the config module."""
+    from launcher.slurm import SlurmOptions
+    from melissa_dl import config as config_module
+
+    config = parse_config(edited({}), BASE)
+    config.training = config_module.TrainingConfig(module="model.py", class_name="Model")  # an optional section
+    reached = {type(section) for section in config_module.sections(config)}
+    checking = {
+        cls
+        for cls in vars(config_module).values()
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and callable(getattr(cls, "check", None))
+    }
+    assert checking and checking <= reached
+    assert SlurmOptions in reached
+
+
+def test_a_new_sections_check_runs_and_names_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher.slurm import SlurmOptions
+
+    def check(self: SlurmOptions, config: Config) -> None:
+        if self.partition == "nowhere":
+            raise ConfigError("launcher.slurm.partition: no such partition")
+
+    monkeypatch.setattr(SlurmOptions, "check", check, raising=False)
+    refused(edited({("launcher", "slurm", "partition"): "nowhere"}), "launcher.slurm.partition: no such partition")
+    assert parse_config(edited({("launcher", "slurm", "partition"): "short"}), BASE).launcher.scheduler == "local"
