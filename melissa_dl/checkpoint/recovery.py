@@ -2,7 +2,7 @@
 
 A checkpoint is a list of named parts (``Part``), each an object that speaks
 ``state_dict()``/``load_state_dict()`` (``Stateful``); the checkpointer knows
-nothing else of them. Files of one version (stored by ``checkpoint.py``)::
+nothing else of them. Files of one version (stored by ``versions.py``)::
 
     rank<r>/stream.pt    the rank's buffer and ledger, taken together (``Receiver``), and its
                          refusal and duplicate counts
