@@ -123,7 +123,8 @@ class SparseOptimizer(ABC):
     def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
         """Optional fast path: the same update, gradients summed as it goes, by a compiled loop on ``_arrays()``;
         the rows it updated. An optimizer without one takes ``_update`` at every step."""
-        raise NotImplementedError
+        # not reached: bind() enables the compiled loops only for a class that defines this (has_fused_loop)
+        raise NotImplementedError(f"{self.name} has no compiled loop")
 
     @classmethod
     def has_fused_loop(cls) -> bool:

@@ -42,9 +42,9 @@ def handshake(context: zmq.Context, endpoint: str, request: bytes | list[bytes])
     return reply
 
 
-def bad_handshakes(context: zmq.Context, endpoint: str, token: str, sim: int) -> dict:
-    """Refusals that a relaunch would not meet again: the simulation is not failed for them."""
-    hello = {
+def good_hello(token: str, sim: int) -> dict:
+    """The hello of this simulation's first attempt, as a client sends it."""
+    return {
         "protocol": PROTOCOL_VERSION,
         "token": token,
         "simulation_id": sim,
@@ -53,6 +53,11 @@ def bad_handshakes(context: zmq.Context, endpoint: str, token: str, sim: int) ->
         "client_size": 1,
         "fields": {"field": GOOD},
     }
+
+
+def bad_handshakes(context: zmq.Context, endpoint: str, token: str, sim: int) -> dict:
+    """Refusals that a relaunch would not meet again: the simulation is not failed for them."""
+    hello = good_hello(token, sim)
     variants = [
         {"protocol": 99},
         {"protocol": "9" * 50_000},  # echoed back cut, not whole
@@ -132,16 +137,7 @@ def main() -> None:
             reply = bad_handshakes(context, server, token, sim)
             bad_frames(context, reply["endpoints"], bytes.fromhex(token), sim, args.steps)
         else:
-            hello = {
-                "protocol": PROTOCOL_VERSION,
-                "token": token,
-                "simulation_id": sim,
-                "attempt": 0,
-                "client_rank": 0,
-                "client_size": 1,
-                "fields": {"field": GOOD},
-            }
-            endpoints = handshake(context, server, encode_json(hello))["endpoints"]
+            endpoints = handshake(context, server, encode_json(good_hello(token, sim)))["endpoints"]
             fuzz(
                 context,
                 secure,

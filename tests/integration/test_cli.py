@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MPIRUN, TOY_SIM, clean_environment, study_config
+from conftest import MPIRUN, TOY_SIM, clean_environment, start, study_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,13 +109,7 @@ def test_killing_one_server_rank_ends_the_job_and_its_simulations(tmp_path: Path
         launcher={"simulation_timeout": 100},
         server={"log_level": {"launcher": "DEBUG"}},
     )  # the jobs' pids
-    process = subprocess.Popen(
-        [MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)],
-        env=clean_environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = start([MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)])
     deadline = time.monotonic() + 60
     pids: dict[int, int] = {}
     while len(pids) < 2 or not (output / "simulations" / "simulation0.attempt0.log").exists():
@@ -244,13 +238,7 @@ def test_status_shows_a_running_study_from_another_shell_and_then_its_end(tmp_pa
     status = [*SERVER, "--status", str(output)]
     early = subprocess.run(status, capture_output=True, text=True, timeout=60)
     assert early.returncode == 2 and "no status in" in early.stderr, early  # nothing started yet
-    process = subprocess.Popen(
-        [MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)],
-        env=clean_environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    process = start([MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)])
     try:
         deadline, shown = time.monotonic() + 60, ""
         while "running" not in shown.split("\n", 1)[0] or "left" not in shown:  # a time left needs some progress
