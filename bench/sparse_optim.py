@@ -34,7 +34,13 @@ ids alone), and the step by torch's ops (``torch_step``: ``unique``,
 ``index_add_`` and the optimizer's torch math, what GPUs and float16 tables
 run).
 
+With ``--device cuda`` every tensor of both sides lives on the GPU, the
+timers wait for the GPU, the RESULT names end in ``_cuda``, the bound is the
+GPU's own copy bandwidth, and there is no FBGEMM baseline (its CPU build
+only) nor breakdown (the GPU takes the torch path: ``torch_step``).
+
     python bench/sparse_optim.py [--rows 1000000] [--dim 64] [--batch 4096] [--batches 60] [--repeat 7] [--threads 1]
+                                 [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -56,24 +62,28 @@ TARGETS = {"rowadagrad": "10", "adam": "4"}
 LR = {"sgd": 1e-3, "adagrad": 1e-2, "rowadagrad": 1e-2, "adam": 1e-3}
 
 
-def make_ids(dist: str, rows: int, batch: int, batches: int, seed: int) -> list[torch.Tensor]:
+def make_ids(dist: str, rows: int, batch: int, batches: int, seed: int, device: torch.device) -> list[torch.Tensor]:
     rng = np.random.default_rng(seed)
     if dist == "uniform":
         flat = rng.integers(0, rows, size=batch * batches)
     else:
         flat = rng.permutation(rows)[(rng.zipf(1.2, size=batch * batches) - 1) % rows]
-    return list(torch.from_numpy(flat.astype(np.int64)).split(batch))
+    return list(torch.from_numpy(flat.astype(np.int64)).to(device).split(batch))
 
 
 def timed(fn: Callable[[], None]) -> float:
+    """Seconds ``fn`` takes, including the GPU work it queued."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else lambda: None
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - t0
 
 
-def copy_bandwidth(nbytes: int = 256 << 20, repeat: int = 5) -> float:
+def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeat: int = 5) -> float:
     """Bytes per second moved (read + write) copying a large tensor into a pre-faulted one."""
-    src, dst = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
+    src, dst = torch.ones(nbytes // 4, device=device), torch.zeros(nbytes // 4, device=device)
     dst.copy_(src)
     return 2 * nbytes / min(timed(lambda: dst.copy_(src)) for _ in range(repeat))
 
@@ -160,16 +170,20 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=60, help="batches per timed pass")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both sides")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(device)
     print(
         f"torch {torch.__version__} threads={torch.get_num_threads()} "
+        f"device={torch.cuda.get_device_name(device) if cuda else 'cpu'} "
         f"table={args.rows}x{args.dim} float32 batch={args.batch} copy bandwidth={bandwidth / 1e9:.1f} GB/s"
     )
 
-    weight = torch.randn(args.rows, args.dim)
+    weight = torch.randn(args.rows, args.dim, device=device)
     row_bytes = args.dim * weight.element_size()
     opts: dict[str, SparseOptimizer] = {}
     for name in OPTIMIZERS:  # all bound to one table: values do not matter for timing, memory does
@@ -177,26 +191,29 @@ def main() -> None:
         opts[name].bind(weight)
         for tensor in opts[name].state.values():
             tensor.fill_(0)  # pre-fault
-    emb = nn.Embedding(args.rows, args.dim, sparse=True)
+    emb = nn.Embedding(args.rows, args.dim, sparse=True, device=device)
     base_opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
-    baseline_pass(emb, base_opt, [torch.arange(2)])
+    baseline_pass(emb, base_opt, [torch.arange(2, device=device)])
     for tensor in base_opt.state[emb.weight].values():
         if isinstance(tensor, torch.Tensor) and tensor.dim():
             tensor.zero_()  # pre-fault
-    ones = torch.ones(args.batch, args.dim)
-    fbgemm = make_fbgemm(args.rows, args.dim)
+    ones = torch.ones(args.batch, args.dim, device=device)
+    fbgemm = None if cuda else make_fbgemm(args.rows, args.dim)
     print(
         "FBGEMM baseline: "
         + (
             "fbgemm-gpu-cpu, exact row-wise Adagrad"
             if fbgemm
+            else "skipped (its CPU build only)"
+            if cuda
             else "skipped (fbgemm-gpu-cpu is not installed: pip install -e '.[bench]')"
         )
     )
+    suffix = "_cuda" if cuda else ""
 
     results: list[str] = []
     for d, dist in enumerate(("uniform", "zipf")):
-        ids = make_ids(dist, args.rows, args.batch, args.batches, seed=d)
+        ids = make_ids(dist, args.rows, args.batch, args.batches, seed=d, device=device)
         mean_unique = statistics.mean(len(torch.unique(b)) for b in ids)
         print(f"{dist}: {mean_unique:.0f} unique ids per batch of {args.batch} on average")
         for name in OPTIMIZERS:  # warm up
@@ -232,10 +249,11 @@ def main() -> None:
             bound = args.batch * bandwidth / (bytes_per_row * mean_unique)
             print(
                 f"  {name:10s}: {rate:12.0f} rows/s  ratio {ratio:6.2f}  {bytes_per_row} B/unique row  "
-                f"bound {bound:12.0f} rows/s  us/batch: {breakdown(opts[name], weight, ids, ones)}"
+                f"bound {bound:12.0f} rows/s"
+                + ("" if cuda else f"  us/batch: {breakdown(opts[name], weight, ids, ones)}")
             )
             results.append(
-                f"RESULT sparse_{name}_{dist} ratio={ratio:.2f} target={TARGETS.get(name, '-')} "
+                f"RESULT sparse_{name}_{dist}{suffix} ratio={ratio:.2f} target={TARGETS.get(name, '-')} "
                 f"rows_per_s={rate:.0f} baseline_rows_per_s={base_rate:.0f} bound_share={rate / bound:.3f}"
             )
     print("\n".join(results))

@@ -465,7 +465,9 @@ class TrainingConfig:
     nb_batches_update: int = option(100, minimum=1, doc="Batches between two validations.")
     log_interval: int = option(10, minimum=1, doc="Batches between two TensorBoard points of the training scalars.")
     validation_batch_size: int = option(256, minimum=1, doc="Samples per validation batch.")
-    device: Literal["auto", "cpu", "cuda"] = option("auto", doc="`auto`: CUDA when available (one GPU per rank).")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", doc="`auto`: CUDA when available (one GPU per rank of a node, in turn); `cuda` without one: an error."
+    )
     seed: int = option(0, doc="Seed of torch on every rank, so that all replicas start identical.")
     stall_timeout: float = option(
         120.0,

@@ -318,7 +318,11 @@ class Server:
         checkpointer = Checkpointer(self.config, self.comm, self.parts, first_version)
         loop = Loop(self.comm, bookkeeping, self.stop, checkpointer)
         dataset = StreamDataset(
-            self.buffer, trainer.module.process, self.config.training.batch_size, trainer.module.deterministic_process
+            self.buffer,
+            trainer.module.process,
+            self.config.training.batch_size,
+            trainer.module.deterministic_process,
+            pin_memory=trainer.device.type == "cuda",
         )
         if loop.train(trainer, dataset.next_batch, self.config.training.checkpoint_interval) is Outcome.ENDED:
             return loop

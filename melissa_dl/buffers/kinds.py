@@ -136,11 +136,12 @@ class Buffer(ABC):
         assert rows is not None, "keep_processed() first"
         return self._take(size, timeout, lambda entries: rows.gather([e.row for e in entries]))
 
-    def keep_processed(self, process: Callable[[Sample], Any]) -> None:
+    def keep_processed(self, process: Callable[[Sample], Any], pin_memory: bool = False) -> None:
         """From now on, run ``process`` once per sample as it is put, and keep its outputs as rows
-        (``melissa_dl.buffers.rows``) for ``get_processed``; the samples held already are processed now."""
+        (``melissa_dl.buffers.rows``) for ``get_processed``, whose batches are in pinned memory if
+        ``pin_memory``; the samples held already are processed now."""
         with self._cond:
-            self._rows = Rows(process, self._cap_samples or 64)
+            self._rows = Rows(process, self._cap_samples or 64, pin_memory)
             for entry in self._entries:
                 entry.row = self._rows.add(entry.sample, self._rows.prepare(entry.sample))
 
@@ -246,7 +247,7 @@ class Buffer(ABC):
         with self._cond:
             self._entries = self._new_container()
             if self._rows is not None:
-                self._rows = Rows(self._rows.process, self._cap_samples or 64)
+                self._rows = Rows(self._rows.process, self._cap_samples or 64, self._rows.pin_memory)
             for d in state["entries"]:
                 sample = Sample(d["simulation_id"], d["time_step"], d["parameters"], dict(d["fields"]))
                 entry = self._entry(sample)

@@ -9,6 +9,8 @@ the same shapes and dtypes; the first one fixes them. The rows are a second
 copy of what the buffer holds (the samples themselves stay, for checkpoints),
 and each row also keeps its sample's ``(simulation, step)``, so that a batch
 knows whose samples it holds (the losses per sample, ``melissa_dl.study.learning``).
+For a GPU (``pin_memory``) a batch is gathered straight into pinned memory,
+which the copy to the device reads without a staging copy of its own.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from melissa_dl.errors import ConfigError
 class Rows:
     """Row storage of ``process``'s outputs; not thread-safe (the buffer's lock guards it)."""
 
-    def __init__(self, process: Callable[[Sample], Any], capacity: int = 64) -> None:
+    def __init__(self, process: Callable[[Sample], Any], capacity: int = 64, pin_memory: bool = False) -> None:
         self.process = process
+        self.pin_memory = pin_memory
         self._capacity = capacity
         self._spec: TreeSpec | None = None
         self._columns: list[torch.Tensor] = []
@@ -83,10 +86,15 @@ class Rows:
             self._index_np = np.empty(len(rows), dtype=np.int64)
             self._index = torch.from_numpy(self._index_np)
         self._index_np[:] = rows  # refilled in place: index_select is done with it before the next batch
-        return (
-            self._structure([column.index_select(0, self._index) for column in self._columns]),
-            self._ids.index_select(0, self._index).numpy(),
-        )
+        if self.pin_memory:
+            shapes = [(len(rows), *column.shape[1:]) for column in self._columns]
+            batch = [
+                torch.index_select(column, 0, self._index, out=torch.empty(shape, dtype=column.dtype, pin_memory=True))
+                for column, shape in zip(self._columns, shapes)
+            ]
+        else:
+            batch = [column.index_select(0, self._index) for column in self._columns]
+        return self._structure(batch), self._ids.index_select(0, self._index).numpy()
 
     def _grow(self) -> None:
         self._capacity *= 2

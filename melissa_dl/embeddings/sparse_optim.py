@@ -109,7 +109,7 @@ class SparseOptimizer(ABC):
     def _torch_step(self, weight: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor) -> int:
         """The step by torch's ops: distinct rows, their summed gradients, then ``_update``."""
         rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        low, high = int(rows[0]), int(rows[-1])
+        low, high = rows[[0, -1]].tolist()  # one wait for a GPU, not two
         if low < 0 or high >= len(weight):
             raise IndexError(f"{self.name}: rows {low}..{high} outside the {len(weight)} of the shard")
         self._update(weight, rows, grads.new_zeros((len(rows), grads.shape[1])).index_add_(0, inverse, grads))

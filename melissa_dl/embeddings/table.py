@@ -200,7 +200,7 @@ class ShardedEmbedding(nn.Module):
         record = self.training and torch.is_grad_enabled()
         if not self.distributed:  # a plain gather; the optimizer sums the gradients of repeated ids
             if flat.numel():
-                self._check_range(flat, *torch.aminmax(flat))
+                self._check_range(flat, *torch.stack(torch.aminmax(flat)).tolist())  # one wait for a GPU
             out = (
                 self._recorded(self.shard, flat, _Lookup(flat.clone())) if record else self.shard.index_select(0, flat)
             )
@@ -211,7 +211,7 @@ class ShardedEmbedding(nn.Module):
             self._bounds = self._bounds.to(flat.device)
         below = torch.searchsorted(unique.ids, self._bounds).tolist()  # sorted ids, so grouped by owner already
         if below[0] or below[-1] != len(unique.ids):  # before any collective: a bad batch fails on its own rank
-            self._check_range(flat, *torch.aminmax(flat))
+            self._check_range(flat, *torch.stack(torch.aminmax(flat)).tolist())
         send_counts = [stop - start for start, stop in zip(below, below[1:])]
         received, recv_counts = self.collectives.alltoallv(unique.ids, send_counts)
         local = received - self.start
@@ -224,9 +224,9 @@ class ShardedEmbedding(nn.Module):
         )
         return out.view(*ids.shape, self.dim)
 
-    def _check_range(self, flat: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> None:
+    def _check_range(self, flat: torch.Tensor, low: int, high: int) -> None:
         """A clear error naming the first id of ``flat`` outside the table, if its smallest or largest is."""
-        if int(low) < 0 or int(high) >= self.num_rows:
+        if low < 0 or high >= self.num_rows:
             bad = flat[(flat < 0) | (flat >= self.num_rows)][0]
             raise ValueError(f"ShardedEmbedding '{self.name}': id {int(bad)} out of range [0, {self.num_rows})")
 

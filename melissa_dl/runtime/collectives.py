@@ -227,7 +227,13 @@ class TorchCollectives(Collectives):
         self.size = comm.size
         self.device = device
         host, port = _rendezvous_address(comm)
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.size)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.size,
+            device_id=device if device.type == "cuda" else None,  # NCCL binds this GPU now, not at its first call
+        )
         logger.info("torch.distributed %s initialised from MPI at %s:%d (%d ranks)", backend, host, port, self.size)
 
     def allreduce_sum_(self, tensor: torch.Tensor) -> None:

@@ -54,10 +54,15 @@ class Batch:
 
 class StreamDataset(IterableDataset):
     """``deterministic``: ``process`` runs once per sample as the buffer takes it, and batches are formed
-    from its kept outputs (``Buffer.keep_processed``)."""
+    from its kept outputs (``Buffer.keep_processed``), in pinned memory if ``pin_memory`` (for a GPU)."""
 
     def __init__(
-        self, buffer: Buffer, process: Callable[[Sample], Any], batch_size: int, deterministic: bool = False
+        self,
+        buffer: Buffer,
+        process: Callable[[Sample], Any],
+        batch_size: int,
+        deterministic: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         super().__init__()
         self.buffer = buffer
@@ -65,7 +70,7 @@ class StreamDataset(IterableDataset):
         self.batch_size = batch_size
         self.deterministic = deterministic
         if deterministic:
-            buffer.keep_processed(process)
+            buffer.keep_processed(process, pin_memory)
 
     def next_batch(self, timeout: float | None = None) -> Batch | object | None:
         """A batch, None if none could be formed within ``timeout``, or END."""

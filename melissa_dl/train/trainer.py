@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import resource
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +52,11 @@ logger = logging.getLogger(__name__)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` on ``device``; to a GPU through pinned memory, so that the copy does not hold the CPU back (it
+    forms the next batch while the GPU copies and computes)."""
     if isinstance(batch, torch.Tensor):
+        if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
+            batch = batch.pin_memory()
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
@@ -65,6 +70,21 @@ _STATM = os.open("/proc/self/statm", os.O_RDONLY)  # opened once: a rank out of 
 
 def rss_megabytes() -> float:
     return int(os.pread(_STATM, 128, 0).split()[1]) * resource.getpagesize() / 1e6
+
+
+def training_device(choice: str, node_rank: int) -> torch.device:
+    """The device of the rank ``node_rank`` of its node (``training.device``): one GPU per rank, in turn over
+    the node's GPUs, made current so that NCCL and a module's ``device="cuda"`` use it; the CPU where ``auto``
+    finds no GPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f'training.device: "cuda", but torch {torch.__version__} sees no CUDA device on {socket.gethostname()}'
+        )
+    device = torch.device("cuda", node_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def torch_threads(comm: Comm) -> int:
@@ -117,8 +137,10 @@ class Trainer:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.scalars = scalars
-        cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device(f"cuda:{self.rank % torch.cuda.device_count()}" if cuda else "cpu")
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.device = training_device(options.device, node.Get_rank())
+        node.Free()
+        logger.info("rank %d trains on %s", self.rank, self.device)
         torch.set_num_threads(torch_threads(comm))
         torch.manual_seed(options.seed)  # the same seed everywhere: replicas start identical
         self.collectives = make_collectives(comm, self.device)
@@ -274,7 +296,7 @@ class Trainer:
         rank (``load_state_dict(state, strict=False)``: the optimizer state of
         the shards is left out; checkpoints keep it).
         """
-        state = self.module.state_dict()
+        state = copy_to_cpu(self.module.state_dict())  # loads on a machine without the GPU it was trained on
         for name, table in self.tables.items():
             shards = self.comm.gather(table.shard.cpu().numpy())
             if self.rank == 0:
@@ -398,7 +420,7 @@ def rng_states() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
         "python": random.getstate(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],  # no GPU context else
     }
 
 
