@@ -53,6 +53,7 @@ from melissa_dl.checkpoint.recovery import Checkpointer
 from melissa_dl.config import Config, parse_config
 from melissa_dl.ingest.assembly import StreamSpec
 from melissa_dl.ingest.receiver import Receiver
+from melissa_dl.runtime.metrics import Metrics
 from melissa_dl.runtime.mpi import GracefulStop
 from melissa_dl.train.dataset import StreamDataset
 from melissa_dl.train.loop import Bookkeeping, Loop
@@ -131,7 +132,7 @@ def per_step(stamps: list[float], warmup: int) -> float:
 
 def plain_side(config: Config, comm: MPI.Intracomm, samples: list[Sample], steps: int, warmup: int) -> float:
     """Each rank's own loop on stacked tensors; mean per-step seconds over ranks."""
-    trainer = Trainer(config.training, config.base_dir, config.output_path, comm)  # same module, seed, threads
+    trainer = Trainer(config.training, config.base_dir, comm)  # same module, seed, threads
     module, optimizer, batch = trainer.module, trainer.optimizer, config.training.batch_size
     x = torch.from_numpy(np.stack([module.process(s)[0] for s in samples]))
     y = torch.from_numpy(np.stack([module.process(s)[1] for s in samples]))
@@ -156,7 +157,7 @@ def server_side(
     spec = StreamSpec.from_config(config, config.study.parameter_table(), b"x" * 32, rank, size)
     receiver = Receiver(spec, buffer, "127.0.0.1", config.server.receive_queue_bytes)
     receiver.start_and_bind()
-    trainer = Trainer(training, config.base_dir, config.output_path, comm, receiver.scalars)
+    trainer = Trainer(training, config.base_dir, comm, Metrics(config.output_path / "tensorboard", [receiver.scalars]))
     dataset = StreamDataset(buffer, trainer.module.process, training.batch_size, Surrogate.deterministic_process)
     for i in range(steps * training.batch_size):  # as the receiver would: processed as they come
         buffer.put(samples[i % len(samples)])
@@ -189,7 +190,7 @@ def pieces(config: Config, comm: MPI.Intracomm, samples: list[Sample]) -> dict[s
     """Each alone, in ms (max over ranks): backward; the optimizer's step on whole parameters (the plain side's);
     the server's dense step after backward (``Trainer.parallel``: its reductions, its optimizer step and, sharded,
     its gathering); forming a batch from a buffer; one round's flag exchange."""
-    trainer = Trainer(config.training, config.base_dir, config.output_path, comm)
+    trainer = Trainer(config.training, config.base_dir, comm)
     module, parallel, batch = trainer.module, trainer.parallel, config.training.batch_size
     data = [torch.from_numpy(np.stack([module.process(s)[i] for s in samples[:batch]])) for i in (0, 1)]
     buffer = make_buffer("fifo", capacity_samples=None, capacity_bytes=None, watermark=0, seed=0)

@@ -50,6 +50,7 @@ from melissa_dl.ingest.handshake import HandshakeServer
 from melissa_dl.ingest.receiver import Receiver
 from melissa_dl.runtime.files import remove_temporaries, write_atomic
 from melissa_dl.runtime.logs import setup_logging
+from melissa_dl.runtime.metrics import Metrics
 from melissa_dl.runtime.mpi import (
     Comm,
     GracefulStop,
@@ -64,7 +65,7 @@ from melissa_dl.study.progress import StatusBoard
 from melissa_dl.study.report import final_report, write_report
 from melissa_dl.study.study import Study, simulation_environment
 from melissa_dl.train.dataset import StreamDataset
-from melissa_dl.train.loop import Bookkeeping, Loop, Outcome
+from melissa_dl.train.loop import Bookkeeping, Consumer, Drain, Loop, Outcome
 from melissa_dl.train.trainer import Trainer
 from melissa_dl.wire.security import Security
 
@@ -182,6 +183,7 @@ class Server:
                 study,
                 handshake,
                 status,
+                trainer.metrics if trainer is not None else None,
             )
             return self._consume(start, trainer, bookkeeping)
         finally:
@@ -193,14 +195,15 @@ class Server:
     def _consume(self, start: float, trainer: Trainer | None, bookkeeping: Bookkeeping) -> int:
         """Train (or only drain the buffers, without a training module) until the study ends, then report."""
         bookkeeping.beat()  # the restore and the start of the study may have taken a while
+        consumer: Consumer
         if trainer is not None:
-            loop = self._train(trainer, bookkeeping)
-            if loop is None:
+            if not self._train(trainer, bookkeeping):
                 return EXIT_STOPPED
+            consumer = trainer
         else:
-            loop = Loop(self.comm, bookkeeping, self.stop)
-            loop.drain()
-        return self._report(trainer, bookkeeping, loop.consumed(), time.monotonic() - start)
+            consumer = Drain()
+            Loop(self.comm, bookkeeping, self.stop).drain(consumer)
+        return self._report(trainer, bookkeeping, consumer, time.monotonic() - start)
 
     def _already_complete(self, version: Version) -> bool:
         """Whether ``version`` is of a study that ran to its end and wrote its report: nothing is left to do."""
@@ -235,14 +238,8 @@ class Server:
         """The trainer of the ``training`` section (none without one), restored from ``version``."""
         if self.config.training is None:
             return None
-        trainer = Trainer(
-            self.config.training,
-            self.config.base_dir,
-            self.config.output_path,
-            self.comm,
-            self.receiver.scalars,
-            learning,
-        )
+        metrics = Metrics(self.config.output_path / "tensorboard" / f"rank{self.rank}", [self.receiver.scalars])
+        trainer = Trainer(self.config.training, self.config.base_dir, self.comm, metrics, learning)
         self._add_parts(version, Part(DENSE, trainer.dense, shared=True), Part(TRAINER, trainer))
         return trainer
 
@@ -311,8 +308,8 @@ class Server:
         study.start()  # what a restored study left unfinished
         return handshake, launcher, study
 
-    def _train(self, trainer: Trainer, bookkeeping: Bookkeeping) -> Loop | None:
-        """Train until the study and the buffers are done (the loop), or until a stop request (None)."""
+    def _train(self, trainer: Trainer, bookkeeping: Bookkeeping) -> bool:
+        """Train until the study and the buffers are done (True), or until a stop request (False)."""
         assert self.config.training is not None
         first_version = self.comm.bcast(next_version(checkpoint_root(self.config)) if self.rank == 0 else None)
         checkpointer = Checkpointer(self.config, self.comm, self.parts, first_version)
@@ -325,14 +322,14 @@ class Server:
             pin_memory=trainer.device.type == "cuda",
         )
         if loop.train(trainer, dataset.next_batch, self.config.training.checkpoint_interval) is Outcome.ENDED:
-            return loop
+            return True
         self.receiver.stop()
         if bookkeeping.status is not None:  # rank 0
             bookkeeping.status.stopped()
             logger.warning(
                 "stopped on request; run the same command again to resume from %s", checkpoint_root(self.config)
             )
-        return None
+        return False
 
     def _status_board(self, start: float, handshake: HandshakeServer | None) -> StatusBoard:
         study = self.config.study
@@ -342,13 +339,13 @@ class Server:
             self.config.output_path, self.config.server.status_interval, start, expected, handshake.rejections.counts
         )
 
-    def _report(self, trainer: Trainer | None, bookkeeping: Bookkeeping, consumed: int, duration: float) -> int:
+    def _report(self, trainer: Trainer | None, bookkeeping: Bookkeeping, consumer: Consumer, duration: float) -> int:
         """The final model, config and report; the exit code, the same on every rank. Rank 0 beats the heart
         between its steps: the final validation, checkpoint and plots are the server at work, not hung."""
         study, handshake, status = bookkeeping.study, bookkeeping.handshake, bookkeeping.status
         bookkeeping.beat()
-        reports = bookkeeping.gather()
-        total = self.comm.reduce(consumed)  # rank 0's, which writes the report; None elsewhere
+        reports = bookkeeping.gather(consumer)
+        total = self.comm.reduce(consumer.consumed())  # rank 0's, which writes the report; None elsewhere
         extra: dict[str, Any] = {}
         succeeded = self.comm.bcast(study.counts()["done"] > 0 if study is not None else None)
         if trainer is not None:  # a model trained on no whole simulation is not worth a file that looks like one
@@ -365,7 +362,7 @@ class Server:
         if self.rank == 0:
             assert study is not None and handshake is not None and status is not None and total is not None
             study.conclude()
-            status.finish(study, reports, total, trainer.status() if trainer is not None else None)
+            status.finish(study, reports, total, consumer.status())
             report = final_report(
                 study, reports, handshake.rejections.counts(), total, duration, self.config.study.time_steps, extra
             )

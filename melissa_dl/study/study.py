@@ -61,6 +61,7 @@ from melissa_dl.wire.security import Security
 
 if TYPE_CHECKING:
     from melissa_dl.config import LauncherConfig
+    from melissa_dl.runtime.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,19 @@ class Generation:
     bred: np.ndarray  # [members]: which of them were bred
     known: np.ndarray  # [n, 1 or 2]: the simulations with a statistic then
     statistics: np.ndarray  # [n]: theirs
+
+    def write(self, metrics: Metrics) -> None:
+        """Its bred fraction and its picture (``plots.generation``), on TensorBoard."""
+        from melissa_dl.study.plots import generation
+
+        metrics.scalar("sampling/bred_fraction", self.bred_fraction, self.number)
+        metrics.figure(
+            "sampling/generations",
+            lambda: generation(
+                self.number, self.bred_fraction, self.names, self.drawn, self.bred, self.known, self.statistics
+            ),
+            self.number,
+        )
 
 
 class State(str, Enum):

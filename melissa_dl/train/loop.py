@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -46,10 +46,11 @@ from melissa_dl.errors import TrainingStalled
 from melissa_dl.ingest.handshake import HandshakeServer
 from melissa_dl.ingest.receiver import Receiver, ReceiverReport
 from melissa_dl.runtime.allocator import FreedMemory
+from melissa_dl.runtime.metrics import Metrics
 from melissa_dl.runtime.mpi import Comm, GracefulStop
 from melissa_dl.study.learning import Records
 from melissa_dl.study.progress import StatusBoard
-from melissa_dl.study.study import Generation, Study
+from melissa_dl.study.study import Study
 from melissa_dl.train.dataset import END
 from melissa_dl.train.trainer import Trainer
 
@@ -68,11 +69,44 @@ class Outcome(Enum):
     STOPPED_MIDWAY = "stopped midway"  # on request, but no such round came within STOP_WAIT seconds
 
 
+class Consumer(Protocol):
+    """What the bookkeeping round asks of whatever consumes a rank's buffer: the ``Trainer``, or ``Drain``."""
+
+    def consumed(self) -> int:
+        """Samples taken from this rank's buffer so far."""
+        ...
+
+    def status(self) -> dict[str, Any] | None:
+        """Where training stands, for the study's status (None without training)."""
+        ...
+
+    def take_losses(self) -> Records | None:
+        """This rank's losses per sample since the last call, for a sampler that learns (None if none)."""
+        ...
+
+
+class Drain:
+    """The consumer of ranks without a training module: it counts what it takes."""
+
+    def __init__(self) -> None:
+        self.drained = 0
+
+    def consumed(self) -> int:
+        return self.drained
+
+    def status(self) -> None:
+        return None
+
+    def take_losses(self) -> None:
+        return None
+
+
 class Bookkeeping:
     """The ranks' bookkeeping round: reports to rank 0, the study's decisions, the end of reception, and every
     rank's freed memory given back to the kernel from time to time.
 
-    ``study``, ``handshake`` and ``status`` are rank 0's; the other ranks pass none.
+    ``study``, ``handshake`` and ``status`` are rank 0's; the other ranks pass none. ``metrics`` gets the
+    study's generations.
     """
 
     def __init__(
@@ -84,6 +118,7 @@ class Bookkeeping:
         study: Study | None = None,
         handshake: HandshakeServer | None = None,
         status: StatusBoard | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.comm = comm
         self.receiver = receiver
@@ -92,23 +127,22 @@ class Bookkeeping:
         self.study = study
         self.handshake = handshake
         self.status = status
+        self.metrics = metrics if metrics is not None else Metrics(None)
         self.next_sync = time.monotonic() + interval
         self.freed = FreedMemory()
         self.over = False
-        self.losses: Callable[[], Records | None] = lambda: None  # this rank's losses per sample, when learning
-        self.on_generations: Callable[[list[Generation]], None] = lambda generations: None  # rank 0
 
     def due(self) -> bool:
         """Also after the study is over: draining the buffers still commits checkpoints and beats the heart."""
         return time.monotonic() >= self.next_sync
 
-    def sync(self, consumed: int, training: dict[str, Any] | None = None) -> None:
-        """Collective: rank 0 learns what every rank received and ``consumed``, advances the study, shows where
-        it and ``training`` stand, and tells the ranks which attempts are current, which simulations finished,
-        and whether the study is over."""
+    def sync(self, consumer: Consumer) -> None:
+        """Collective: rank 0 learns what every rank received and its ``consumer`` consumed, advances the study,
+        shows where it and training stand, and tells the ranks which attempts are current, which simulations
+        finished, and whether the study is over."""
         self.receiver.check()
-        reports = self.gather()
-        total = self.comm.reduce(consumed)  # rank 0's; None elsewhere
+        reports = self.gather(consumer)
+        total = self.comm.reduce(consumer.consumed())  # rank 0's; None elsewhere
         news: Any
         over, news = False, ({}, [], {})  # without a study (benches): nothing to follow
         if self.study is not None:
@@ -118,8 +152,9 @@ class Bookkeeping:
             for sim, reason in self.handshake.take_failures():
                 self.study.fail(sim, reason)
             self.study.tick(reports)
-            self.on_generations(self.study.take_generations())
-            self.status.update(time.monotonic(), self.study, reports, total, training)
+            for generation in self.study.take_generations():
+                generation.write(self.metrics)
+            self.status.update(time.monotonic(), self.study, reports, total, consumer.status())
             over, news = self.study.over, self.study.take_news()
         was_over = self.over
         self.over, news = self.comm.bcast((over, news))
@@ -133,20 +168,20 @@ class Bookkeeping:
             self.freed.release_if_due()
         self.next_sync = time.monotonic() + self.interval
 
-    def gather(self) -> list[ReceiverReport]:
+    def gather(self, consumer: Consumer) -> list[ReceiverReport]:
         """Collective: every rank's receiver report, on rank 0 (elsewhere an empty list), whose study learns the
         losses per sample that came with them."""
-        gathered = self.comm.gather((self.receiver.report(), self.losses()))
+        gathered = self.comm.gather((self.receiver.report(), consumer.take_losses()))
         if gathered is None:
             return []
         if self.study is not None:
             self.study.learn([losses for _, losses in gathered if losses is not None])
         return [report for report, _ in gathered]
 
-    def open(self, consumed: int, training: dict[str, Any] | None = None) -> None:
+    def open(self, consumer: Consumer) -> None:
         """The first two rounds: the first simulations' parameters go to the ranks, then they are launched."""
-        self.sync(consumed, training)
-        self.sync(consumed, training)
+        self.sync(consumer)
+        self.sync(consumer)
 
     def beat(self) -> None:
         """Rank 0 tells ``melissa-launcher`` that the ranks got through a collective round."""
@@ -166,8 +201,6 @@ class Loop:
         self.buffer: Buffer = bookkeeping.receiver.buffer
         self.stop = stop
         self.checkpointer = checkpointer
-        self.consumed: Callable[[], int] = lambda: 0  # samples taken from this rank's buffer so far
-        self.training: Callable[[], dict[str, Any] | None] = lambda: None  # where training stands, for the status
 
     def train(self, trainer: Trainer, next_batch: Callable[[float], Any], checkpoint_interval: int) -> Outcome:
         """Train in lockstep; snapshot every ``checkpoint_interval`` batches and at the end, unless stopped
@@ -183,17 +216,16 @@ class Loop:
             if snapshot_after(summary.batches):
                 checkpointer.snapshot(summary.batches, summary.samples)
 
-        self.consumed = lambda: summary.samples
-        self.training = trainer.status
-        if trainer.losses is not None:
-            self.bookkeeping.losses = trainer.losses.take
-        self.bookkeeping.on_generations = trainer.log_generations
-        self.bookkeeping.open(self.consumed(), self.training())  # the simulations start while begin() runs
+        self.bookkeeping.open(trainer)  # the simulations start while begin() runs
         start = time.monotonic()  # the first validation counts, as it always did
         trainer.begin()
         self.stop.install()  # a signal before is an exit: there is nothing to checkpoint yet
         outcome = self._rounds(
-            next_batch, step, trainer.options.stall_timeout, look_ahead=lambda: not snapshot_after(summary.batches + 1)
+            trainer,
+            next_batch,
+            step,
+            trainer.options.stall_timeout,
+            look_ahead=lambda: not snapshot_after(summary.batches + 1),
         )
         summary.duration_s += time.monotonic() - start
         self._log(outcome, summary.batches)
@@ -205,24 +237,23 @@ class Loop:
         trainer.close()
         return outcome
 
-    def drain(self) -> Outcome:
-        """Without training: take and count what the buffer serves, independently of the other ranks."""
-        drained = 0
+    def drain(self, drain: Drain) -> Outcome:
+        """Without training: take what the buffer serves and count it in ``drain``, independently of the other
+        ranks."""
 
         def next_samples(wait: float) -> list[Sample] | object | None:
             samples = self.buffer.get_batch(DRAIN_BATCH, timeout=wait)
             return END if samples == [] else samples
 
         def count(samples: list[Sample]) -> None:
-            nonlocal drained
-            drained += len(samples)
+            drain.drained += len(samples)
 
-        self.consumed = lambda: drained
-        self.bookkeeping.open(0)
-        return self._rounds(next_samples, count, stall_timeout=None)
+        self.bookkeeping.open(drain)
+        return self._rounds(drain, next_samples, count, stall_timeout=None)
 
     def _rounds(
         self,
+        consumer: Consumer,
         next_batch: Callable[[float], Any],
         step: Callable[[Any], None],
         stall_timeout: float | None,
@@ -248,7 +279,7 @@ class Loop:
                 self._wait(self._exchange(flags, pending))
             ready, ahead = pending is not None and pending is not END, False
             if flags[DUE]:
-                self.bookkeeping.sync(self.consumed(), self.training())
+                self.bookkeeping.sync(consumer)
                 if self.checkpointer is not None:
                     self.checkpointer.sync()
             if flags[ENDED] >= (1 if synchronous else self.size):

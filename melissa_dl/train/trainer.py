@@ -23,7 +23,6 @@ import random
 import resource
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,15 +37,15 @@ from melissa_dl.embeddings.table import ShardedEmbedding, set_default_collective
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.collectives import make_collectives
 from melissa_dl.runtime.files import write_atomic
+from melissa_dl.runtime.metrics import Metrics
 from melissa_dl.runtime.mpi import Comm
-from melissa_dl.study.learning import LossLog
+from melissa_dl.study.learning import LossLog, Records
 from melissa_dl.train.data_parallel import make_data_parallel
 from melissa_dl.train.dataset import Batch, collate
 from melissa_dl.train.module import TrainingModule, load_module_class
 
 if TYPE_CHECKING:
     from melissa_dl.checkpoint.recovery import OldRanks
-    from melissa_dl.study.study import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -119,24 +118,20 @@ class TrainingSummary:
 
 
 class Trainer:
-    """One rank's replica of the user's module, its optimizer and its TensorBoard writer.
-
-    ``scalars``: more TensorBoard points to log with the training loss (the stream's, from the receiver).
-    """
+    """One rank's replica of the user's module and its optimizer; it writes its curves through ``metrics``."""
 
     def __init__(
         self,
         options: TrainingConfig,
         base_dir: Path,
-        output: Path,
         comm: Comm,
-        scalars: Callable[[], dict[str, float]] = dict,
+        metrics: Metrics | None = None,
         learning: bool = False,
     ) -> None:
         self.options = options
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.scalars = scalars
+        self.metrics = metrics if metrics is not None else Metrics(None)
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.device = training_device(options.device, node.Get_rank())
         node.Free()
@@ -153,8 +148,6 @@ class Trainer:
         self.optimizer = self.module.configure_optimizer()
         self.parallel = make_data_parallel(self.module, self.optimizer, self.collectives)
         self.validation_set: list[Any] = []  # this rank's share of the held-out samples, from begin()
-        self.output = output
-        self.writer: Any = None  # opened by begin(), after a restore has set the step to continue from
         self.copies: list[BackgroundCopy] = []  # of the last state taken, until the next optimizer step
         self._spare: dict[str, Any] = {}  # written copies, whose memory the next copies overwrite
         self.dense = Dense(self)
@@ -163,29 +156,30 @@ class Trainer:
         self.last_loss: float | None = None  # this rank's training loss at the last TensorBoard point
         self._last_log = (time.monotonic(), 0)  # time, batches
         self.losses = LossLog() if learning else None  # per sample, for a sampler that learns
-        self._generations: list[Generation] = []  # to picture once the writer is open
 
     def begin(self) -> None:
         """Take this rank's share of the held-out samples (here, once the study runs: a module may solve them,
-        and the simulations need not wait for it); open the TensorBoard curves where the restored run left
-        them; validate the untrained model."""
-        from torch.utils.tensorboard import SummaryWriter  # slow import, only when training
-
+        and the simulations need not wait for it); open the curves where the restored run left them; validate
+        the untrained model."""
         held_out = list(self.module.validation_samples())
         # equal shares, so that every rank runs as many validation batches (lookups of sharded tables are collectives)
         self.validation_set = held_out[: len(held_out) - len(held_out) % self.size][self.rank :: self.size]
-
-        # purge_step: a resumed run replaces what a dead one logged after its checkpoint (taken after batch b's points)
-        self.writer = SummaryWriter(
-            str(self.output / "tensorboard" / f"rank{self.rank}"), purge_step=self.summary.batches + 1
-        )
-        self.log_generations([])  # those drawn before it opened
+        # a resumed run replaces what a dead one logged after its checkpoint (taken after batch b's points)
+        self.metrics.open(purge_step=self.summary.batches + 1)
         if self.summary.batches == 0:  # a resumed run validates where an uninterrupted one would
             self.validate()
 
     def close(self) -> None:
-        self.writer.close()
+        self.metrics.close()
         self.collectives.close()
+
+    def consumed(self) -> int:
+        """Samples this rank trained on (``loop.Consumer``)."""
+        return self.summary.samples
+
+    def take_losses(self) -> Records | None:
+        """The losses per sample recorded since the last call, for a sampler that learns (``loop.Consumer``)."""
+        return self.losses.take() if self.losses is not None else None
 
     def step(self, batch: Batch) -> None:
         self.module.train()
@@ -228,36 +222,20 @@ class Trainer:
         now = time.monotonic()
         then, batches = self._last_log
         step = self.summary.batches
-        for tag, value in (
-            ("train/loss", loss),
-            ("train/batches_per_s", (step - batches) / max(now - then, 1e-9)),
-            ("memory/rss_mb", rss_megabytes()),
-            *((("embeddings/rows_updated", self.rows_updated),) if self.tables else ()),
-            *self.scalars().items(),
-        ):
-            self.writer.add_scalar(tag, value, step)
+        values = {
+            "train/loss": loss,
+            "train/batches_per_s": (step - batches) / max(now - then, 1e-9),
+            "memory/rss_mb": rss_megabytes(),
+        }
+        if self.tables:
+            values["embeddings/rows_updated"] = self.rows_updated
+        self.metrics.point(step, values)
         self.rows_updated = 0
         self.last_loss = loss
         self._last_log = (now, step)
 
-    def log_generations(self, generations: list[Generation]) -> None:
-        """Rank 0: each generation's bred fraction and picture (``plots.generation``), on TensorBoard."""
-        self._generations += generations
-        if self.writer is None:
-            return
-        from melissa_dl.study.plots import generation
-
-        for g in self._generations:
-            self.writer.add_scalar("sampling/bred_fraction", g.bred_fraction, g.number)
-            self.writer.add_figure(
-                "sampling/generations",
-                generation(g.number, g.bred_fraction, g.names, g.drawn, g.bred, g.known, g.statistics),
-                g.number,
-            )
-        self._generations = []
-
     def status(self) -> dict[str, Any]:
-        """Where training stands, for the study's status: batches, the last losses logged."""
+        """Where training stands, for the study's status (``loop.Consumer``): batches, the last losses logged."""
         validation = self.summary.validation
         return {
             "batches": self.summary.batches,
@@ -285,7 +263,7 @@ class Trainer:
             return
         loss = totals[0] / totals[1]
         self.summary.validation.append((self.summary.batches, loss))
-        self.writer.add_scalar("validation/loss", loss, self.summary.batches)
+        self.metrics.scalar("validation/loss", loss, self.summary.batches)
         if self.rank == 0:
             logger.info("validation loss %.6g after %d batches", loss, self.summary.batches)
 
