@@ -154,7 +154,7 @@ def server_side(
     rank, size = comm.Get_rank(), comm.Get_size()
     training = config.training
     buffer = make_buffer("fifo", capacity_samples=None, capacity_bytes=None, watermark=0, seed=rank)
-    spec = StreamSpec.from_config(config, config.study.parameter_table(), b"x" * 32, rank, size)
+    spec = StreamSpec.from_config(config.server, config.study, config.study.parameter_table(), b"x" * 32, rank, size)
     receiver = Receiver(spec, buffer, "127.0.0.1", config.server.receive_queue_bytes)
     receiver.start_and_bind()
     trainer = Trainer(training, config.base_dir, comm, Metrics(config.output_path / "tensorboard", [receiver.scalars]))

@@ -26,7 +26,7 @@ import numpy as np
 from launcher.jobs import SCHEDULERS, scheduler_class
 from launcher.samplers import SAMPLERS, SPACE_FILLING, Breeding, Sampler, make_sampler
 from launcher.schedulers import JobTemplate
-from melissa_dl.buffers.kinds import BUFFER_KINDS
+from melissa_dl.buffers.kinds import BUFFER_KINDS, Buffer, make_buffer
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.logs import LEVELS
 from melissa_dl.wire.protocol import DTYPES, MAX_NDIM
@@ -381,6 +381,18 @@ class BufferConfig:
                 "buffer.per_server_watermark",
                 f"{self.per_server_watermark} is above capacity_samples={self.capacity_samples}",
             )
+
+    def make_buffer(self, rank: int) -> Buffer:
+        """Rank ``rank``'s buffer, as this section describes it (each rank draws from its own seed). Here, not
+        in the buffers wing: the configuration already imports the kinds, and the import runs one way."""
+        return make_buffer(
+            self.kind,
+            capacity_samples=self.capacity_samples,
+            capacity_bytes=self.capacity_bytes,
+            watermark=self.per_server_watermark,
+            seed=self.seed + rank,
+            pseudo_epochs=self.pseudo_epochs,
+        )
 
 
 def _mpi_schedulers(quote: str) -> str:

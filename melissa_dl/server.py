@@ -27,7 +27,6 @@ import numpy as np
 from mpi4py import MPI
 
 from launcher import Launcher, Sampler, make_scheduler
-from melissa_dl.buffers.kinds import make_buffer
 from melissa_dl.checkpoint.recovery import (
     DENSE,
     STREAM,
@@ -131,18 +130,10 @@ class Server:
             if self.rank == 0
             else None
         )
-        options = config.buffer
-        self.buffer = make_buffer(
-            options.kind,
-            capacity_samples=options.capacity_samples,
-            capacity_bytes=options.capacity_bytes,
-            watermark=options.per_server_watermark,
-            seed=options.seed + self.rank,
-            pseudo_epochs=options.pseudo_epochs,
-        )
-        spec = StreamSpec.from_config(config, self.parameters, self.token, self.rank, self.size)
+        self.buffer = config.buffer.make_buffer(self.rank)
+        spec = StreamSpec.from_config(config.server, study, self.parameters, self.token, self.rank, self.size)
         self.bind_address, self.host = addresses(config.server.interface)
-        self.receiver = Receiver(spec, self.buffer, self.bind_address, config.server.receive_queue_bytes, self.security)
+        self.receiver = Receiver.from_config(config.server, spec, self.buffer, self.bind_address, self.security)
         self.parts: list[Part] = []  # of the checkpoints: the stream's, the trainer's, and on rank 0 the study's
 
     def run(self) -> int:
@@ -268,7 +259,10 @@ class Server:
         self, endpoints: list[tuple[str, str]], version: Version | None, sampler: Sampler
     ) -> tuple[HandshakeServer, Launcher, Study]:
         """Rank 0: the handshake socket, the launcher and the study, restored from ``version``."""
-        handshake = HandshakeServer.from_config(self.config, self.token, endpoints, self.bind_address, self.security)
+        config = self.config
+        handshake = HandshakeServer.from_config(
+            config.server, config.study, config.launcher, self.token, endpoints, self.bind_address, self.security
+        )
         server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
         logger.info(
             "study of %d simulations, handshake at %s, %d server ranks",
@@ -277,9 +271,9 @@ class Server:
             self.size,
         )
         launcher = make_launcher(self.config)
-        options = self.config.study
-        study = Study(
-            options.simulations,
+        study = Study.from_config(
+            self.config.study,
+            self.config.launcher,
             self.size,
             launcher,
             sampler,
@@ -291,15 +285,9 @@ class Server:
                 sim,
                 attempt,
                 parameters,
-                options.parameter_names,
+                self.config.study.parameter_names,
             ),
             handshake.expect,
-            self.config.launcher.max_retries,
-            self.config.launcher.simulation_timeout,
-            self.config.launcher.job_limit,
-            options.parameter_names,
-            options.loss_statistic,
-            options.plotted(),
         )
         self._add_parts(
             version, Part(STUDY, Group(simulations=study, handshake_rejected=handshake.rejections), shared=True)

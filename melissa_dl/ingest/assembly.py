@@ -55,7 +55,7 @@ from melissa_dl.wire.protocol import (
 from melissa_dl.wire.rejections import RejectionLog
 
 if TYPE_CHECKING:
-    from melissa_dl.config import Config
+    from melissa_dl.config import ServerConfig, StudyConfig
 
 COPY_FROM = 1 << 16  # smaller payloads are copied out of ZeroMQ's shared receive chunks
 
@@ -86,9 +86,10 @@ class StreamSpec:
         return min(self.max_message_bytes, PART_BYTES)
 
     @classmethod
-    def from_config(cls, config: Config, parameters: np.ndarray, token: bytes, rank: int, size: int) -> StreamSpec:
-        """Rank ``rank`` of ``size``'s view of the study ``config`` describes."""
-        server, study = config.server, config.study
+    def from_config(
+        cls, server: ServerConfig, study: StudyConfig, parameters: np.ndarray, token: bytes, rank: int, size: int
+    ) -> StreamSpec:
+        """Rank ``rank`` of ``size``'s view of the study the ``server`` and ``study`` sections describe."""
         return cls(
             fields=study.field_names,
             parameters=parameters,

@@ -55,7 +55,7 @@ from melissa_dl.wire.protocol import (
 from melissa_dl.wire.security import Security, hello_bytes
 
 if TYPE_CHECKING:
-    from melissa_dl.config import Config
+    from melissa_dl.config import LauncherConfig, ServerConfig, StudyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -113,21 +113,28 @@ class HandshakeServer(ServerSocketThread):
 
     @classmethod
     def from_config(
-        cls, config: Config, token: bytes, endpoints: Sequence[tuple[str, str]], bind_address: str, security: Security
+        cls,
+        server: ServerConfig,
+        study: StudyConfig,
+        launcher: LauncherConfig,
+        token: bytes,
+        endpoints: Sequence[tuple[str, str]],
+        bind_address: str,
+        security: Security,
     ) -> HandshakeServer:
-        """Rank 0's handshake socket for the study ``config`` describes, sending clients to ``endpoints`` (each
+        """Rank 0's handshake socket for the study the sections describe, sending clients to ``endpoints`` (each
         rank's data and delivery endpoints)."""
         return cls(
             token=token,
-            fields=config.study.field_names,
-            simulations=config.study.simulations,
+            fields=study.field_names,
+            simulations=study.simulations,
             endpoints=endpoints,
-            bind_simulation=config.server.bind_simulation_to_server_rank,
-            max_message_bytes=config.server.max_message_bytes,
+            bind_simulation=server.bind_simulation_to_server_rank,
+            max_message_bytes=server.max_message_bytes,
             bind_address=bind_address,
-            client_size=config.launcher.client_ranks,
-            layouts=config.study.field_layouts,
-            port=config.server.handshake_port,
+            client_size=launcher.client_ranks,
+            layouts=study.field_layouts,
+            port=server.handshake_port,
             security=security,
         )
 

@@ -32,6 +32,7 @@ from melissa_dl.wire.security import Security, hello_bytes
 
 if TYPE_CHECKING:
     from melissa_dl.checkpoint.recovery import OldRanks
+    from melissa_dl.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,13 @@ class Receiver(ServerSocketThread):
         self._last_scalars = (time.monotonic(), 0)  # time, bytes received
         if spec.reject_non_finite:
             compiled_loop()  # now: at the first large field, clients' messages would queue up behind the compiler
+
+    @classmethod
+    def from_config(
+        cls, server: ServerConfig, spec: StreamSpec, buffer: Buffer, bind_address: str, security: Security
+    ) -> Receiver:
+        """The receiver of ``spec``'s rank, with the receive queue the ``server`` section sizes."""
+        return cls(spec, buffer, bind_address, server.receive_queue_bytes, security)
 
     def start_and_bind(self, timeout: float = 30.0) -> int:
         """Start the data socket's thread and the delivery service's; return the data port."""

@@ -60,7 +60,7 @@ from melissa_dl.wire import client
 from melissa_dl.wire.security import Security
 
 if TYPE_CHECKING:
-    from melissa_dl.config import LauncherConfig
+    from melissa_dl.config import LauncherConfig, StudyConfig
     from melissa_dl.runtime.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -190,6 +190,33 @@ class Study:
         self._attempts_started: dict[int, int] = {}
         self._ended: list[int] = []
         self._announced: dict[Progress, Progress] = {}  # see _kept
+
+    @classmethod
+    def from_config(
+        cls,
+        study: StudyConfig,
+        launching: LauncherConfig,
+        server_size: int,
+        launcher: Launcher,
+        sampler: Sampler,
+        environment: Callable[[int, int, np.ndarray], dict[str, str]],
+        expect: Callable[[int, int | None], None],
+    ) -> Study:
+        """The study of the ``study`` section, its attempts bounded by the ``launcher`` section (``launching``)."""
+        return cls(
+            study.simulations,
+            server_size,
+            launcher,
+            sampler,
+            environment,
+            expect,
+            launching.max_retries,
+            launching.simulation_timeout,
+            launching.job_limit,
+            study.parameter_names,
+            study.loss_statistic,
+            study.plotted(),
+        )
 
     def start(self) -> None:
         """After ``load_state_dict``: the unfinished simulations whose parameters were drawn run again, once the

@@ -79,11 +79,12 @@ def try_simulation(config: Config, parameters: list[float] | None = None, timeou
     token = secrets.token_bytes(32)
     security = Security.generate(config.server.security, token, config.launcher.client_timeout)
     buffer = make_buffer("fifo", capacity_samples=1024, capacity_bytes=None, watermark=1, seed=0)
-    receiver = Receiver(
-        StreamSpec.from_config(config, table, token, 0, 1), buffer, HOST, config.server.receive_queue_bytes, security
-    )
+    spec = StreamSpec.from_config(config.server, config.study, table, token, 0, 1)
+    receiver = Receiver.from_config(config.server, spec, buffer, HOST, security)
     receiver.start_and_bind()
-    handshake = HandshakeServer.from_config(config, token, [receiver.endpoints(HOST)], HOST, security)
+    handshake = HandshakeServer.from_config(
+        config.server, config.study, config.launcher, token, [receiver.endpoints(HOST)], HOST, security
+    )
     trial = Trial(table[0].tolist())
     scheduler = "mpirun" if config.launcher.client_ranks > 1 else "local"  # here, not through a batch system
     launcher = Launcher(make_scheduler(scheduler, config.simulation_job()), 1, config.output_path / LOGS)

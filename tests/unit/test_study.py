@@ -10,6 +10,7 @@ import pytest
 
 from launcher import NOT_RUNNABLE, START_FAILED, Sampler, make_sampler
 from launcher.samplers import Breeding
+from melissa_dl.config import parse_config
 from melissa_dl.ingest.assembly import Progress
 from melissa_dl.ingest.receiver import ReceiverReport
 from melissa_dl.study.report import final_report
@@ -575,3 +576,30 @@ def test_a_simulation_whose_process_ended_before_its_steps_were_counted_is_endin
     assert (h.state(0), h.study.counts()["running"], h.study.ending()) == (State.RUNNING, 2, 1)
     h.tick(2.0, *reports({0: [None, (2, 2)]}))
     assert (h.state(0), h.study.counts()["running"], h.study.ending()) == (State.DONE, 1, 0)
+
+
+def test_a_study_built_from_its_sections_takes_the_launcher_section_s_bounds_and_the_study_s_names() -> None:
+    config = parse_config(
+        {
+            "study": {
+                "fields": ["u"],
+                "parameters": [{"name": "a", "low": 0, "high": 1}, {"name": "b", "low": 0, "high": 2}],
+                "simulations": 3,
+                "loss_statistic": "max",
+            },
+            "launcher": {"command": ["sim"], "max_retries": 4, "simulation_timeout": 7.5, "job_limit": 2},
+        },
+        Path("/studies/x"),
+    )
+    sampler = make_sampler("uniform", [0.0, 0.0], [1.0, 2.0], 0, 3)
+    study = Study.from_config(
+        config.study,
+        config.launcher,
+        RANKS,
+        FakeLauncher(),
+        sampler,
+        lambda *_: {},
+        lambda *_: None,  # type: ignore[arg-type]
+    )
+    assert len(study.simulations) == 3 and study.names == ["a", "b"] and study.losses.statistic == "max"
+    assert (study._max_retries, study._timeout, study._job_limit) == (4, 7.5, 2)
