@@ -49,7 +49,7 @@ from torch import nn
 
 from melissa_dl import Sample, TrainingModule
 from melissa_dl.buffers.kinds import make_buffer
-from melissa_dl.checkpoint.recovery import Checkpointer
+from melissa_dl.checkpoint.manager import CheckpointManager
 from melissa_dl.config import Config, parse_config
 from melissa_dl.ingest.assembly import StreamSpec
 from melissa_dl.ingest.receiver import Receiver
@@ -165,12 +165,12 @@ def server_side(
     heartbeat = scratch / "heartbeat"
     heartbeat.touch()
     bookkeeping = Bookkeeping(comm, receiver, config.server.control_interval, heartbeat)
-    loop = Loop(comm, bookkeeping, GracefulStop(), Checkpointer(config, comm, [], first_version=1))
+    loop = Loop(comm, bookkeeping, GracefulStop(), CheckpointManager(config, comm))
     stamps: list[float] = []
     step = trainer.step
     trainer.step = lambda batch: (step(batch), stamps.append(time.perf_counter()))  # type: ignore[method-assign]
     comm.Barrier()
-    loop.train(trainer, dataset.next_batch, 0)
+    loop.train(trainer, dataset.next_batch)
     receiver.stop()
     assert len(stamps) == steps, f"rank {rank} trained {len(stamps)} of {steps} batches"
     return comm.allreduce(per_step(stamps, warmup), op=MPI.MAX)

@@ -27,22 +27,18 @@ import numpy as np
 from mpi4py import MPI
 
 from launcher import Launcher, Sampler, make_scheduler
+from melissa_dl.checkpoint.manager import CheckpointManager
 from melissa_dl.checkpoint.recovery import (
     DENSE,
     STREAM,
     STUDY,
     TRAINER,
-    Checkpointer,
     Group,
     Part,
-    checkpoint_root,
-    find_checkpoint,
-    restore,
-    start_fresh,
 )
-from melissa_dl.checkpoint.versions import Version, next_version
+from melissa_dl.checkpoint.versions import Version
 from melissa_dl.config import Config
-from melissa_dl.errors import CheckpointCorrupt, ConfigError
+from melissa_dl.errors import ConfigError
 from melissa_dl.ingest.assembly import StreamSpec
 from melissa_dl.ingest.connections import raise_open_file_limit
 from melissa_dl.ingest.handshake import HandshakeServer
@@ -134,27 +130,28 @@ class Server:
         spec = StreamSpec.from_config(config.server, study, self.parameters, self.token, self.rank, self.size)
         self.bind_address, self.host = addresses(config.server.interface)
         self.receiver = Receiver.from_config(config.server, spec, self.buffer, self.bind_address, self.security)
-        self.parts: list[Part] = []  # of the checkpoints: the stream's, the trainer's, and on rank 0 the study's
+        self.checkpoints = CheckpointManager(config, comm)
 
     def run(self) -> int:
         """Run the study to its end; every rank returns the same exit code. The phases, in order:
         claim the output folder and find the checkpoint, restore, open the study, consume, report."""
         start = time.monotonic()
         logger.info("server rank %d of %d, pid %d", self.rank, self.size, os.getpid())
-        version, failure = self.comm.bcast(self._claim_output() if self.rank == 0 else None)
+        refused = self._claim_output() if self.rank == 0 else None
         try:  # before any simulation starts: a wrong module or class is a configuration error
-            if failure is not None:
-                raise ConfigError(failure)
+            version = self.checkpoints.open(self.fresh, refused)
+            if self.export_model and version is None:
+                raise ConfigError(f"--export-model: no checkpoint in {self.checkpoints.root}")
             # every rank: a sampler that learns makes every trainer record its losses per sample
             sampler = self.config.study.make_sampler(self.config.base_dir, self.config.launcher.job_limit)
-            trainer = self._make_trainer(version, sampler.learns)
+            trainer = self._make_trainer(sampler.learns)
             if version is not None:
                 assert trainer is not None
                 if self.export_model:
                     return self._export_model(version, trainer)
                 if self._already_complete(version):
                     return 0
-            self._add_parts(version, Part(STREAM, self.receiver))
+            self.checkpoints.add(Part(STREAM, self.receiver))
         except ConfigError as error:
             if self.rank == 0:
                 logger.error("%s", error)
@@ -164,7 +161,7 @@ class Server:
         try:
             if self.rank == 0:
                 assert endpoints is not None
-                handshake, launcher, study = self._open_study(endpoints, version, sampler)
+                handshake, launcher, study = self._open_study(endpoints, sampler)
             status = self._status_board(start, handshake) if self.rank == 0 else None
             bookkeeping = Bookkeeping(
                 self.comm,
@@ -208,37 +205,25 @@ class Server:
             )
         return True
 
-    def _claim_output(self) -> tuple[Version | None, str | None]:
-        """Rank 0, before anything is written: is this output folder ours, start over or resume, from what?"""
+    def _claim_output(self) -> str | None:
+        """Rank 0, before anything is written: whether this output folder is ours (None), else why not."""
         self.config.output_path.mkdir(parents=True, exist_ok=True)
         (self.config.output_path / HEARTBEAT).touch()  # alive: the supervisor's clock restarts after MPI's start
         try:
             self.lock = lock_output(self.config.output_path)
-            for folder in (self.config.output_path, checkpoint_root(self.config)):
-                remove_temporaries(folder)  # of a server killed while writing
-            if self.fresh:
-                start_fresh(self.config)
-            version = find_checkpoint(self.config) if self.config.training is not None else None
-            if self.export_model and version is None:
-                raise ConfigError(f"--export-model: no checkpoint in {checkpoint_root(self.config)}")
-        except (ConfigError, CheckpointCorrupt) as error:
-            return None, str(error)
-        return version, None
+        except ConfigError as error:
+            return str(error)
+        remove_temporaries(self.config.output_path)  # of a server killed while writing
+        return None
 
-    def _make_trainer(self, version: Version | None, learning: bool) -> Trainer | None:
-        """The trainer of the ``training`` section (none without one), restored from ``version``."""
+    def _make_trainer(self, learning: bool) -> Trainer | None:
+        """The trainer of the ``training`` section (none without one), restored from the checkpoint opened."""
         if self.config.training is None:
             return None
         metrics = Metrics(self.config.output_path / "tensorboard" / f"rank{self.rank}", [self.receiver.scalars])
         trainer = Trainer(self.config.training, self.config.base_dir, self.comm, metrics, learning)
-        self._add_parts(version, Part(DENSE, trainer.dense, shared=True), Part(TRAINER, trainer))
+        self.checkpoints.add(Part(DENSE, trainer.dense, shared=True), Part(TRAINER, trainer))
         return trainer
-
-    def _add_parts(self, version: Version | None, *parts: Part) -> None:
-        """More parts of the checkpoints, restored from ``version`` when resuming."""
-        if version is not None:
-            restore(version, parts, self.rank, self.size)
-        self.parts += parts
 
     def _export_model(self, version: Version, trainer: Trainer) -> int:
         """``--export-model``: model.pt of the checkpoint just restored, and nothing else."""
@@ -256,9 +241,9 @@ class Server:
         return data, delivery
 
     def _open_study(
-        self, endpoints: list[tuple[str, str]], version: Version | None, sampler: Sampler
+        self, endpoints: list[tuple[str, str]], sampler: Sampler
     ) -> tuple[HandshakeServer, Launcher, Study]:
-        """Rank 0: the handshake socket, the launcher and the study, restored from ``version``."""
+        """Rank 0: the handshake socket, the launcher and the study, restored from the checkpoint opened."""
         config = self.config
         handshake = HandshakeServer.from_config(
             config.server, config.study, config.launcher, self.token, endpoints, self.bind_address, self.security
@@ -289,8 +274,8 @@ class Server:
             ),
             handshake.expect,
         )
-        self._add_parts(
-            version, Part(STUDY, Group(simulations=study, handshake_rejected=handshake.rejections), shared=True)
+        self.checkpoints.add(
+            Part(STUDY, Group(simulations=study, handshake_rejected=handshake.rejections), shared=True)
         )
         launcher.start_thread()
         study.start()  # what a restored study left unfinished
@@ -299,9 +284,7 @@ class Server:
     def _train(self, trainer: Trainer, bookkeeping: Bookkeeping) -> bool:
         """Train until the study and the buffers are done (True), or until a stop request (False)."""
         assert self.config.training is not None
-        first_version = self.comm.bcast(next_version(checkpoint_root(self.config)) if self.rank == 0 else None)
-        checkpointer = Checkpointer(self.config, self.comm, self.parts, first_version)
-        loop = Loop(self.comm, bookkeeping, self.stop, checkpointer)
+        loop = Loop(self.comm, bookkeeping, self.stop, self.checkpoints)
         dataset = StreamDataset(
             self.buffer,
             trainer.module.process,
@@ -309,14 +292,12 @@ class Server:
             trainer.module.deterministic_process,
             pin_memory=trainer.device.type == "cuda",
         )
-        if loop.train(trainer, dataset.next_batch, self.config.training.checkpoint_interval) is Outcome.ENDED:
+        if loop.train(trainer, dataset.next_batch) is Outcome.ENDED:
             return True
         self.receiver.stop()
         if bookkeeping.status is not None:  # rank 0
             bookkeeping.status.stopped()
-            logger.warning(
-                "stopped on request; run the same command again to resume from %s", checkpoint_root(self.config)
-            )
+            logger.warning("stopped on request; run the same command again to resume from %s", self.checkpoints.root)
         return False
 
     def _status_board(self, start: float, handshake: HandshakeServer | None) -> StatusBoard:

@@ -41,7 +41,7 @@ from mpi4py import MPI
 
 from melissa_dl.buffers.kinds import Buffer
 from melissa_dl.buffers.sample import Sample
-from melissa_dl.checkpoint.recovery import Checkpointer
+from melissa_dl.checkpoint.manager import CheckpointManager
 from melissa_dl.errors import TrainingStalled
 from melissa_dl.ingest.handshake import HandshakeServer
 from melissa_dl.ingest.receiver import Receiver, ReceiverReport
@@ -193,29 +193,26 @@ class Loop:
     """Consumes a rank's buffer in rounds with the other ranks until the study ends or a stop is asked for."""
 
     def __init__(
-        self, comm: Comm, bookkeeping: Bookkeeping, stop: GracefulStop, checkpointer: Checkpointer | None = None
+        self, comm: Comm, bookkeeping: Bookkeeping, stop: GracefulStop, checkpoints: CheckpointManager | None = None
     ) -> None:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.bookkeeping = bookkeeping
         self.buffer: Buffer = bookkeeping.receiver.buffer
         self.stop = stop
-        self.checkpointer = checkpointer
+        self.checkpoints = checkpoints
 
-    def train(self, trainer: Trainer, next_batch: Callable[[float], Any], checkpoint_interval: int) -> Outcome:
-        """Train in lockstep; snapshot every ``checkpoint_interval`` batches and at the end, unless stopped
-        midway (a checkpoint then could lose samples)."""
-        assert self.checkpointer is not None
-        checkpointer, summary = self.checkpointer, trainer.summary
-
-        def snapshot_after(batches: int) -> bool:
-            return checkpoint_interval > 0 and batches % checkpoint_interval == 0
+    def train(self, trainer: Trainer, next_batch: Callable[[float], Any]) -> Outcome:
+        """Train in lockstep; snapshot when the checkpoints say so and at the end, unless stopped midway (a
+        checkpoint then could lose samples)."""
+        assert self.checkpoints is not None
+        checkpoints, summary = self.checkpoints, trainer.summary
 
         def step(batch: Any) -> None:
             trainer.step(batch)
-            if snapshot_after(summary.batches):
-                checkpointer.snapshot(summary.batches, summary.samples)
+            checkpoints.after_step(summary.batches, summary.samples)
 
+        checkpoints.begin()
         self.bookkeeping.open(trainer)  # the simulations start while begin() runs
         start = time.monotonic()  # the first validation counts, as it always did
         trainer.begin()
@@ -225,15 +222,15 @@ class Loop:
             next_batch,
             step,
             trainer.options.stall_timeout,
-            look_ahead=lambda: not snapshot_after(summary.batches + 1),
+            look_ahead=lambda: not checkpoints.due(summary.batches + 1),
         )
         summary.duration_s += time.monotonic() - start
         self._log(outcome, summary.batches)
         if outcome is Outcome.ENDED:
             trainer.validate_unless_done()
         if outcome is not Outcome.STOPPED_MIDWAY:
-            checkpointer.snapshot(summary.batches, summary.samples)
-        checkpointer.final(complete=outcome is Outcome.ENDED)
+            checkpoints.snapshot(summary.batches, summary.samples)
+        checkpoints.final(complete=outcome is Outcome.ENDED)
         trainer.close()
         return outcome
 
@@ -280,8 +277,8 @@ class Loop:
             ready, ahead = pending is not None and pending is not END, False
             if flags[DUE]:
                 self.bookkeeping.sync(consumer)
-                if self.checkpointer is not None:
-                    self.checkpointer.sync()
+                if self.checkpoints is not None:
+                    self.checkpoints.sync()
             if flags[ENDED] >= (1 if synchronous else self.size):
                 return Outcome.ENDED
             if ready and (flags[READY] == self.size or not synchronous):
