@@ -221,7 +221,9 @@ class Server:
         if self.config.training is None:
             return None
         metrics = Metrics(self.config.output_path / "tensorboard" / f"rank{self.rank}", [self.receiver.scalars])
-        trainer = Trainer(self.config.training, self.config.base_dir, self.comm, metrics, learning)
+        trainer = Trainer(
+            self.config.training, self.config.base_dir, self.comm, metrics, learning, self.checkpoints.copies
+        )
         self.checkpoints.add(Part(DENSE, trainer.dense, shared=True), Part(TRAINER, trainer))
         return trainer
 

@@ -13,6 +13,7 @@ parts know only ``state_dict``.
 from __future__ import annotations
 
 from melissa_dl.checkpoint.recovery import Checkpointer, Part, checkpoint_root, find_checkpoint, restore, start_fresh
+from melissa_dl.checkpoint.snapshots import BackgroundCopies
 from melissa_dl.checkpoint.versions import Version, next_version
 from melissa_dl.config import Config
 from melissa_dl.errors import CheckpointCorrupt, ConfigError
@@ -29,6 +30,7 @@ class CheckpointManager:
         self.interval = config.training.checkpoint_interval if config.training is not None else 0
         self.parts: list[Part] = []  # the stream's, the trainer's, and on rank 0 the study's
         self.version: Version | None = None  # resumed from
+        self.copies = BackgroundCopies()  # of the parts' live state: the trainer waits for them before a step
         self._checkpointer: Checkpointer | None = None  # from begin()
 
     def open(self, fresh: bool, refused: str | None = None) -> Version | None:
@@ -60,7 +62,7 @@ class CheckpointManager:
     def begin(self) -> None:
         """Collective, when training begins: the versions written from now on follow every earlier one."""
         first = self.comm.bcast(next_version(self.root) if self.rank == 0 else None)
-        self._checkpointer = Checkpointer(self.config, self.comm, self.parts, first)
+        self._checkpointer = Checkpointer(self.config, self.comm, self.parts, first, self.copies)
 
     def due(self, batches: int) -> bool:
         """Whether a snapshot follows the step that makes ``batches``."""

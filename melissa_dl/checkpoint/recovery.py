@@ -18,9 +18,11 @@ Why it works this way:
   ledger holds is then either in the model or in a buffer, so a resumed run
   loses none and trains none twice as new. Steps received after the
   snapshot are in no ledger and arrive again from the relaunched simulations.
-* Training barely pauses: a part's state may hold a ``BackgroundCopy`` still
-  under way (the trainer's tensors are copied while the next batch's forward
-  and backward run), and serialising and writing run in a background thread.
+* Training barely pauses: a part's state may mark values ``Live``, whose
+  copies (``snapshots.BackgroundCopies``) are still under way when the
+  snapshot goes to the writer: the trainer's tensors are copied while the
+  next batch's forward and backward run; serialising and writing run in a
+  background thread.
 * MPI stays in the main thread: what a rank has written reaches rank 0 in the
   next bookkeeping round (``sync``), and rank 0 commits the newest version
   every rank has written, in another thread.
@@ -45,7 +47,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from melissa_dl.checkpoint.serialization import dumps, loads
-from melissa_dl.checkpoint.snapshots import BackgroundWriter, release, settled
+from melissa_dl.checkpoint.snapshots import BackgroundCopies, BackgroundWriter, release, settled
 from melissa_dl.checkpoint.versions import (
     FileRecord,
     Version,
@@ -134,12 +136,15 @@ class Checkpointer:
     """One rank's side of the periodic checkpoints of ``parts``; ``snapshot``, ``sync`` and ``final`` are
     called on every rank."""
 
-    def __init__(self, config: Config, comm: Comm, parts: Sequence[Part], first_version: int) -> None:
+    def __init__(
+        self, config: Config, comm: Comm, parts: Sequence[Part], first_version: int, copies: BackgroundCopies
+    ) -> None:
         assert config.training is not None
         self.root = checkpoint_root(config)
         self.comm = comm
         self.rank = comm.Get_rank()
         self.parts = parts
+        self.copies = copies
         self.keep = config.training.keep_checkpoints
         self.digest = config.digest()
         self.module_digest = module_digest(config) if self.rank == 0 else ""
@@ -155,7 +160,7 @@ class Checkpointer:
         """Take this rank's parts now, after ``batch`` batches and ``samples`` samples trained here, and write
         them in the background (every rank, at the same batch)."""
         version, self.next_version = self.next_version, self.next_version + 1
-        states = {part.name: part.state.state_dict() for part in self.parts}
+        states = {part.name: self.copies.start(part.name, part.state.state_dict()) for part in self.parts}
         states = {part.name: states[part.name] for part in self.parts if self.rank == 0 or not part.shared}
         self._writer.submit(lambda: self._write(version, batch, samples, states))
 

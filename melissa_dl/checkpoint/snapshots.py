@@ -2,7 +2,10 @@
 
 Training pays only for what it must: ``BackgroundCopy`` copies parameters
 and optimizer state to CPU memory while the next forward and backward run,
-and ``BackgroundWriter`` writes the files in one thread, in order.
+and ``BackgroundWriter`` writes the files in one thread, in order. A part
+marks what only its optimizer steps change as ``Live`` in its state;
+``BackgroundCopies`` starts those copies when a snapshot is taken, and the
+part's owner waits for them (``wait``) before its next optimizer step.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,6 +80,46 @@ class BackgroundCopy:
         self._thread.join()
         if self._on_release is not None and self._error is None:
             self._on_release(self._result)
+
+
+@dataclass(frozen=True)
+class Live:
+    """State that only optimizer steps change, in a part's ``state_dict``: copied in the background."""
+
+    state: Any
+
+
+class BackgroundCopies:
+    """The copies of ``Live`` state a snapshot started, each into the memory of the last written copy of the same
+    part and key (copying into memory already touched is several times faster than into new pages)."""
+
+    def __init__(self) -> None:
+        self._pending: list[BackgroundCopy] = []  # of the last snapshot, until the next optimizer step
+        self._spare: dict[str, Any] = {}  # written copies, whose memory the next copies overwrite
+
+    def start(self, part: str, state: Any) -> Any:
+        """``state`` with each top-level ``Live`` value replaced by its copy under way."""
+        if not isinstance(state, dict):
+            return state
+        return {
+            key: self._start(f"{part}.{key}", value.state) if isinstance(value, Live) else value
+            for key, value in state.items()
+        }
+
+    def _start(self, name: str, state: Any) -> BackgroundCopy:
+        pending = BackgroundCopy(
+            state,
+            self._spare.pop(name, None),  # dict pop and store: atomic under the GIL
+            on_release=lambda written: self._spare.__setitem__(name, written),
+        )
+        self._pending.append(pending)
+        return pending
+
+    def wait(self) -> None:
+        """Before the state changes: every copy started is made."""
+        for pending in self._pending:
+            pending.wait()
+        self._pending.clear()
 
 
 def settled(state: Any) -> Any:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from melissa_dl.checkpoint.snapshots import BackgroundCopy, copy_to_cpu
+from melissa_dl.checkpoint.snapshots import BackgroundCopies, Live, copy_to_cpu
 from melissa_dl.config import TrainingConfig
 from melissa_dl.embeddings.table import ShardedEmbedding, set_default_collectives, shard_range
 from melissa_dl.errors import ConfigError
@@ -118,7 +118,8 @@ class TrainingSummary:
 
 
 class Trainer:
-    """One rank's replica of the user's module and its optimizer; it writes its curves through ``metrics``."""
+    """One rank's replica of the user's module and its optimizer; it writes its curves through ``metrics`` and
+    waits for a checkpoint's ``copies`` of its state before each optimizer step."""
 
     def __init__(
         self,
@@ -127,8 +128,10 @@ class Trainer:
         comm: Comm,
         metrics: Metrics | None = None,
         learning: bool = False,
+        copies: BackgroundCopies | None = None,
     ) -> None:
         self.options = options
+        self.copies = copies if copies is not None else BackgroundCopies()  # a snapshot's, waited for before a step
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.metrics = metrics if metrics is not None else Metrics(None)
@@ -148,8 +151,6 @@ class Trainer:
         self.optimizer = self.module.configure_optimizer()
         self.parallel = make_data_parallel(self.module, self.optimizer, self.collectives)
         self.validation_set: list[Any] = []  # this rank's share of the held-out samples, from begin()
-        self.copies: list[BackgroundCopy] = []  # of the last state taken, until the next optimizer step
-        self._spare: dict[str, Any] = {}  # written copies, whose memory the next copies overwrite
         self.dense = Dense(self)
         self.summary = TrainingSummary()
         self.rows_updated = 0  # embedding rows this rank updated since the last TensorBoard point
@@ -193,9 +194,7 @@ class Trainer:
         elif self.losses is not None:
             self.losses.record(batch.ids, self._sample_losses(data))
         self.parallel.backward(loss)
-        for pending in self.copies:  # a checkpoint's copy of what the optimizers are about to change
-            pending.wait()
-        self.copies.clear()
+        self.copies.wait()  # a checkpoint's copy of what the optimizers are about to change
         self.parallel.step()
         for table in self.tables.values():
             self.rows_updated += table.apply_gradients()
@@ -288,17 +287,6 @@ class Trainer:
             write_atomic(path, stream.getbuffer())
         return path
 
-    def copy_later(self, name: str, state: Any) -> BackgroundCopy:
-        """A copy of ``state`` made while the next batch's forward and backward run (``step`` waits for it
-        first), into the memory of the last written copy of the same name."""
-        pending = BackgroundCopy(
-            state,
-            self._spare.pop(name, None),  # dict pop and store: atomic under the GIL
-            on_release=lambda written: self._spare.__setitem__(name, written),
-        )
-        self.copies.append(pending)
-        return pending
-
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: its shards with their row ranges and sparse optimizer state
         (copied in the background: only optimizer steps change them), the RNG states and the counters."""
@@ -307,7 +295,7 @@ class Trainer:
             name: {"shard": module[f"{name}.shard"], "extra": module[f"{name}._extra_state"]} for name in self.tables
         }
         return {
-            "tables": self.copy_later("tables", tables),
+            "tables": Live(tables),
             "rng": rng_states(),
             "summary": copy.deepcopy(self.summary),
             "losses": self.losses.state_dict() if self.losses is not None else None,
@@ -367,8 +355,8 @@ class Dense:
         buffers = copy_to_cpu({k: v for k, v in module.items() if k not in parameters})
         dense = {**{k: v for k, v in module.items() if k in parameters}, **buffers}  # parameters first, as before
         return {
-            "module": trainer.copy_later("module", dense),
-            "optimizer": optimizer if trainer.parallel.state_is_copy else trainer.copy_later("optimizer", optimizer),
+            "module": Live(dense),
+            "optimizer": optimizer if trainer.parallel.state_is_copy else Live(optimizer),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

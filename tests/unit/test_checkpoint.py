@@ -19,7 +19,14 @@ import pytest
 import torch
 
 from melissa_dl.checkpoint.serialization import dumps, loads
-from melissa_dl.checkpoint.snapshots import BackgroundCopy, BackgroundWriter
+from melissa_dl.checkpoint.snapshots import (
+    BackgroundCopies,
+    BackgroundCopy,
+    BackgroundWriter,
+    Live,
+    release,
+    settled,
+)
 from melissa_dl.checkpoint.versions import (
     FORMAT_VERSION,
     LATEST,
@@ -425,6 +432,22 @@ def test_a_checkpoint_written_before_the_wings_names_its_classes_by_their_old_mo
     [sample] = loads(bytearray(written))
     assert type(sample) is sample_module.Sample and (sample.simulation_id, sample.time_step) == (3, 4)
     np.testing.assert_array_equal(sample.fields["u"], np.arange(5.0))
+
+
+def test_a_snapshot_copies_a_part_s_live_state_into_the_memory_of_its_last_written_copy() -> None:
+    copies = BackgroundCopies()
+    live = {"w": torch.zeros(1000)}
+    state = copies.start("trainer", {"tables": Live(live), "step": 3})
+    copies.wait()  # what a step does before its optimizer changes the state
+    live["w"].add_(1)
+    first = settled(state)
+    assert first["step"] == 3 and float(first["tables"]["w"].sum()) == 0
+    release(state)  # written: its memory goes to the next copy of trainer.tables
+    again = settled(copies.start("trainer", {"tables": Live(live), "step": 4}))
+    assert again["tables"]["w"].data_ptr() == first["tables"]["w"].data_ptr()
+    assert float(again["tables"]["w"].sum()) == 1000
+    other = settled(copies.start("dense", {"tables": Live(live)}))
+    assert other["tables"]["w"].data_ptr() != first["tables"]["w"].data_ptr()  # another part's copy is its own
 
 
 def test_background_copy_reuses_an_earlier_copy_and_is_not_changed_by_later_steps() -> None:
