@@ -166,11 +166,11 @@ def config_for(args: argparse.Namespace, experiment: Experiment, seed: int, side
     training.update(
         module=str(EXAMPLE / "surrogate.py"),
         seed=seed,
-        checkpoint_interval=0,
         batch_size=experiment.batch if offline else per_rank,
         nb_batches_update=args.validate_every,
     )
     training["options"] = module_options(args, experiment)
+    data["checkpoint"] = {"interval": 0}
     path = folder / f"{side}.json"
     path.write_text(json.dumps(data, indent=2))
     return path

@@ -486,12 +486,6 @@ class TrainingConfig:
         positive=True,
         doc="Seconds a rank may lack data while another rank's buffer is full before the job stops with an error.",
     )
-    checkpoint_interval: int = option(
-        500, minimum=0, doc="Batches between two checkpoints (one is also written at the end); 0 writes only the last."
-    )
-    keep_checkpoints: int = option(
-        3, minimum=1, doc="Committed checkpoint versions kept on disk; older ones are deleted."
-    )
 
     def check(self, config: Config) -> None:
         buffer = config.buffer
@@ -505,12 +499,25 @@ class TrainingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    interval: int = option(
+        500, minimum=0, doc="Batches between two checkpoints (one is also written at the end); 0 writes only the last."
+    )
+    keep: int = option(3, minimum=1, doc="Committed checkpoint versions kept on disk; older ones are deleted.")
+
+
+# Keys that moved to another section: a one-line error says where.
+MOVED_KEYS = {"training.checkpoint_interval": "checkpoint.interval", "training.keep_checkpoints": "checkpoint.keep"}
+
+
+@dataclass
 class Config:
     study: StudyConfig = option(doc="What the study computes.")
     launcher: LauncherConfig = option(doc="How simulations are started.")
     server: ServerConfig = option(ServerConfig, doc="The server's sockets and bookkeeping.")
     buffer: BufferConfig = option(BufferConfig, doc="Each rank's sample buffer.")
     training: TrainingConfig | None = option(None, doc="What to train; without it the server only receives and drains.")
+    checkpoint: CheckpointConfig = option(CheckpointConfig, doc="When training's state is saved, and for how long.")
     output_dir: str = option("output", doc="Folder of logs, reports and checkpoints, relative to the config file.")
     base_dir: Path = field(default=Path("."), metadata={"internal": True})
 
@@ -628,6 +635,8 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     known = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     prefix = f"{path}." if path else ""
     for key in data:
+        if f"{prefix}{key}" in MOVED_KEYS:
+            raise ConfigError(f"{prefix}{key}: moved to {MOVED_KEYS[prefix + key]}")
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""

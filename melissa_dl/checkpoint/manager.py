@@ -4,7 +4,7 @@ The server opens it (``open``: a fresh start, or the version to resume
 from, checked against this configuration) and registers its parts as it
 builds them (``add``: each is restored from that version at once); the
 training loop calls it when training begins (``begin``), after every step
-(``after_step``: a snapshot every ``training.checkpoint_interval`` batches),
+(``after_step``: a snapshot every ``checkpoint.interval`` batches),
 in every bookkeeping round (``sync``: commits) and at the end (``final``).
 ``recovery.Checkpointer`` writes and commits, ``versions`` stores; the
 parts know only ``state_dict``.
@@ -27,7 +27,7 @@ class CheckpointManager:
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.root = checkpoint_root(config)
-        self.interval = config.training.checkpoint_interval if config.training is not None else 0
+        self.interval = config.checkpoint.interval if config.training is not None else 0
         self.parts: list[Part] = []  # the stream's, the trainer's, and on rank 0 the study's
         self.version: Version | None = None  # resumed from
         self.copies = BackgroundCopies()  # of the parts' live state: the trainer waits for them before a step

@@ -145,7 +145,7 @@ class Checkpointer:
         self.rank = comm.Get_rank()
         self.parts = parts
         self.copies = copies
-        self.keep = config.training.keep_checkpoints
+        self.keep = config.checkpoint.keep
         self.digest = config.digest()
         self.module_digest = module_digest(config) if self.rank == 0 else ""
         self.complete = False  # set by ``final`` when the study ended: a rerun then has nothing to do

@@ -19,11 +19,12 @@ round's all-reduce, which completes during the step's gradient all-reduce
 made. Not before a snapshot (a rank would hold a formed batch the snapshot
 misses) nor once a stop is asked for.
 
-The checkpoints' life is here too: a snapshot right after every
-``checkpoint_interval``-th step (no rank then holds a formed batch), its
-commit in a later bookkeeping round, and a last one when training ends or
-stops. The trainer only steps and gives its state; the bookkeeping round
-only talks to the study.
+The loop calls the checkpoints (``checkpoint.manager``) after every step,
+in every bookkeeping round and at the end: a snapshot right after every
+``checkpoint.interval``-th step (no rank then holds a formed batch), its
+commit in a later round, and a last one when training ends or stops. The
+trainer only steps and gives its state; the bookkeeping round only talks to
+the study.
 """
 
 from __future__ import annotations

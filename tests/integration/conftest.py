@@ -138,12 +138,12 @@ def paced_config(output: Path, class_name: str = "Tiny", job_limit: int = 2, **l
             "class_name": class_name,
             "options": options,
             "batch_size": 4,
-            "checkpoint_interval": 2,
             "nb_batches_update": 1000,
             "log_interval": 1,
             "device": "cpu",
             "seed": 3,
         },
+        checkpoint={"interval": 2},
     )
 
 

@@ -55,12 +55,12 @@ def adaptive_config(output: Path) -> dict[str, Any]:
             "module": str(HERE / "tiny_module.py"),
             "class_name": "Hardness",
             "batch_size": 4,
-            "checkpoint_interval": 2,
             "nb_batches_update": 1000,
             "log_interval": 1,
             "device": "cpu",
             "seed": 3,
         },
+        checkpoint={"interval": 2},
     )
 
 

@@ -89,6 +89,17 @@ def test_defaults_are_not_shared_between_configs() -> None:
 
 
 @pytest.mark.parametrize(
+    ("key", "moved"),
+    [("checkpoint_interval", "checkpoint.interval"), ("keep_checkpoints", "checkpoint.keep")],
+)
+def test_a_key_that_moved_to_the_checkpoint_section_says_where(key: str, moved: str) -> None:
+    training = {"module": "m.py", "class_name": "M", key: 5}
+    assert refused(edited({("training",): training}), "") == f"training.{key}: moved to {moved}"
+    config = parse_config(edited({("checkpoint",): {"interval": 7, "keep": 2}}), BASE)
+    assert (config.checkpoint.interval, config.checkpoint.keep) == (7, 2)
+
+
+@pytest.mark.parametrize(
     "changes, expected",
     [
         ({("outptu_dir",): "out"}, "outptu_dir: unknown key (did you mean 'output_dir'?)"),
