@@ -229,7 +229,7 @@ class Server:
 
     def _export_model(self, version: Version, trainer: Trainer) -> int:
         """``--export-model``: model.pt of the checkpoint just restored, and nothing else."""
-        model = trainer.save(self.config.output_path)
+        model = self.checkpoints.export(trainer.model_state())
         if self.rank == 0:
             logger.info("model of checkpoint %s written to %s", version.path, model)
         return 0
@@ -320,7 +320,7 @@ class Server:
         extra: dict[str, Any] = {}
         succeeded = self.comm.bcast(study.counts()["done"] > 0 if study is not None else None)
         if trainer is not None:  # a model trained on no whole simulation is not worth a file that looks like one
-            model = trainer.save(self.config.output_path) if succeeded else None
+            model = self.checkpoints.export(trainer.model_state()) if succeeded else None
             extra["training"] = {
                 **trainer.summary.to_dict(),
                 "samples_trained": total,

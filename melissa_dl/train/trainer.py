@@ -1,7 +1,7 @@
-"""One rank's replica of the user's module: how it steps, validates, saves, and gives or takes its state.
+"""One rank's replica of the user's module: how it steps, validates, gives its model, and gives or takes its state.
 
-The trainer knows nothing of where batches come from or when checkpoints are
-taken (``loop.py`` decides both); it offers its state as two checkpoint parts:
+The trainer knows nothing of where batches come from (``loop.py``) or when
+checkpoints are taken (``checkpoint.manager``); it offers its state as two checkpoint parts:
 itself (this rank's embedding shards, RNG states, counters and the losses
 per sample not yet sent to rank 0) and ``dense`` (the module without its
 sharded tables, and the optimizer's state over whole parameters: one for all
@@ -16,7 +16,6 @@ records each sample's loss with its ``(simulation, step)``
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import os
 import random
@@ -36,7 +35,6 @@ from melissa_dl.config import TrainingConfig
 from melissa_dl.embeddings.table import ShardedEmbedding, set_default_collectives, shard_range
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.collectives import make_collectives
-from melissa_dl.runtime.files import write_atomic
 from melissa_dl.runtime.metrics import Metrics
 from melissa_dl.runtime.mpi import Comm
 from melissa_dl.study.learning import LossLog, Records
@@ -266,26 +264,18 @@ class Trainer:
         if self.rank == 0:
             logger.info("validation loss %.6g after %d batches", loss, self.summary.batches)
 
-    def save(self, output: Path) -> Path:
-        """Rank 0 writes the module's state with every embedding table whole (a collective).
-
-        The tables are gathered so that the file loads into the module on one
-        rank (``load_state_dict(state, strict=False)``: the optimizer state of
-        the shards is left out; checkpoints keep it).
-        """
-        state = copy_to_cpu(self.module.state_dict())  # loads on a machine without the GPU it was trained on
+    def model_state(self) -> dict[str, Any] | None:
+        """On rank 0 (None elsewhere; a collective): the module's state on the CPU with every embedding table whole,
+        so that it loads into the module on one rank, wherever (``load_state_dict(state, strict=False)``: the
+        optimizer state of the shards is left out; checkpoints keep it)."""
+        state = copy_to_cpu(self.module.state_dict())
         for name, table in self.tables.items():
             shards = self.comm.gather(table.shard.cpu().numpy())
             if self.rank == 0:
                 assert shards is not None
                 state[f"{name}.shard"] = torch.from_numpy(np.concatenate(shards))
                 state.pop(f"{name}._extra_state", None)
-        path = output / "model.pt"
-        if self.rank == 0:
-            stream = io.BytesIO()
-            torch.save(state, stream)
-            write_atomic(path, stream.getbuffer())
-        return path
+        return state if self.rank == 0 else None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: its shards with their row ranges and sparse optimizer state
