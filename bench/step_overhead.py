@@ -50,6 +50,7 @@ from torch import nn
 from melissa_dl import Sample, TrainingModule
 from melissa_dl.buffers.kinds import make_buffer
 from melissa_dl.checkpoint.manager import CheckpointManager
+from melissa_dl.checkpoint.snapshots import BackgroundCopies
 from melissa_dl.config import Config, parse_config
 from melissa_dl.ingest.assembly import StreamSpec
 from melissa_dl.ingest.receiver import Receiver
@@ -132,7 +133,7 @@ def per_step(stamps: list[float], warmup: int) -> float:
 
 def plain_side(config: Config, comm: MPI.Intracomm, samples: list[Sample], steps: int, warmup: int) -> float:
     """Each rank's own loop on stacked tensors; mean per-step seconds over ranks."""
-    trainer = Trainer(config.training, config.base_dir, comm)  # same module, seed, threads
+    trainer = Trainer(config.training, config.base_dir, comm, BackgroundCopies())  # same module, seed, threads
     module, optimizer, batch = trainer.module, trainer.optimizer, config.training.batch_size
     x = torch.from_numpy(np.stack([module.process(s)[0] for s in samples]))
     y = torch.from_numpy(np.stack([module.process(s)[1] for s in samples]))
@@ -157,7 +158,9 @@ def server_side(
     spec = StreamSpec.from_config(config.server, config.study, config.study.parameter_table(), b"x" * 32, rank, size)
     receiver = Receiver(spec, buffer, "127.0.0.1", config.server.receive_queue_bytes)
     receiver.start_and_bind()
-    trainer = Trainer(training, config.base_dir, comm, Metrics(config.output_path / "tensorboard", [receiver.scalars]))
+    checkpoints = CheckpointManager(config, comm)
+    metrics = Metrics(config.output_path / "tensorboard" / f"rank{rank}", [receiver.scalars])
+    trainer = Trainer(training, config.base_dir, comm, checkpoints.copies, metrics)
     dataset = StreamDataset(buffer, trainer.module.process, training.batch_size, Surrogate.deterministic_process)
     for i in range(steps * training.batch_size):  # as the receiver would: processed as they come
         buffer.put(samples[i % len(samples)])
@@ -165,7 +168,7 @@ def server_side(
     heartbeat = scratch / "heartbeat"
     heartbeat.touch()
     bookkeeping = Bookkeeping(comm, receiver, config.server.control_interval, heartbeat)
-    loop = Loop(comm, bookkeeping, GracefulStop(), CheckpointManager(config, comm))
+    loop = Loop(comm, bookkeeping, GracefulStop(), checkpoints)
     stamps: list[float] = []
     step = trainer.step
     trainer.step = lambda batch: (step(batch), stamps.append(time.perf_counter()))  # type: ignore[method-assign]
@@ -190,7 +193,7 @@ def pieces(config: Config, comm: MPI.Intracomm, samples: list[Sample]) -> dict[s
     """Each alone, in ms (max over ranks): backward; the optimizer's step on whole parameters (the plain side's);
     the server's dense step after backward (``Trainer.parallel``: its reductions, its optimizer step and, sharded,
     its gathering); forming a batch from a buffer; one round's flag exchange."""
-    trainer = Trainer(config.training, config.base_dir, comm)
+    trainer = Trainer(config.training, config.base_dir, comm, BackgroundCopies())
     module, parallel, batch = trainer.module, trainer.parallel, config.training.batch_size
     data = [torch.from_numpy(np.stack([module.process(s)[i] for s in samples[:batch]])) for i in (0, 1)]
     buffer = make_buffer("fifo", capacity_samples=None, capacity_bytes=None, watermark=0, seed=0)

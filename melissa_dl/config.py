@@ -316,7 +316,9 @@ class StudyConfig:
 @dataclass
 class ServerConfig:
     interface: str = option(
-        "127.0.0.1", doc="Address the server binds and advertises; `*` binds all and advertises the host name."
+        "127.0.0.1",
+        doc="Address the server binds and advertises; a network interface's name (`eth0`, `ib0`): its address on "
+        "each rank's host; `*` binds all and advertises the host name.",
     )
     handshake_port: int = option(0, doc="Port of rank 0's handshake socket; 0 picks a free one.")
     bind_simulation_to_server_rank: bool = option(

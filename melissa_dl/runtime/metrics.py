@@ -23,6 +23,7 @@ class Metrics:
         self.folder = folder
         self.sources = list(sources)
         self._writer: Any = None
+        self._closed = False  # points given after close() are dropped
         self._waiting: list[tuple[str, str, Any, int]] = []  # (kind, tag, value, step) given before open()
 
     def open(self, purge_step: int) -> None:
@@ -51,12 +52,15 @@ class Metrics:
             self.scalar(tag, value, step)
 
     def close(self) -> None:
+        """Write what is pending; a second call, or a point given after, does nothing."""
+        self._closed = True
+        self._waiting = []
         if self._writer is not None:
             self._writer.close()
             self._writer = None
 
     def _write(self, kind: str, tag: str, value: Any, step: int) -> None:
-        if self.folder is None:
+        if self.folder is None or self._closed:
             return
         if self._writer is None:
             self._waiting.append((kind, tag, value, step))

@@ -216,15 +216,19 @@ class Loop:
         checkpoints.begin()
         self.bookkeeping.open(trainer)  # the simulations start while begin() runs
         start = time.monotonic()  # the first validation counts, as it always did
-        trainer.begin()
-        self.stop.install()  # a signal before is an exit: there is nothing to checkpoint yet
-        outcome = self._rounds(
-            trainer,
-            next_batch,
-            step,
-            trainer.options.stall_timeout,
-            look_ahead=lambda: not checkpoints.due(summary.batches + 1),
-        )
+        try:
+            trainer.begin()
+            self.stop.install()  # a signal before is an exit: there is nothing to checkpoint yet
+            outcome = self._rounds(
+                trainer,
+                next_batch,
+                step,
+                trainer.options.stall_timeout,
+                look_ahead=lambda: not checkpoints.due(summary.batches + 1),
+            )
+        except BaseException:
+            trainer.metrics.close()  # the curves so far, before the job ends
+            raise
         summary.duration_s += time.monotonic() - start
         self._log(outcome, summary.batches)
         if outcome is Outcome.ENDED:
@@ -235,8 +239,8 @@ class Loop:
         trainer.close()
         return outcome
 
-    def drain(self, drain: Drain) -> Outcome:
-        """Without training: take what the buffer serves and count it in ``drain``, independently of the other
+    def drain(self, tally: Drain) -> Outcome:
+        """Without training: take what the buffer serves and count it in ``tally``, independently of the other
         ranks."""
 
         def next_samples(wait: float) -> list[Sample] | object | None:
@@ -244,10 +248,10 @@ class Loop:
             return END if samples == [] else samples
 
         def count(samples: list[Sample]) -> None:
-            drain.drained += len(samples)
+            tally.drained += len(samples)
 
-        self.bookkeeping.open(drain)
-        return self._rounds(drain, next_samples, count, stall_timeout=None)
+        self.bookkeeping.open(tally)
+        return self._rounds(tally, next_samples, count, stall_timeout=None)
 
     def _rounds(
         self,

@@ -69,16 +69,22 @@ def rss_megabytes() -> float:
     return int(os.pread(_STATM, 128, 0).split()[1]) * resource.getpagesize() / 1e6
 
 
-def training_device(choice: str, node_rank: int) -> torch.device:
-    """The device of the rank ``node_rank`` of its node (``training.device``): one GPU per rank, in turn over
-    the node's GPUs, made current so that NCCL and a module's ``device="cuda"`` use it; the CPU where ``auto``
-    finds no GPU."""
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+def training_device(choice: str, comm: Comm) -> torch.device:
+    """This rank's device (``training.device``; a collective, so that every rank decides alike): one GPU per
+    rank, in turn over its node's GPUs, made current so that NCCL and a module's ``device="cuda"`` use it; the
+    CPU for every rank where ``auto`` finds a host without a GPU."""
+    without = sorted(
+        {host for host in comm.allgather(None if torch.cuda.is_available() else socket.gethostname()) if host}
+    )
+    if choice == "cpu" or (choice == "auto" and without):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
+    if without:
         raise ConfigError(
-            f'training.device: "cuda", but torch {torch.__version__} sees no CUDA device on {socket.gethostname()}'
+            f'training.device: "cuda", but torch {torch.__version__} sees no CUDA device on {", ".join(without)}'
         )
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node_rank = node.Get_rank()
+    node.Free()
     device = torch.device("cuda", node_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
@@ -124,18 +130,16 @@ class Trainer:
         options: TrainingConfig,
         base_dir: Path,
         comm: Comm,
+        copies: BackgroundCopies,
         metrics: Metrics | None = None,
         learning: bool = False,
-        copies: BackgroundCopies | None = None,
     ) -> None:
         self.options = options
-        self.copies = copies if copies is not None else BackgroundCopies()  # a snapshot's, waited for before a step
+        self.copies = copies  # the checkpoints' copies of this state: waited for before each optimizer step
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.metrics = metrics if metrics is not None else Metrics(None)
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.device = training_device(options.device, node.Get_rank())
-        node.Free()
+        self.device = training_device(options.device, comm)
         logger.info("rank %d trains on %s", self.rank, self.device)
         torch.set_num_threads(torch_threads(comm))
         torch.manual_seed(options.seed)  # the same seed everywhere: replicas start identical
@@ -268,14 +272,17 @@ class Trainer:
         """On rank 0 (None elsewhere; a collective): the module's state on the CPU with every embedding table whole,
         so that it loads into the module on one rank, wherever (``load_state_dict(state, strict=False)``: the
         optimizer state of the shards is left out; checkpoints keep it)."""
-        state = copy_to_cpu(self.module.state_dict())
-        for name, table in self.tables.items():
-            shards = self.comm.gather(table.shard.cpu().numpy())
-            if self.rank == 0:
-                assert shards is not None
-                state[f"{name}.shard"] = torch.from_numpy(np.concatenate(shards))
-                state.pop(f"{name}._extra_state", None)
-        return state if self.rank == 0 else None
+        shards = {name: self.comm.gather(table.shard.cpu().numpy()) for name, table in self.tables.items()}
+        if self.rank != 0:
+            return None
+        state = self.module.state_dict()
+        for name in self.tables:
+            del state[f"{name}.shard"], state[f"{name}._extra_state"]
+        state = copy_to_cpu(state)
+        for name, pieces in shards.items():
+            assert pieces is not None  # gathered on rank 0
+            state[f"{name}.shard"] = torch.from_numpy(np.concatenate(pieces))
+        return state
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: its shards with their row ranges and sparse optimizer state
@@ -286,7 +293,7 @@ class Trainer:
         }
         return {
             "tables": Live(tables),
-            "rng": rng_states(),
+            "rng": rng_states(self.device),
             "summary": copy.deepcopy(self.summary),
             "losses": self.losses.state_dict() if self.losses is not None else None,
         }
@@ -295,7 +302,7 @@ class Trainer:
         """Continue from this rank's part of a checkpoint of as many ranks."""
         for name, table in self.tables.items():
             table.load_rows([state["tables"][name]])
-        set_rng_states(state["rng"])
+        set_rng_states(state["rng"], self.device)
         self.summary = state["summary"]
         if self.losses is not None and state.get("losses") is not None:
             self.losses.load_state_dict(state["losses"])
@@ -314,7 +321,7 @@ class Trainer:
         states = {rank: old.read(rank) for rank in sorted(sources)}
         for name, table in self.tables.items():
             table.load_rows([state["tables"][name] for state in states.values()])
-        set_rng_states(states[own]["rng"])
+        set_rng_states(states[own]["rng"], self.device)
         self.summary = states[own]["summary"]
         self.summary.samples = sum(n for rank, n in enumerate(old.meta["samples"]) if rank % self.size == self.rank)
         if self.losses is not None:  # the old ranks' unsent losses, regrouped as the samples are
@@ -370,19 +377,23 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return max(a[0], b[0]) < min(a[1], b[1])
 
 
-def rng_states() -> dict[str, Any]:
-    """Every generator a module may draw from, so that a resumed run draws what the dead one would have."""
+def rng_states(device: torch.device) -> dict[str, Any]:
+    """Every generator a module may draw from, so that a resumed run draws what the dead one would have: on a GPU,
+    the generator of the rank's own (a node's others are other ranks')."""
     return {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
         "python": random.getstate(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],  # no GPU context else
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
     }
 
 
-def set_rng_states(states: dict[str, Any]) -> None:
+def set_rng_states(states: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(states["torch"])
     np.random.set_state(states["numpy"])
     random.setstate(states["python"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    cuda = states["cuda"]
+    if isinstance(cuda, list):  # written before 2026-11-27: every GPU of the node, by index
+        cuda = cuda[device.index] if device.type == "cuda" and device.index < len(cuda) else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)

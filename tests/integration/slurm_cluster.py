@@ -1,8 +1,14 @@
-"""A one-node Slurm cluster for the tests: Debian's munged, slurmctld and slurmd on free ports.
+"""Slurm clusters for the tests: Debian's munged, slurmctld and slurmd on free ports.
 
-Everything it writes (munge key and socket, slurm.conf, state, spool, logs)
-is in one folder; clients find it through ``SLURM_CONF``. The daemons run as
-the current user, which must be root: slurmd starts jobs as their owner.
+On one node (this machine, over 127.0.0.1), or across the hosts of a
+``hosts.Cluster``: slurmctld on the first host, one slurmd per other host,
+each node named after its host and reached at its address; clients then run
+on a host (``client``), since only the hosts share a network. Everything it
+writes (munge key and socket, slurm.conf, state, per-node spool, pid and
+log files through ``%n``) is in one folder; clients find it through
+``SLURM_CONF``. munged's socket is a file, which every host reaches. The
+daemons run as the current user, which must be root: slurmd starts jobs as
+their owner.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import time
 from pathlib import Path
 
 from conftest import free_port
+from hosts import Cluster, Host
 
 READY_TIMEOUT = 60.0  # seconds for the node to come up idle
 
@@ -22,12 +29,19 @@ READY_TIMEOUT = 60.0  # seconds for the node to come up idle
 class SlurmCluster:
     """Start with :meth:`start`, use :attr:`env` for clients, end with :meth:`stop`."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, hosts: Cluster | None = None) -> None:
         self.root = root
         self.conf = root / "slurm.conf"
-        self.node = socket.gethostname().split(".")[0]
+        self.hosts = hosts
+        self.controller: Host | None = hosts.hosts[0] if hosts is not None else None
+        self.compute: list[Host] = hosts.hosts[1:] if hosts is not None else []
+        self.nodes = [h.name for h in self.compute] or [socket.gethostname().split(".")[0]]
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._daemons: list[subprocess.Popen[bytes]] = []
+
+    def client(self, argv: list[str]) -> list[str]:
+        """``argv`` run where Slurm's clients reach the controller: on the controller's host, if on hosts."""
+        return argv if self.hosts is None or self.controller is None else self.hosts.on(self.controller, argv)
 
     def start(self) -> None:
         munge = self.root / "munge"
@@ -47,19 +61,29 @@ class SlurmCluster:
             f"--seed-file={munge / 'munged.seed'}",
         )
         self._wait(socket_path.exists, "munged's socket")
-        for folder in ("state", "spool"):
-            (self.root / folder).mkdir()
+        for folder in ("state", *(f"spool/{node}" for node in self.nodes)):
+            (self.root / folder).mkdir(parents=True)
         self.conf.write_text(self._slurm_conf(socket_path))
-        self._daemon("slurmctld", "-D", "-i", "-f", str(self.conf))
-        self._daemon("slurmd", "-D", "-f", str(self.conf))
-        self._wait(lambda: self.run("sinfo", "--noheader", "--format=%T").strip() == "idle", "the node idle")
+        if self.hosts is None:
+            self._daemon("slurmctld", "-D", "-i", "-f", str(self.conf))
+            self._daemon("slurmd", "-D", "-f", str(self.conf))
+        else:
+            assert self.controller is not None
+            self._daemon(*self.hosts.on(self.controller, ["slurmctld", "-D", "-i", "-f", str(self.conf)]))
+            for host in self.compute:
+                self._daemon(*self.hosts.on(host, ["slurmd", "-D", "-N", host.name, "-f", str(self.conf)]))
+        self._wait(lambda: self.states() == {"idle"}, "every node idle")
+
+    def states(self) -> set[str]:
+        """The states of the nodes, as sinfo lists them."""
+        return set(self.run("sinfo", "--noheader", "--format=%T").split())
 
     def _slurm_conf(self, munge_socket: Path) -> str:
         root = self.root
         return "\n".join(
             [
                 "ClusterName=melissatest",
-                f"SlurmctldHost={self.node}(127.0.0.1)",
+                f"SlurmctldHost={self._controller()}",
                 f"SlurmctldPort={free_port()}",
                 f"SlurmdPort={free_port()}",
                 "SlurmUser=root",
@@ -68,11 +92,11 @@ class SlurmCluster:
                 "CredType=cred/munge",
                 f"AuthInfo=socket={munge_socket}",
                 f"StateSaveLocation={root / 'state'}",
-                f"SlurmdSpoolDir={root / 'spool'}",
+                f"SlurmdSpoolDir={root / 'spool' / '%n'}",  # made by start(), one per node
                 f"SlurmctldPidFile={root / 'slurmctld.pid'}",
-                f"SlurmdPidFile={root / 'slurmd.pid'}",
+                f"SlurmdPidFile={root / 'slurmd.%n.pid'}",
                 f"SlurmctldLogFile={root / 'slurmctld.log'}",
-                f"SlurmdLogFile={root / 'slurmd.log'}",
+                f"SlurmdLogFile={root / 'slurmd.%n.log'}",
                 "ProctrackType=proctrack/linuxproc",
                 "TaskPlugin=task/none",
                 "SelectType=select/cons_tres",
@@ -87,11 +111,24 @@ class SlurmCluster:
                 # /dev/shm, which the same job id on the next test cluster would attach to and fail in MPI_Init
                 f"FirstJobId={random.SystemRandom().randrange(1000, 60_000_000)}",
                 "KillWait=5",
-                f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
-                f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE",
+                "SlurmdTimeout=10",  # a node that stops answering is DOWN after this, its jobs requeued or failed
+                *self._nodes(),
+                f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
+                "OverSubscribe=FORCE",
                 "",
             ]
         )
+
+    def _controller(self) -> str:
+        if self.controller is None:
+            return f"{self.nodes[0]}(127.0.0.1)"
+        return f"{self.controller.name}({self.controller.address})"
+
+    def _nodes(self) -> list[str]:
+        cpus = os.cpu_count()
+        if not self.compute:
+            return [f"NodeName={self.nodes[0]} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN"]
+        return [f"NodeName={h.name} NodeAddr={h.address} CPUs={cpus} State=UNKNOWN" for h in self.compute]
 
     def _daemon(self, *argv: str) -> None:
         log = open(self.root / f"{argv[0]}.out", "wb")
@@ -113,7 +150,9 @@ class SlurmCluster:
 
     def run(self, *argv: str) -> str:
         """A Slurm client command against this cluster; its standard output."""
-        return subprocess.run(argv, env=self.env, capture_output=True, text=True, check=True, timeout=60).stdout
+        return subprocess.run(
+            self.client(list(argv)), env=self.env, capture_output=True, text=True, check=True, timeout=60
+        ).stdout
 
     def logs(self) -> str:
         """The end of every daemon log, for a failure message."""

@@ -77,3 +77,13 @@ def test_a_rank_that_does_not_train_writes_and_keeps_nothing(tmp_path: Path) -> 
     metrics.open(purge_step=1)
     metrics.close()
     assert metrics._waiting == [] and not any(tmp_path.iterdir())
+
+
+def test_points_given_after_close_are_dropped_not_kept(tmp_path: Path) -> None:
+    metrics = Metrics(tmp_path)
+    metrics.open(purge_step=1)
+    metrics.scalar("train/loss", 1.0, 1)
+    metrics.close()
+    metrics.scalar("train/loss", 2.0, 2)
+    metrics.close()  # a second close does nothing
+    assert metrics._waiting == [] and steps(read(tmp_path), "train/loss") == [(1, 1.0)]
