@@ -111,7 +111,6 @@ class SlurmCluster:
                 # /dev/shm, which the same job id on the next test cluster would attach to and fail in MPI_Init
                 f"FirstJobId={random.SystemRandom().randrange(1000, 60_000_000)}",
                 "KillWait=5",
-                "SlurmdTimeout=10",  # a node that stops answering is DOWN after this, its jobs requeued or failed
                 *self._nodes(),
                 f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
                 "OverSubscribe=FORCE",

@@ -3,6 +3,7 @@ different hosts of it, talking over its network (``hosts.py``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,8 +12,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SIMULATIONS, STEPS, TOY_SIM, clean_environment, paced_config, server_command, skip_unless
+from conftest import (
+    SIMULATIONS,
+    STEPS,
+    TOY_SIM,
+    clean_environment,
+    paced_config,
+    require_system_packages,
+    server_command,
+    skip_unless,
+)
 from hosts import Cluster
+from slurm_cluster import SlurmCluster
 from test_fault_tolerance import assert_every_step_once
 
 pytestmark = pytest.mark.timeout(240)
@@ -41,8 +52,9 @@ def cluster() -> Iterator[Cluster]:
         yield made
 
 
-def run(command: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=clean_environment())
+def run(command: list[str], timeout: float = 30, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    environment = env if env is not None else clean_environment()
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
 
 
 def test_hosts_have_their_names_and_reach_each_other_until_one_is_cut_off(cluster: Cluster) -> None:
@@ -81,13 +93,52 @@ def test_a_study_with_its_server_ranks_on_one_host_and_its_simulations_on_anothe
     output, ran_on = tmp_path / "output", tmp_path / "ran_on"
     config = paced_config(output)
     config["server"]["interface"] = "eth0"
-    where = f'hostname >> {ran_on} && exec "$@"'
-    config["launcher"]["command"] = cluster.on(
-        node2, ["sh", "-c", where, "sh", sys.executable, TOY_SIM, "--steps", str(STEPS), "--step-delay", "0.05"]
-    )
+    config["launcher"]["command"] = cluster.on(node2, simulation_command(ran_on))
     done = run(cluster.on(node1, server_command(tmp_path, config, 2)), timeout=180)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     assert f"handshake at tcp://{node1.address}:" in log
     assert ran_on.read_text().split() == ["node2"] * SIMULATIONS
+    assert_every_step_once(output, ranks=2)
+
+
+def simulation_command(ran_on: Path) -> list[str]:
+    """toy_sim, after writing the name of the host it runs on to ``ran_on``."""
+    where = f'hostname >> {ran_on} && exec "$@"'
+    return ["sh", "-c", where, "sh", sys.executable, TOY_SIM, "--steps", str(STEPS), "--step-delay", "0.05"]
+
+
+def test_a_study_under_slurm_with_its_server_ranks_on_two_hosts_and_its_simulations_on_two_others(
+    tmp_path: Path,
+) -> None:
+    """Slurm across five hosts (slurmctld on node1, slurmd on node2-node5): the server is a two-node job
+    (``srun --mpi=pmi2``, one rank on node2, one on node3), its simulations ``sbatch`` jobs kept off those two."""
+    require_namespaces()
+    require_system_packages("slurm")
+    output, ran_on = tmp_path / "output", tmp_path / "ran_on"
+    config = paced_config(output)
+    config["server"]["interface"] = "eth0"
+    config["launcher"].update(scheduler="slurm", simulation_timeout=60, command=simulation_command(ran_on))
+    config["launcher"]["slurm"] = {"sbatch_args": ["--exclude=node2,node3"]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    server = f"exec srun --mpi=pmi2 -n 2 {sys.executable} -m melissa_dl {path}"
+    with Cluster(5) as hosts:
+        (tmp_path / "slurm").mkdir()
+        slurm = SlurmCluster(tmp_path / "slurm", hosts)
+        try:
+            slurm.start()
+            job = ["sbatch", "--wait", f"--output={tmp_path / 'job.out'}", f"--chdir={tmp_path}"]
+            job += ["--nodelist=node2,node3", "--ntasks=2", "--ntasks-per-node=1", "--wrap", server]
+            done = run(slurm.client(job), timeout=200, env={**clean_environment(), "SLURM_CONF": str(slurm.conf)})
+        finally:
+            slurm.stop()
+    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert done.returncode == 0, done.stderr + log + slurm.logs()
+    node2 = hosts.hosts[1]
+    assert f"handshake at tcp://{node2.address}:" in log
+    placed = ran_on.read_text().split()
+    assert len(placed) == SIMULATIONS and set(placed) <= {"node4", "node5"}, placed
+    report = json.loads((output / "report.json").read_text())
+    assert len(report["per_rank_samples"]) == 2 and all(n > 0 for n in report["per_rank_samples"])
     assert_every_step_once(output, ranks=2)
