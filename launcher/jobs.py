@@ -41,6 +41,7 @@ SCHEDULERS = {
     "local": "launcher.schedulers:LocalScheduler",
     "mpirun": "launcher.schedulers:MpirunScheduler",
     "slurm": "launcher.slurm:SlurmScheduler",
+    "srun": "launcher.slurm:SrunScheduler",
 }
 """The schedulers by the name ``launcher.scheduler`` gives, as ``module:class`` (the config's choices and its
 sections ``launcher.<name>`` come from here)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from signal import SIGTERM
 
-from launcher.schedulers import RUN_MARKER, JobTemplate, Scheduler, child_environment, open_log
+from launcher.schedulers import RUN_MARKER, JobTemplate, MpirunScheduler, Scheduler, child_environment, open_log
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +289,49 @@ class SlurmScheduler(Scheduler):
             return -int(SIGTERM)
         logger.warning("Slurm job %s ended %s with exit code 0; counted as exit code %d", job_id, state.group(1), LOST)
         return LOST
+
+
+@dataclass
+class SrunOptions:
+    """Options of each simulation's job step (scheduler `srun`)."""
+
+    srun_args: list[str] = field(
+        default_factory=list,
+        metadata={"doc": 'More `srun` arguments of each simulation\'s step, e.g. `["--nodes=1", "--gpus=1"]`.'},
+    )
+
+
+class SrunScheduler(MpirunScheduler):
+    """Runs each attempt as a job step of the server's own allocation: ``srun --exclusive -n ranks command``.
+
+    No batch job per simulation, which sites cap: Slurm places each step on
+    the allocation's free CPUs (a step waits for some if none are), and
+    ``--exclusive`` keeps two steps off the same CPUs. ``srun`` is the
+    attempt's process: its exit code is the attempt's (the largest of its
+    tasks'), and SIGTERM to it, as the launcher sends at a timeout or a cancel,
+    is passed to the tasks, which Slurm kills after ``KillWait``; hence SIGTERM,
+    not SIGKILL, when the server dies. Outside an allocation each step would get
+    one of its own.
+    """
+
+    summary = "one `srun --exclusive` job step per simulation attempt, in the server's own allocation"
+    Options = SrunOptions
+
+    @classmethod
+    def from_job(cls, job: JobTemplate) -> Scheduler:
+        options = job.options if job.options is not None else SrunOptions()
+        # --nodes: else srun takes the server step's node count from the environment and warns
+        step = ["--exclusive", "--mpi=pmi2", f"--nodes=1-{job.ranks}", f"--job-name={job.name}", *options.srun_args]
+        return cls(job.command, job.cwd, job.ranks, "srun", step)
+
+    def __init__(
+        self, command: list[str], cwd: Path, ranks: int, srun: str = "srun", step: list[str] | None = None
+    ) -> None:
+        super().__init__([*(step or []), *command], cwd, ranks, srun)
+
+    @classmethod
+    def server_launch(cls, ranks: int) -> list[str] | None:
+        return SlurmScheduler.server_launch(ranks)
 
 
 def inside_allocation() -> bool:

@@ -102,43 +102,53 @@ def test_a_study_with_its_server_ranks_on_one_host_and_its_simulations_on_anothe
     assert_every_step_once(output, ranks=2)
 
 
-def simulation_command(ran_on: Path) -> list[str]:
-    """toy_sim, after writing the name of the host it runs on to ``ran_on``."""
+def simulation_command(ran_on: Path, *options: str) -> list[str]:
+    """toy_sim (with ``options``), after writing the name of the host it runs on to ``ran_on``."""
     where = f'hostname >> {ran_on} && exec "$@"'
-    return ["sh", "-c", where, "sh", sys.executable, TOY_SIM, "--steps", str(STEPS), "--step-delay", "0.05"]
+    toy = [sys.executable, TOY_SIM, "--steps", str(STEPS), "--step-delay", "0.05", *options]
+    return ["sh", "-c", where, "sh", *toy]
 
 
-def test_a_study_under_slurm_with_its_server_ranks_on_two_hosts_and_its_simulations_on_two_others(
-    tmp_path: Path,
+@pytest.mark.parametrize("scheduler", ["slurm", "srun"])
+def test_a_study_under_slurm_with_its_server_on_two_hosts_and_its_simulations_on_two_others(
+    tmp_path: Path, scheduler: str
 ) -> None:
-    """Slurm across five hosts (slurmctld on node1, slurmd on node2-node5): the server is a two-node job
-    (``srun --mpi=pmi2``, one rank on node2, one on node3), its simulations ``sbatch`` jobs kept off those two."""
+    """Slurm across five hosts (slurmctld on node1, slurmd on node2-node5). The server is ``srun --mpi=pmi2``
+    with one rank on node2 and one on node3; its simulations are kept off those two, as ``sbatch`` jobs
+    (``slurm``) or as steps of the server's own four-node allocation (``srun``). Simulation 1 crashes in its
+    first attempt and is relaunched: its exit code came back through either scheduler."""
     require_namespaces()
     require_system_packages("slurm")
     output, ran_on = tmp_path / "output", tmp_path / "ran_on"
     config = paced_config(output)
     config["server"]["interface"] = "eth0"
-    config["launcher"].update(scheduler="slurm", simulation_timeout=60, command=simulation_command(ran_on))
-    config["launcher"]["slurm"] = {"sbatch_args": ["--exclude=node2,node3"]}
+    failing = ["--fail", "crash", "--fail-simulation", "1"]  # its first attempt exits 1 at step 3
+    config["launcher"].update(
+        scheduler=scheduler, simulation_timeout=20, max_retries=2, command=simulation_command(ran_on, *failing)
+    )
+    config["launcher"][scheduler] = {f"{'sbatch' if scheduler == 'slurm' else 'srun'}_args": ["--exclude=node2,node3"]}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    server = f"exec srun --mpi=pmi2 -n 2 {sys.executable} -m melissa_dl {path}"
+    server = f"exec srun --mpi=pmi2 -N 2 -n 2 {sys.executable} -m melissa_dl {path}"
+    allocation = ["--nodelist=node2,node3", "--ntasks=2"] if scheduler == "slurm" else ["--nodes=4"]
     with Cluster(5) as hosts:
         (tmp_path / "slurm").mkdir()
         slurm = SlurmCluster(tmp_path / "slurm", hosts)
         try:
             slurm.start()
-            job = ["sbatch", "--wait", f"--output={tmp_path / 'job.out'}", f"--chdir={tmp_path}"]
-            job += ["--nodelist=node2,node3", "--ntasks=2", "--ntasks-per-node=1", "--wrap", server]
-            done = run(slurm.client(job), timeout=200, env={**clean_environment(), "SLURM_CONF": str(slurm.conf)})
+            job = ["sbatch", "--wait", f"--output={tmp_path / 'job.out'}", f"--chdir={tmp_path}", *allocation]
+            done = run(
+                slurm.client([*job, "--wrap", server]), 200, {**clean_environment(), "SLURM_CONF": str(slurm.conf)}
+            )
         finally:
             slurm.stop()
     log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert done.returncode == 0, done.stderr + log + slurm.logs()
-    node2 = hosts.hosts[1]
-    assert f"handshake at tcp://{node2.address}:" in log
+    assert f"handshake at tcp://{hosts.hosts[1].address}:" in log  # rank 0, on node2
     placed = ran_on.read_text().split()
-    assert len(placed) == SIMULATIONS and set(placed) <= {"node4", "node5"}, placed
     report = json.loads((output / "report.json").read_text())
+    attempts = {s["id"]: s["attempts"] for s in report["per_simulation"]}
+    assert len(placed) == sum(attempts.values()) and set(placed) <= {"node4", "node5"}, placed
+    assert attempts == {s: 2 if s == 1 else 1 for s in range(SIMULATIONS)}, attempts
     assert len(report["per_rank_samples"]) == 2 and all(n > 0 for n in report["per_rank_samples"])
     assert_every_step_once(output, ranks=2)

@@ -146,7 +146,8 @@ def test_wrong_types_name_the_json_path(path: tuple, value: Any, expected: str) 
         (
             ("launcher", "scheduler"),
             "mpirn",
-            'launcher.scheduler: expected one of "local", "mpirun", "slurm", got "mpirn" (did you mean "mpirun"?)',
+            'launcher.scheduler: expected one of "local", "mpirun", "slurm", "srun", got "mpirn" '
+            '(did you mean "mpirun"?)',
         ),
         (
             ("buffer", "kind"),
@@ -197,7 +198,11 @@ def test_missing_required_key(path: tuple, expected: str) -> None:
             'study.sampler: expected one of "uniform", "sobol", "halton", "lhs", "list", '
             '"adaptive", "custom", got "random"',
         ),
-        (("launcher", "scheduler"), "pbs", 'launcher.scheduler: expected one of "local", "mpirun", "slurm", got "pbs"'),
+        (
+            ("launcher", "scheduler"),
+            "pbs",
+            'launcher.scheduler: expected one of "local", "mpirun", "slurm", "srun", got "pbs"',
+        ),
     ],
 )
 def test_literal_violation_lists_the_allowed_values(path: tuple, value: str, expected: str) -> None:
@@ -256,7 +261,7 @@ def test_literal_violation_lists_the_allowed_values(path: tuple, value: str, exp
         ),
         (
             {("launcher", "client_ranks"): 2},
-            "launcher.client_ranks: more than one client rank needs scheduler 'mpirun' or 'slurm'",
+            "launcher.client_ranks: more than one client rank needs scheduler 'mpirun', 'slurm' or 'srun'",
         ),
         ({("launcher", "job_limit"): 0}, "launcher.job_limit: must be at least 1"),
         ({("launcher", "simulation_timeout"): 0}, "launcher.simulation_timeout: must be positive"),
