@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from launcher.schedulers import KILL_GRACE, JobTemplate, RunningJob, Scheduler, open_log
+from launcher.schedulers import KILL_GRACE, JobTemplate, RunningJob, Scheduler, SchedulerUnavailable, open_log
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ TAIL = 300
 """Characters of an attempt's output end that go into its failure reason."""
 REFILL = 0.01
 """Seconds between two looks of the launcher's thread at its jobs (a submit wakes it at once)."""
+UNAVAILABLE_RETRY = 2.0
+"""Seconds before an attempt that the scheduler could not take (:class:`SchedulerUnavailable`) is tried again."""
 
 
 SCHEDULERS = {
@@ -81,6 +83,7 @@ class Launcher:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._hold_until = 0.0  # no start before then: the scheduler was unavailable
 
     def start_thread(self) -> None:
         """From now on the launcher's own thread starts and reaps the jobs, every :data:`REFILL` seconds and at
@@ -136,6 +139,9 @@ class Launcher:
             try:
                 job: RunningJob | None = self._scheduler.start(simulation_id, attempt, env, log_path)
                 error = None
+            except SchedulerUnavailable as unavailable:
+                self._hold(simulation_id, attempt, env, unavailable)
+                return
             except OSError as failure:
                 job, error = None, failure
                 logger.error("simulation %d attempt %d could not start: %s", simulation_id, attempt, error)
@@ -155,6 +161,23 @@ class Launcher:
             if self._closed:
                 self._finish_dying_now()
 
+    def _hold(self, simulation_id: int, attempt: int, env: dict[str, str], unavailable: OSError) -> None:
+        """Put an attempt the scheduler could not take back at the head of the queue, and start nothing for
+        :data:`UNAVAILABLE_RETRY` seconds (unless it was killed meanwhile)."""
+        with self._lock:
+            self._starting = None
+            if not self._cancelled and not self._closed:
+                self._queue = {simulation_id: (attempt, env), **self._queue}
+                self._hold_until = time.monotonic() + UNAVAILABLE_RETRY
+            self._cancelled = False
+        logger.warning(
+            "simulation %d attempt %d not started yet, trying again in %.0f s: %s",
+            simulation_id,
+            attempt,
+            UNAVAILABLE_RETRY,
+            unavailable,
+        )
+
     def _reap(self) -> None:
         self._dying = [(job, deadline) for job, deadline in self._dying if not job.finish_kill(deadline)]
         for simulation_id in self._maybe_ended():
@@ -169,6 +192,8 @@ class Launcher:
         """Take the next queued attempt if a slot is free; it is ``_starting`` until registered."""
         with self._lock:
             if self._closed or not self._queue or len(self._jobs) + len(self._dying) >= self._job_limit:
+                return None
+            if time.monotonic() < self._hold_until:
                 return None
             simulation_id = next(iter(self._queue))
             attempt, env = self._queue.pop(simulation_id)

@@ -40,6 +40,11 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
 
 
+class SchedulerUnavailable(OSError):
+    """The scheduler cannot take an attempt now (its controller does not answer, say, while restarted): the
+    launcher starts the attempt again later, not counted as one that failed."""
+
+
 class LogUnwritable(RuntimeError):
     """A simulation's log cannot be opened: the output folder's fault (full, read-only), not the simulation's.
 
@@ -277,8 +282,13 @@ class LocalScheduler(Scheduler):
         return cls(job.command, job.cwd)
 
     def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> Job:
-        process = _spawn(self._argv, self._cwd, env, log_path, self._death_signal)
+        process = _spawn(self._argv, self._cwd, self.environment(env), log_path, self._death_signal)
         return Job(simulation_id, attempt, process)
+
+    @staticmethod
+    def environment(extra: dict[str, str]) -> dict[str, str]:
+        """The attempt's environment: :func:`child_environment`."""
+        return child_environment(extra)
 
 
 class MpirunScheduler(LocalScheduler):
@@ -306,8 +316,8 @@ class MpirunScheduler(LocalScheduler):
 def _spawn(
     argv: list[str], cwd: Path, env: dict[str, str], log_path: Path, death_signal: signal.Signals
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in a new session, stdin closed, stdout and stderr to ``log_path``, to receive
-    ``death_signal`` when the server dies.
+    """Start ``argv`` in environment ``env`` and a new session, stdin closed, stdout and stderr to ``log_path``,
+    to receive ``death_signal`` when the server dies.
 
     Where ``setpriv`` can (util-linux 2.33 and later), it sets the death signal
     in the child and execs the command, so that Python starts the child with
@@ -326,7 +336,7 @@ def _spawn(
         return subprocess.Popen(
             argv,
             cwd=cwd,
-            env=child_environment(env),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -26,44 +26,70 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from signal import SIGTERM
 
-from launcher.schedulers import RUN_MARKER, JobTemplate, MpirunScheduler, Scheduler, child_environment, open_log
+from launcher.schedulers import (
+    RUN_MARKER,
+    JobTemplate,
+    LogUnwritable,
+    MpirunScheduler,
+    Scheduler,
+    SchedulerUnavailable,
+    child_environment,
+    open_log,
+)
 
 logger = logging.getLogger(__name__)
 
 POLL = 1.0  # seconds between two squeue calls
+UNREACHABLE_POLL = 10.0  # seconds between two while the controller does not answer: each call waits for it
 LOST = 255  # exit code of a job that left Slurm's memory before its end was seen
 COMMAND_TIMEOUT = 60  # seconds for one Slurm command: a controller that slow is down
 UNKNOWN_JOB = "Invalid job id"  # what squeue and scontrol say of a job Slurm has forgotten (MinJobAge)
 RUN_COMMENT = "melissa_dl run "  # + the supervised run's marker: the job comment cancel_run_jobs looks for
 _RUNNING = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESIZING"})
+_ENDED_BY_ITSELF = frozenset({"COMPLETED", "FAILED", "CANCELLED"})  # else Slurm ended it: NODE_FAIL, TIMEOUT, ...
 _WAITING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+
+
+UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out on send/recv", "backup controller in standby")
+"""What Slurm's commands say when the controller does not answer (down, restarting, overloaded)."""
 
 
 class SlurmError(OSError):
     """A Slurm command failed; the launcher counts the attempt as one that could not start."""
 
 
+class SlurmUnavailable(SlurmError, SchedulerUnavailable):
+    """Slurm's controller does not answer: an attempt is started again later, not counted."""
+
+
 def _slurm(*argv: str, env: dict[str, str] | None = None) -> str:
     try:
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     except subprocess.TimeoutExpired:
-        raise SlurmError(f"{argv[0]} did not answer within {COMMAND_TIMEOUT} s") from None
+        raise SlurmUnavailable(f"{argv[0]} did not answer within {COMMAND_TIMEOUT} s") from None
     except OSError as error:  # not started: no such program, no process left (EAGAIN)
         raise SlurmError(f"{argv[0]}: {error}") from None
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
         last = lines[-1] if lines else f"exit code {done.returncode}"
-        raise SlurmError(last if last.startswith(argv[0]) else f"{argv[0]}: {last}")
+        message = last if last.startswith(argv[0]) else f"{argv[0]}: {last}"
+        raise (SlurmUnavailable if any(words in message for words in UNREACHABLE) else SlurmError)(message)
     return done.stdout
 
 
-def job_environment(extra: dict[str, str]) -> dict[str, str]:
-    """``child_environment`` without the server's own Slurm job: a simulation's job gets its own."""
+def job_environment(extra: dict[str, str], keep: frozenset[str] = frozenset({"SLURM_CONF"})) -> dict[str, str]:
+    """``child_environment`` without the server's own Slurm job (but the variables in ``keep``): a simulation's
+    job gets its own."""
     return {
-        name: value
-        for name, value in child_environment(extra).items()
-        if not name.startswith("SLURM_") or name == "SLURM_CONF"
+        name: value for name, value in child_environment(extra).items() if not name.startswith("SLURM_") or name in keep
     }
+
+
+def step_environment(extra: dict[str, str]) -> dict[str, str]:
+    """``child_environment`` with, of the server's Slurm variables, only its allocation: ``srun`` reads the rest
+    (the server step's node list, node and task counts) as options of the new step, and after a node's loss
+    refuses a step asked for on nodes the allocation no longer has."""
+    return job_environment(extra, frozenset({"SLURM_CONF", "SLURM_JOB_ID", "SLURM_JOBID"}))
 
 
 class SlurmJob:
@@ -144,6 +170,7 @@ class SlurmScheduler(Scheduler):
         self._name = study_name
         self._states: dict[str, str] = {}  # job id -> squeue state, of the jobs not known to have ended
         self._ended: dict[str, int] = {}  # job id -> exit code
+        self._logs: dict[str, Path] = {}  # job id -> its attempt's log, until its end is known
         self._uncancelled: set[str] = set()  # jobs whose scancel failed: tried again at each refresh
         self._polled = -POLL
 
@@ -155,8 +182,27 @@ class SlurmScheduler(Scheduler):
     @classmethod
     def server_launch(cls, ranks: int) -> list[str] | None:
         """Inside an allocation (a batch job, salloc): ``srun --mpi=pmi2 -n K`` on its nodes; ``--kill-on-bad-exit``:
-        a rank that dies ends the others, as mpirun does."""
-        return ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "-n", str(ranks)] if inside_allocation() else None
+        a rank that dies ends the others, as mpirun does.
+
+        An allocation that lost nodes (``sbatch --no-kill``: Slurm takes a failed node out of the job) gets as
+        many ranks a node as at its start, on the nodes it has left: the server resumes its checkpoint with
+        fewer ranks (elastic K) rather than wait for nodes that will not come back.
+        """
+        if not inside_allocation():
+            return None
+        launch = ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1"]
+        at_start, left = int(os.environ.get("SLURM_JOB_NUM_NODES", "0")), allocation_size()
+        if left is None or not 0 < left < at_start:
+            return [*launch, "-n", str(ranks)]
+        fewer = max(1, ranks * left // at_start)
+        logger.warning(
+            "the allocation has %d of its %d nodes left: the server runs on %d ranks instead of %d",
+            left,
+            at_start,
+            fewer,
+            ranks,
+        )
+        return [*launch, f"--nodes={min(left, fewer)}", "-n", str(fewer)]
 
     @classmethod
     def end_run(cls, marker: str) -> None:
@@ -183,6 +229,9 @@ class SlurmScheduler(Scheduler):
             f"--job-name={self._name}-s{simulation_id}a{attempt}",
             f"--output={log_path}",
             "--open-mode=append",
+            # a node's failure ends the attempt (NODE_FAIL) and the study relaunches it, counted: Slurm's own
+            # requeue would run the same attempt again behind the study's back
+            "--no-requeue",
             *self._options_argv(),
             *([f"--comment={RUN_COMMENT}{marker}"] if marker else []),
             "--wrap",
@@ -192,6 +241,7 @@ class SlurmScheduler(Scheduler):
         if not job_id.isdigit():
             raise SlurmError(f"sbatch answered {job_id!r}, not a job id")
         self._states[job_id] = "PENDING"
+        self._logs[job_id] = log_path
         return SlurmJob(self, simulation_id, attempt, job_id)
 
     def _options_argv(self) -> list[str]:
@@ -210,6 +260,8 @@ class SlurmScheduler(Scheduler):
                 "true",
                 env=job_environment({}),
             )
+        except SlurmUnavailable as error:  # at start, a study cannot wait for Slurm: it says so
+            return f"Slurm's controller does not answer: {error}"
         except SlurmError as error:
             return f"sbatch refuses the simulations' job options: {error}"
         return None
@@ -251,6 +303,8 @@ class SlurmScheduler(Scheduler):
             )
         except SlurmError as error:
             if UNKNOWN_JOB not in str(error):  # a busy or restarting controller: the states stand until the next try
+                if isinstance(error, SlurmUnavailable):  # which holds up the server's round by MessageTimeout
+                    self._polled += UNREACHABLE_POLL - POLL
                 logger.warning("job states not refreshed: %s", error)
                 return
             listed = ""  # squeue asked for one job only, and Slurm has forgotten it
@@ -263,10 +317,18 @@ class SlurmScheduler(Scheduler):
                 code = self._final_exit_code(job_id)
                 if code is not None:
                     del self._states[job_id]
+                    del self._logs[job_id]
                     self._ended[job_id] = code
 
-    @staticmethod
-    def _final_exit_code(job_id: str) -> int | None:
+    def _note(self, job_id: str, line: str) -> None:
+        """``line`` at the end of the job's log, which goes into the attempt's failure reason."""
+        try:
+            with open_log(self._logs[job_id]) as log:
+                log.write(f"{line}\n".encode())
+        except LogUnwritable as error:
+            logger.warning("%s (not written: %s)", line, error)
+
+    def _final_exit_code(self, job_id: str) -> int | None:
         """From ``scontrol show job``: the code, or minus the signal that ended the job; None if it has not ended."""
         try:
             shown = _slurm("scontrol", "--oneliner", "show", "job", job_id)
@@ -282,6 +344,8 @@ class SlurmScheduler(Scheduler):
             return LOST
         if state.group(1) in _RUNNING or state.group(1) in _WAITING:
             return None
+        if state.group(1) not in _ENDED_BY_ITSELF:  # its output cannot say why: the end of its log says it
+            self._note(job_id, f"slurm: job {job_id} ended {state.group(1)}, exit code {code.group(1)}:{code.group(2)}")
         status, signal = int(code.group(1)), int(code.group(2))
         if signal or status or state.group(1) == "COMPLETED":
             return -signal if signal else status
@@ -329,6 +393,8 @@ class SrunScheduler(MpirunScheduler):
     ) -> None:
         super().__init__([*(step or []), *command], cwd, ranks, srun)
 
+    environment = staticmethod(step_environment)
+
     @classmethod
     def server_launch(cls, ranks: int) -> list[str] | None:
         return SlurmScheduler.server_launch(ranks)
@@ -337,3 +403,13 @@ class SrunScheduler(MpirunScheduler):
 def inside_allocation() -> bool:
     """Whether this process runs inside a Slurm allocation (a batch job or salloc)."""
     return "SLURM_JOB_ID" in os.environ
+
+
+def allocation_size() -> int | None:
+    """The nodes this process's allocation has now, as Slurm says (None if it does not answer)."""
+    try:
+        listed = _slurm("squeue", "--noheader", "--format=%D", f"--jobs={os.environ['SLURM_JOB_ID']}")
+    except SlurmError as error:
+        logger.warning("the allocation's nodes not known (%s): taken as all there", error)
+        return None
+    return int(listed.split()[0]) if listed.split() and listed.split()[0].isdigit() else None

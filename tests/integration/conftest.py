@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -147,7 +147,15 @@ def paced_config(output: Path, class_name: str = "Tiny", job_limit: int = 2, **l
     )
 
 
-def wait_for(condition: Callable[[], bool], process: subprocess.Popen, timeout: float = 60) -> None:
+class Running(Protocol):
+    """A process, or a batch job, followed as ``Popen`` follows a process."""
+
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+
+def wait_for(condition: Callable[[], bool], process: Running, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert process.poll() is None, f"exited with {process.returncode} before the condition held"

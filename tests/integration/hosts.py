@@ -12,6 +12,7 @@ failed; names carry this process's id, so that runs side by side do not meet.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from dataclasses import dataclass
 from types import TracebackType
@@ -77,6 +78,16 @@ class Cluster:
 
     def heal(self, host: Host) -> None:
         ip("-n", self.switch, "link", "set", host.port, "up")
+
+    def lose(self, host: Host) -> None:
+        """The host dies: cut off, then every process on it killed (its daemons and jobs with them)."""
+        self.partition(host)
+        listed = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True, timeout=30)
+        for pid in listed.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def namespaces(self) -> set[str]:
         """This cluster's namespaces that exist now."""

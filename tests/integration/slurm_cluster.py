@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import subprocess
 import time
@@ -24,6 +25,37 @@ from conftest import free_port
 from hosts import Cluster, Host
 
 READY_TIMEOUT = 60.0  # seconds for the node to come up idle
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
+NODE_TIMEOUT = 5  # SlurmdTimeout across hosts: seconds before an unreachable node is declared down
+
+
+class BatchJob:
+    """A batch job of the test cluster, followed as a ``Popen`` is (``poll``, ``wait``, ``returncode``): its exit
+    code, or 128 + the signal that ended it. Asked of scontrol every 0.3 s: ``sbatch --wait`` sleeps up to 32 s
+    between two looks, longer than a test's study."""
+
+    def __init__(self, cluster: SlurmCluster, job_id: str) -> None:
+        self.id = job_id
+        self.returncode: int | None = None
+        self._cluster = cluster
+
+    def poll(self) -> int | None:
+        try:
+            shown = self._cluster.run("scontrol", "--oneliner", "show", "job", self.id)
+        except subprocess.CalledProcessError:  # a controller restarting
+            return None
+        state, code = re.search(r"\bJobState=(\S+)", shown), re.search(r"\bExitCode=(\d+):(\d+)", shown)
+        if state is not None and code is not None and state.group(1) in ENDED:
+            self.returncode = 128 + int(code.group(2)) if int(code.group(2)) else int(code.group(1))
+        return self.returncode
+
+    def wait(self, timeout: float = 240) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Slurm job {self.id} still not ended after {timeout:.0f} s\n{self._cluster.logs()}")
+            time.sleep(0.3)
+        return code
 
 
 class SlurmCluster:
@@ -38,6 +70,7 @@ class SlurmCluster:
         self.nodes = [h.name for h in self.compute] or [socket.gethostname().split(".")[0]]
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._daemons: list[subprocess.Popen[bytes]] = []
+        self._controller_process: subprocess.Popen[bytes]
 
     def client(self, argv: list[str]) -> list[str]:
         """``argv`` run where Slurm's clients reach the controller: on the controller's host, if on hosts."""
@@ -64,15 +97,26 @@ class SlurmCluster:
         for folder in ("state", *(f"spool/{node}" for node in self.nodes)):
             (self.root / folder).mkdir(parents=True)
         self.conf.write_text(self._slurm_conf(socket_path))
+        self.start_controller()
         if self.hosts is None:
-            self._daemon("slurmctld", "-D", "-i", "-f", str(self.conf))
             self._daemon("slurmd", "-D", "-f", str(self.conf))
         else:
-            assert self.controller is not None
-            self._daemon(*self.hosts.on(self.controller, ["slurmctld", "-D", "-i", "-f", str(self.conf)]))
             for host in self.compute:
                 self._daemon(*self.hosts.on(host, ["slurmd", "-D", "-N", host.name, "-f", str(self.conf)]))
         self._wait(lambda: self.states() == {"idle"}, "every node idle")
+
+    def start_controller(self) -> None:
+        """slurmctld, which reads the state it saved when stopped (jobs, nodes) back."""
+        self._controller_process = self._daemon(*self.client(["slurmctld", "-D", "-i", "-f", str(self.conf)]))
+
+    def stop_controller(self) -> None:
+        """Stop slurmctld as an administrator does (SIGTERM: it saves its state); the jobs run on."""
+        self._controller_process.terminate()
+        self._controller_process.wait(timeout=30)
+
+    def submit(self, *job: str, env: dict[str, str] | None = None) -> BatchJob:
+        """``sbatch`` of ``job`` (its options, then a script or ``--wrap``) with ``env`` exported to it."""
+        return BatchJob(self, self.run("sbatch", "--parsable", *job, env=env).strip().split(";")[0])
 
     def states(self) -> set[str]:
         """The states of the nodes, as sinfo lists them."""
@@ -111,6 +155,8 @@ class SlurmCluster:
                 # /dev/shm, which the same job id on the next test cluster would attach to and fail in MPI_Init
                 f"FirstJobId={random.SystemRandom().randrange(1000, 60_000_000)}",
                 "KillWait=5",
+                # across hosts, a node that does not answer is down within seconds, as the tests of its loss need
+                *([f"SlurmdTimeout={NODE_TIMEOUT}", "MessageTimeout=3"] if self.hosts is not None else []),
                 *self._nodes(),
                 f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
                 "OverSubscribe=FORCE",
@@ -129,10 +175,10 @@ class SlurmCluster:
             return [f"NodeName={self.nodes[0]} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN"]
         return [f"NodeName={h.name} NodeAddr={h.address} CPUs={cpus} State=UNKNOWN" for h in self.compute]
 
-    def _daemon(self, *argv: str) -> None:
-        log = open(self.root / f"{argv[0]}.out", "wb")
-        self._daemons.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env))
-        log.close()
+    def _daemon(self, *argv: str) -> subprocess.Popen[bytes]:
+        with open(self.root / f"{argv[0]}.out", "ab") as log:
+            self._daemons.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env))
+        return self._daemons[-1]
 
     def _wait(self, ready, what: str) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
@@ -147,10 +193,11 @@ class SlurmCluster:
             time.sleep(0.3)
         raise RuntimeError(f"test Slurm cluster: no {what} within {READY_TIMEOUT:.0f} s\n{self.logs()}")
 
-    def run(self, *argv: str) -> str:
-        """A Slurm client command against this cluster; its standard output."""
+    def run(self, *argv: str, env: dict[str, str] | None = None) -> str:
+        """A Slurm client command against this cluster (in ``env``, if given, with ``SLURM_CONF``); its output."""
+        environment = self.env if env is None else {**env, "SLURM_CONF": str(self.conf)}
         return subprocess.run(
-            self.client(list(argv)), env=self.env, capture_output=True, text=True, check=True, timeout=60
+            self.client(list(argv)), env=environment, capture_output=True, text=True, check=True, timeout=60
         ).stdout
 
     def logs(self) -> str:

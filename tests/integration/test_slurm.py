@@ -30,7 +30,7 @@ from conftest import (
     study_config,
     wait_for,
 )
-from slurm_cluster import SlurmCluster
+from slurm_cluster import BatchJob, SlurmCluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -90,9 +90,9 @@ def slurm_study(output: Path, command: list[str], **launcher: Any) -> dict[str, 
     return study_config(output, command, launcher={"scheduler": "slurm", "simulation_timeout": 60, **launcher})
 
 
-def sbatch(tmp_path: Path, *job: str) -> list[str]:
-    """``sbatch --wait`` of ``job`` (a script and its arguments, or ``--wrap``), its output in tmp_path/job.out."""
-    return ["sbatch", "--wait", f"--output={tmp_path / 'job.out'}", f"--chdir={tmp_path}", *job]
+def sbatch(slurm: SlurmCluster, tmp_path: Path, *job: str, env: dict[str, str]) -> BatchJob:
+    """``job`` (a script and its arguments, or ``--wrap``) submitted, its output in tmp_path/job.out."""
+    return slurm.submit(f"--output={tmp_path / 'job.out'}", f"--chdir={tmp_path}", *job, env=env)
 
 
 def venv_environment() -> dict[str, str]:
@@ -125,15 +125,17 @@ def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     server = [sys.executable, "-m", "melissa_dl", str(path)]
-    done = subprocess.run(
-        sbatch(tmp_path, "--ntasks=2", "--wrap", f"exec srun --mpi=pmi2 -n 2 {' '.join(server)}"),
+    job = sbatch(
+        slurm,
+        tmp_path,
+        "--ntasks=2",
+        "--wrap",
+        f"exec srun --mpi=pmi2 -n 2 {' '.join(server)}",
         env=clean_environment(),
-        capture_output=True,
-        text=True,
-        timeout=240,
     )
+    code = job.wait(timeout=240)
     log = (tmp_path / "job.out").read_text()
-    assert done.returncode == 0, done.stderr + log
+    assert code == 0, log
     result = report(output)
     assert result["simulations"]["done"] == simulations
     assert result["samples_received"] == simulations * steps == result["samples_expected"]
@@ -235,19 +237,13 @@ def test_the_example_batch_script_restarts_a_server_rank_killed_with_kill_9(
     config = paced_config(output, server_timeout=30.0, max_server_restarts=2, scheduler="slurm")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    job = subprocess.Popen(
-        sbatch(tmp_path, str(EXAMPLE / "study.sbatch"), str(path)),
-        env=venv_environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    job = sbatch(slurm, tmp_path, str(EXAMPLE / "study.sbatch"), str(path), env=venv_environment())
     wait_for(lambda: committed(output), job, timeout=120)
     pid = int(re.search(r"server rank 1 of 2, pid (\d+)", (output / "logs" / "rank1.log").read_text()).group(1))
     os.kill(pid, signal.SIGKILL)
-    job.communicate(timeout=240)
+    code = job.wait(timeout=240)
     log = (tmp_path / "job.out").read_text()
-    assert job.returncode == 0, log
+    assert code == 0, log
     assert "restarting it from its checkpoints (restart 1 of 2)" in log
     assert "cancelled the Slurm jobs of the ended server's simulations" in log
     assert "resuming from checkpoint" in (output / "logs" / "rank0.log").read_text()

@@ -16,8 +16,16 @@ from typing import Any
 
 import pytest
 
+from launcher import jobs
 from launcher.jobs import NOT_EXECUTABLE, NOT_FOUND, START_FAILED, Launcher
-from launcher.schedulers import KILL_GRACE, Job, LocalScheduler, MpirunScheduler, child_environment
+from launcher.schedulers import (
+    KILL_GRACE,
+    Job,
+    LocalScheduler,
+    MpirunScheduler,
+    SchedulerUnavailable,
+    child_environment,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -196,6 +204,30 @@ def test_a_program_that_cannot_run_and_one_that_could_not_start_get_distinct_cod
     launcher = Launcher(Refused(["true"], tmp_path), 1, tmp_path / "logs")
     launcher.submit(1, 0, {})
     assert launcher.poll() == [(1, START_FAILED)]
+
+
+def test_an_attempt_the_scheduler_cannot_take_now_waits_at_the_head_of_the_queue_uncounted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A controller restarting (``SchedulerUnavailable``): nothing is reported, nothing starts before the retry,
+    and the attempt starts first once the scheduler answers."""
+    monkeypatch.setattr(jobs, "UNAVAILABLE_RETRY", 0.3)
+    answers = [False]
+
+    class Restarting(LocalScheduler):
+        def start(self, *args: Any) -> Any:
+            if not answers[0]:
+                raise SchedulerUnavailable("sbatch: error: Unable to contact slurm controller (connect failure)")
+            return super().start(*args)
+
+    launcher = Launcher(Restarting([sys.executable, "-c", "pass"], tmp_path), 1, tmp_path / "logs")
+    launcher.submit(0, 0, {})
+    launcher.submit(1, 0, {})
+    assert launcher.poll() == [] and launcher.queued() == [0, 1]
+    answers[0] = True
+    assert launcher.poll() == [] and launcher.queued() == [0, 1]  # held: the retry is not due yet
+    assert sorted(poll_until(launcher, 2)) == [(0, 0), (1, 0)]
+    assert not log_of(tmp_path, 0).read_text().startswith("could not start")
 
 
 def test_kill_stops_job_without_grace_and_poll_does_not_report_it(tmp_path: Path) -> None:

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 
 import pytest
 
 from launcher import slurm
-from launcher.schedulers import RUN_MARKER
-from launcher.slurm import LOST, SlurmError, SlurmOptions, SlurmScheduler, job_environment
+from launcher.schedulers import RUN_MARKER, SchedulerUnavailable
+from launcher.slurm import (
+    LOST,
+    SlurmError,
+    SlurmOptions,
+    SlurmScheduler,
+    SlurmUnavailable,
+    SrunScheduler,
+    job_environment,
+    step_environment,
+)
 from melissa_dl.runtime.mpi import first_of_launch, launch_problem
 
 
@@ -25,7 +36,8 @@ class FakeSlurm:
     def __call__(self, *argv: str, env: dict[str, str] | None = None) -> str:
         self.calls.append((argv, env))
         if argv[0] in self.failing:
-            raise SlurmError(self.failing[argv[0]])
+            unreachable = any(words in self.failing[argv[0]] for words in slurm.UNREACHABLE)
+            raise (SlurmUnavailable if unreachable else SlurmError)(self.failing[argv[0]])
         if argv[0] == "sbatch":
             self.next_id += 1
             self.states[str(self.next_id)] = "PENDING"
@@ -54,6 +66,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
     stand_in = FakeSlurm()
     monkeypatch.setattr(slurm, "_slurm", stand_in)
     monkeypatch.setattr(slurm, "POLL", 0.0)
+    monkeypatch.setattr(slurm, "UNREACHABLE_POLL", 0.0)
     return stand_in
 
 
@@ -80,6 +93,7 @@ def test_sbatch_gets_the_options_the_log_and_srun_pmi2_for_mpi_simulations(
         "--job-name=melissa-out-s3a1",
         f"--output={log}",
         "--open-mode=append",
+        "--no-requeue",
         f"--chdir={tmp_path}",
         "--ntasks=4",
         "--partition=short",
@@ -107,6 +121,19 @@ def test_one_rank_runs_the_command_itself_and_the_servers_job_is_not_inherited(
     assert job_environment({})["SLURM_CONF"] == "/etc/test/slurm.conf"
 
 
+def test_a_job_step_keeps_of_the_servers_slurm_variables_only_its_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """srun would read the server step's node list and counts as the new step's options."""
+    server_step = {
+        "SLURM_JOB_ID": "7", "SLURM_JOBID": "7", "SLURM_CONF": "/etc/test/slurm.conf", "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "node[2-5]", "SLURM_STEP_NODELIST": "node[2-3]", "SLURM_NTASKS": "2",
+    }  # fmt: skip
+    for name, value in server_step.items():
+        monkeypatch.setenv(name, value)
+    slurm_variables = {k: v for k, v in step_environment({"MELISSA_SIMULATION_ID": "1"}).items() if "SLURM" in k}
+    assert slurm_variables == {"SLURM_JOB_ID": "7", "SLURM_JOBID": "7", "SLURM_CONF": "/etc/test/slurm.conf"}
+    assert SrunScheduler.environment({"A": "1"}) == step_environment({"A": "1"})
+
+
 def test_an_answer_that_is_not_a_job_id_is_a_start_failure(
     tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -130,13 +157,19 @@ def test_an_answer_that_is_not_a_job_id_is_a_start_failure(
 def test_the_exit_code_of_an_ended_job_comes_from_scontrol(
     tmp_path: Path, fake: FakeSlurm, shown: str, code: int
 ) -> None:
-    job = scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
+    """An end that Slurm decided (a node's failure, a time limit) is written at the end of the attempt's log, which
+    the failure reason quotes; a job's own end is in its output already."""
+    log = tmp_path / "s.log"
+    job = scheduler(tmp_path).start(0, 0, {}, log)
     assert job.poll() is None and not job.started()
     fake.states[job.job_id] = "RUNNING"
     assert job.poll() is None and job.started()
     del fake.states[job.job_id]  # left squeue
     fake.ends[job.job_id] = f"JobId={job.job_id} JobName=x {shown} RunTime=00:00:01"
     assert job.poll() == code and job.started()
+    state, exit_code = shown.partition(" ")[0].removeprefix("JobState="), shown.partition("ExitCode=")[2]
+    note = f"slurm: job {job.job_id} ended {state}, exit code {exit_code}\n"
+    assert log.read_text() == (note if state in ("TIMEOUT", "NODE_FAIL") else "")
 
 
 def test_a_job_slurm_forgot_counts_as_lost(tmp_path: Path, fake: FakeSlurm) -> None:
@@ -177,6 +210,63 @@ def test_a_controller_that_does_not_answer_changes_nothing(tmp_path: Path, fake:
     assert len(cancels) >= 2 and set(cancels) == {("scancel", job.job_id)}
 
 
+@pytest.mark.parametrize(
+    "said, unavailable",
+    [
+        ("Batch job submission failed: Unable to contact slurm controller (connect failure)", True),
+        ("slurm_load_jobs error: Socket timed out on send/recv operation", True),
+        ("Batch job submission failed: Invalid partition name specified", False),
+    ],
+)
+def test_a_controller_that_does_not_answer_is_told_from_a_refusal(said: str, unavailable: bool) -> None:
+    """Only the first is waited out (the launcher starts the attempt later); a refusal fails the attempt."""
+    with pytest.raises(SlurmError, match=re.escape(said)) as raised:
+        slurm._slurm("sh", "-c", f"echo 'sh: error: {said}' >&2; exit 1")
+    assert isinstance(raised.value, SchedulerUnavailable) is unavailable
+
+
+@pytest.mark.parametrize(
+    "nodes_left, launch",
+    [
+        ("4", ["-n", "8"]),
+        ("2", ["--nodes=2", "-n", "4"]),  # two nodes lost: as many ranks a node as before, on the two left
+        ("1", ["--nodes=1", "-n", "2"]),
+        ("", ["-n", "8"]),  # Slurm does not answer: as at the start
+    ],
+)
+def test_the_server_restarts_in_an_allocation_that_lost_nodes_on_those_left(
+    monkeypatch: pytest.MonkeyPatch, nodes_left: str, launch: list[str]
+) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "4")
+
+    def squeue(*argv: str, env: dict[str, str] | None = None) -> str:
+        assert argv == ("squeue", "--noheader", "--format=%D", "--jobs=7")
+        if not nodes_left:
+            raise SlurmError("squeue: error: Socket timed out on send/recv operation")
+        return f"{nodes_left}\n"
+
+    monkeypatch.setattr(slurm, "_slurm", squeue)
+    assert SlurmScheduler.server_launch(8) == ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", *launch]
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert SlurmScheduler.server_launch(8) is None
+
+
+def test_an_unreachable_controller_is_asked_again_only_after_a_longer_pause(
+    tmp_path: Path, fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each call waits for the controller (``MessageTimeout``), in the server's bookkeeping round."""
+    monkeypatch.setattr(slurm, "UNREACHABLE_POLL", 0.5)
+    job = scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
+    fake.failing = {"squeue": "squeue: error: slurm_load_jobs error: Unable to contact slurm controller"}
+    assert job.poll() is None and job.poll() is None
+    assert len(fake.commands("squeue")) == 1
+    fake.failing = {}
+    time.sleep(0.6)
+    fake.states[job.job_id] = "RUNNING"
+    assert job.poll() is None and job.started() and len(fake.commands("squeue")) >= 2
+
+
 def test_a_cancel_that_failed_is_retried_at_the_next_refresh_of_any_job(tmp_path: Path, fake: FakeSlurm) -> None:
     runs = scheduler(tmp_path)
     doomed, other = (runs.start(sim, 0, {}, tmp_path / f"{sim}.log") for sim in range(2))
@@ -203,6 +293,13 @@ def test_job_options_that_sbatch_refuses_are_named(
     assert "--test-only" in argv and "--partition=short" in argv and "--time=ten minutes" in argv
     fake.failing = {"sbatch": "sbatch: error: Invalid --time specification"}
     assert runs.dry_run() == "sbatch refuses the simulations' job options: sbatch: error: Invalid --time specification"
+    down = "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)"
+
+    def unreachable(*argv: str, env: dict[str, str] | None = None) -> str:
+        raise SlurmUnavailable(down)
+
+    monkeypatch.setattr(slurm, "_slurm", unreachable)
+    assert runs.dry_run() == f"Slurm's controller does not answer: {down}"
 
 
 def test_a_single_job_slurm_forgot_is_lost_not_a_squeue_failure(tmp_path: Path, fake: FakeSlurm) -> None:
