@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import importlib
 import logging
+import math
 import select
 import threading
 import time
@@ -37,6 +38,10 @@ REFILL = 0.01
 """Seconds between two looks of the launcher's thread at its jobs (a submit wakes it at once)."""
 UNAVAILABLE_RETRY = 2.0
 """Seconds before an attempt that the scheduler could not take (:class:`SchedulerUnavailable`) is tried again."""
+UNAVAILABLE_LIMIT = 1800.0
+"""Seconds in a row a scheduler may be unavailable before an attempt it cannot take fails (counted, as any start
+that failed): a controller restarted or failed over is back well within them; one that is not, a study cannot
+wait for."""
 
 
 SCHEDULERS = {
@@ -84,6 +89,8 @@ class Launcher:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._hold_until = 0.0  # no start before then: the scheduler was unavailable
+        self._unavailable_since: float | None = None  # since when the scheduler takes no attempt
+        self._unavailable_said = -math.inf  # when the launcher last said so
 
     def start_thread(self) -> None:
         """From now on the launcher's own thread starts and reaps the jobs, every :data:`REFILL` seconds and at
@@ -136,14 +143,19 @@ class Launcher:
         while (picked := self._next_to_start()) is not None:
             simulation_id, attempt, env = picked
             log_path = self.log_path(simulation_id, attempt)
+            job: RunningJob | None = None
+            error: OSError | None = None
             try:
-                job: RunningJob | None = self._scheduler.start(simulation_id, attempt, env, log_path)
-                error = None
+                job = self._scheduler.start(simulation_id, attempt, env, log_path)
+                self._unavailable_since = None
             except SchedulerUnavailable as unavailable:
-                self._hold(simulation_id, attempt, env, unavailable)
-                return
+                if self._wait_for_scheduler(simulation_id, attempt, unavailable):
+                    self._hold(simulation_id, attempt, env)
+                    return
+                error = unavailable
             except OSError as failure:
-                job, error = None, failure
+                error = failure
+            if error is not None:
                 logger.error("simulation %d attempt %d could not start: %s", simulation_id, attempt, error)
                 with open_log(log_path) as log:
                     log.write(f"could not start: {error}\n".encode())
@@ -161,7 +173,27 @@ class Launcher:
             if self._closed:
                 self._finish_dying_now()
 
-    def _hold(self, simulation_id: int, attempt: int, env: dict[str, str], unavailable: OSError) -> None:
+    def _wait_for_scheduler(self, simulation_id: int, attempt: int, unavailable: OSError) -> bool:
+        """Whether to wait for a scheduler that cannot take attempts now: until it has been so for
+        :data:`UNAVAILABLE_LIMIT` seconds in a row; said once a minute."""
+        now = time.monotonic()
+        if self._unavailable_since is None:
+            self._unavailable_since, self._unavailable_said = now, -math.inf
+        if now - self._unavailable_since > UNAVAILABLE_LIMIT:
+            return False
+        if now - self._unavailable_said >= 60:
+            self._unavailable_said = now
+            logger.warning(
+                "simulation %d attempt %d not started yet, trying again every %.0f s (for %.0f s more at most): %s",
+                simulation_id,
+                attempt,
+                UNAVAILABLE_RETRY,
+                UNAVAILABLE_LIMIT - (now - self._unavailable_since),
+                unavailable,
+            )
+        return True
+
+    def _hold(self, simulation_id: int, attempt: int, env: dict[str, str]) -> None:
         """Put an attempt the scheduler could not take back at the head of the queue, and start nothing for
         :data:`UNAVAILABLE_RETRY` seconds (unless it was killed meanwhile)."""
         with self._lock:
@@ -170,13 +202,6 @@ class Launcher:
                 self._queue = {simulation_id: (attempt, env), **self._queue}
                 self._hold_until = time.monotonic() + UNAVAILABLE_RETRY
             self._cancelled = False
-        logger.warning(
-            "simulation %d attempt %d not started yet, trying again in %.0f s: %s",
-            simulation_id,
-            attempt,
-            UNAVAILABLE_RETRY,
-            unavailable,
-        )
 
     def _reap(self) -> None:
         self._dying = [(job, deadline) for job, deadline in self._dying if not job.finish_kill(deadline)]

@@ -260,7 +260,8 @@ class Scheduler(ABC):
 
     @abstractmethod
     def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> RunningJob:
-        """Start the attempt with ``env`` added to :func:`child_environment`; output goes to ``log_path``."""
+        """Start the attempt with ``env`` added to its environment (:func:`child_environment`, or what the
+        scheduler makes of it); output goes to ``log_path``."""
 
 
 class LocalScheduler(Scheduler):

@@ -171,6 +171,7 @@ class SlurmScheduler(Scheduler):
         self._states: dict[str, str] = {}  # job id -> squeue state, of the jobs not known to have ended
         self._ended: dict[str, int] = {}  # job id -> exit code
         self._logs: dict[str, Path] = {}  # job id -> its attempt's log, until its end is known
+        self._unanswered: set[str] = set()  # names of the jobs whose sbatch got no answer
         self._uncancelled: set[str] = set()  # jobs whose scancel failed: tried again at each refresh
         self._polled = -POLL
 
@@ -184,9 +185,10 @@ class SlurmScheduler(Scheduler):
         """Inside an allocation (a batch job, salloc): ``srun --mpi=pmi2 -n K`` on its nodes; ``--kill-on-bad-exit``:
         a rank that dies ends the others, as mpirun does.
 
-        An allocation that lost nodes (``sbatch --no-kill``: Slurm takes a failed node out of the job) gets as
-        many ranks a node as at its start, on the nodes it has left: the server resumes its checkpoint with
-        fewer ranks (elastic K) rather than wait for nodes that will not come back.
+        An allocation that lost nodes (``sbatch --no-kill``: Slurm takes a failed node out of the job) gets at
+        most as many ranks a node as its busiest node had at the start (``ceil(K / nodes)``), on the nodes it
+        has left, and never more than K: the server resumes its checkpoint with fewer ranks (elastic K) rather
+        than wait for nodes that will not come back.
         """
         if not inside_allocation():
             return None
@@ -194,14 +196,15 @@ class SlurmScheduler(Scheduler):
         at_start, left = int(os.environ.get("SLURM_JOB_NUM_NODES", "0")), allocation_size()
         if left is None or not 0 < left < at_start:
             return [*launch, "-n", str(ranks)]
-        fewer = max(1, ranks * left // at_start)
-        logger.warning(
-            "the allocation has %d of its %d nodes left: the server runs on %d ranks instead of %d",
-            left,
-            at_start,
-            fewer,
-            ranks,
-        )
+        fewer = min(ranks, -(-ranks // at_start) * left)
+        if fewer < ranks:
+            logger.warning(
+                "the allocation has %d of its %d nodes left: the server runs on %d ranks instead of %d",
+                left,
+                at_start,
+                fewer,
+                ranks,
+            )
         return [*launch, f"--nodes={min(left, fewer)}", "-n", str(fewer)]
 
     @classmethod
@@ -223,10 +226,11 @@ class SlurmScheduler(Scheduler):
         if self._ranks > 1:  # a rank that dies ends the others, as under mpirun
             run = f"srun --mpi=pmi2 --kill-on-bad-exit=1 -n {self._ranks} {run}"
         marker = os.environ.get(RUN_MARKER)  # set when a supervisor runs this server
+        name = f"{self._name}-s{simulation_id}a{attempt}"
         argv = [
             "sbatch",
             "--parsable",
-            f"--job-name={self._name}-s{simulation_id}a{attempt}",
+            f"--job-name={name}",
             f"--output={log_path}",
             "--open-mode=append",
             # a node's failure ends the attempt (NODE_FAIL) and the study relaunches it, counted: Slurm's own
@@ -237,12 +241,31 @@ class SlurmScheduler(Scheduler):
             "--wrap",
             f"exec {run}",
         ]
-        job_id = _slurm(*argv, env=job_environment(env)).strip().split(";")[0]
+        job_id = self._submitted_unanswered(name)
+        if job_id is None:
+            try:
+                job_id = _slurm(*argv, env=job_environment(env)).strip().split(";")[0]
+            except SlurmUnavailable:
+                self._unanswered.add(name)
+                raise
         if not job_id.isdigit():
             raise SlurmError(f"sbatch answered {job_id!r}, not a job id")
         self._states[job_id] = "PENDING"
         self._logs[job_id] = log_path
         return SlurmJob(self, simulation_id, attempt, job_id)
+
+    def _submitted_unanswered(self, name: str) -> str | None:
+        """The id of the job ``name`` if an sbatch of it got no answer but submitted it all the same (a controller
+        that timed out may have); asked of squeue before that attempt is submitted again, so that it runs once."""
+        if name not in self._unanswered:
+            return None
+        listed = _slurm("squeue", "--me", "--noheader", "--states=all", f"--name={name}", "--format=%i").split()
+        self._unanswered.discard(name)
+        if listed:
+            logger.warning(
+                "Slurm job %s (%s) was submitted after all, by an sbatch that got no answer", listed[0], name
+            )
+        return listed[0] if listed else None
 
     def _options_argv(self) -> list[str]:
         return [f"--chdir={self._cwd}", f"--ntasks={self._ranks}", *self._sbatch_options]
@@ -303,8 +326,8 @@ class SlurmScheduler(Scheduler):
             )
         except SlurmError as error:
             if UNKNOWN_JOB not in str(error):  # a busy or restarting controller: the states stand until the next try
-                if isinstance(error, SlurmUnavailable):  # which holds up the server's round by MessageTimeout
-                    self._polled += UNREACHABLE_POLL - POLL
+                if isinstance(error, SlurmUnavailable):  # each call waits MessageTimeout, in the server's round
+                    self._polled = time.monotonic() + UNREACHABLE_POLL - POLL
                 logger.warning("job states not refreshed: %s", error)
                 return
             listed = ""  # squeue asked for one job only, and Slurm has forgotten it
@@ -325,7 +348,7 @@ class SlurmScheduler(Scheduler):
         try:
             with open_log(self._logs[job_id]) as log:
                 log.write(f"{line}\n".encode())
-        except LogUnwritable as error:
+        except (LogUnwritable, OSError) as error:  # a full disk fails the write or its flush at close
             logger.warning("%s (not written: %s)", line, error)
 
     def _final_exit_code(self, job_id: str) -> int | None:
@@ -384,7 +407,7 @@ class SrunScheduler(MpirunScheduler):
     @classmethod
     def from_job(cls, job: JobTemplate) -> Scheduler:
         options = job.options if job.options is not None else SrunOptions()
-        # --nodes: else srun takes the server step's node count from the environment and warns
+        # --nodes: a step of one node per rank at most (the step's environment names no node count)
         step = ["--exclusive", "--mpi=pmi2", f"--nodes=1-{job.ranks}", f"--job-name={job.name}", *options.srun_args]
         return cls(job.command, job.cwd, job.ranks, "srun", step)
 

@@ -25,7 +25,9 @@ from conftest import free_port
 from hosts import Cluster, Host
 
 READY_TIMEOUT = 60.0  # seconds for the node to come up idle
-ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
+ENDED = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "PREEMPTED", "DEADLINE"}
+)
 NODE_TIMEOUT = 5  # SlurmdTimeout across hosts: seconds before an unreachable node is declared down
 
 

@@ -267,6 +267,10 @@ def test_a_simulation_host_cut_off_longer_than_the_client_timeout_then_back_chan
         study.wait_for_relaunch(job, cut[0][1])
         wait_for(lambda: time.monotonic() - study.broken_at > client_timeout + 1, job)
         study.hosts.heal(cut[0][0])
+        rejoined = time.monotonic() + 60  # ReturnToService=2: down for not answering, back once it does
+        while "down" in (state := study.slurm.run("sinfo", "--noheader", "--format=%T", f"--nodes={cut[0][0].name}")):
+            assert time.monotonic() < rejoined, f"{cut[0][0].name} still {state.strip()} after the heal"
+            time.sleep(0.3)
 
     study.run(during=cut_off_and_heal)
     [(host, simulation)] = cut
@@ -284,12 +288,13 @@ def test_the_launcher_rides_over_a_restart_of_slurmctld(tmp_path: Path) -> None:
 
     def restart_slurmctld(job: BatchJob) -> None:
         wait_for(lambda: study.samples_received() >= 2, job, timeout=120)
+        started = len(study.placed())
         study.broken_at = time.monotonic()
         study.slurm.stop_controller()
         wait_for(lambda: "not started yet" in (study.output / "logs" / "rank0.log").read_text(), job, 90)
         study.slurm.start_controller()
         study.broken_at = time.monotonic()  # recovery: from slurmctld's return to the next attempt's start
-        wait_for(lambda: len(study.placed()) > 2, job, timeout=120)
+        wait_for(lambda: len(study.placed()) > started, job, timeout=120)
         study.recovery = time.monotonic() - study.broken_at
 
     study.run(during=restart_slurmctld)

@@ -211,7 +211,7 @@ def test_an_attempt_the_scheduler_cannot_take_now_waits_at_the_head_of_the_queue
 ) -> None:
     """A controller restarting (``SchedulerUnavailable``): nothing is reported, nothing starts before the retry,
     and the attempt starts first once the scheduler answers."""
-    monkeypatch.setattr(jobs, "UNAVAILABLE_RETRY", 0.3)
+    monkeypatch.setattr(jobs, "UNAVAILABLE_RETRY", 2.0)
     answers = [False]
 
     class Restarting(LocalScheduler):
@@ -228,6 +228,20 @@ def test_an_attempt_the_scheduler_cannot_take_now_waits_at_the_head_of_the_queue
     assert launcher.poll() == [] and launcher.queued() == [0, 1]  # held: the retry is not due yet
     assert sorted(poll_until(launcher, 2)) == [(0, 0), (1, 0)]
     assert not log_of(tmp_path, 0).read_text().startswith("could not start")
+
+    answers[0] = False
+    launcher.submit(3, 0, {})
+    assert launcher.poll() == [] and launcher.queued() == [3]
+    launcher.kill(3)  # while it waits: gone, never started, never reported
+    answers[0] = True
+    time.sleep(2.1)
+    assert launcher.poll() == [] and launcher.queued() == [] and not log_of(tmp_path, 3).exists()
+
+    monkeypatch.setattr(jobs, "UNAVAILABLE_LIMIT", 0.0)  # unavailable for longer than the launcher waits
+    answers[0] = False
+    launcher.submit(2, 0, {})
+    assert poll_until(launcher, 1) == [(2, START_FAILED)]
+    assert log_of(tmp_path, 2).read_text().startswith("could not start: sbatch: error: Unable to contact")
 
 
 def test_kill_stops_job_without_grace_and_poll_does_not_report_it(tmp_path: Path) -> None:

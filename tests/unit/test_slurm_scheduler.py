@@ -226,16 +226,18 @@ def test_a_controller_that_does_not_answer_is_told_from_a_refusal(said: str, una
 
 
 @pytest.mark.parametrize(
-    "nodes_left, launch",
+    "ranks, nodes_left, launch",
     [
-        ("4", ["-n", "8"]),
-        ("2", ["--nodes=2", "-n", "4"]),  # two nodes lost: as many ranks a node as before, on the two left
-        ("1", ["--nodes=1", "-n", "2"]),
-        ("", ["-n", "8"]),  # Slurm does not answer: as at the start
+        (8, "4", ["-n", "8"]),
+        (8, "2", ["--nodes=2", "-n", "4"]),  # two nodes lost: as many ranks a node as before, on the two left
+        (8, "1", ["--nodes=1", "-n", "2"]),
+        (6, "1", ["--nodes=1", "-n", "2"]),  # as many as the busiest node had: ceil(6 / 4)
+        (2, "3", ["--nodes=2", "-n", "2"]),  # the nodes left can hold them all (the others ran simulations)
+        (8, "", ["-n", "8"]),  # Slurm does not answer: as at the start
     ],
 )
 def test_the_server_restarts_in_an_allocation_that_lost_nodes_on_those_left(
-    monkeypatch: pytest.MonkeyPatch, nodes_left: str, launch: list[str]
+    monkeypatch: pytest.MonkeyPatch, ranks: int, nodes_left: str, launch: list[str]
 ) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "4")
@@ -247,9 +249,9 @@ def test_the_server_restarts_in_an_allocation_that_lost_nodes_on_those_left(
         return f"{nodes_left}\n"
 
     monkeypatch.setattr(slurm, "_slurm", squeue)
-    assert SlurmScheduler.server_launch(8) == ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", *launch]
+    assert SlurmScheduler.server_launch(ranks) == ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", *launch]
     monkeypatch.delenv("SLURM_JOB_ID")
-    assert SlurmScheduler.server_launch(8) is None
+    assert SlurmScheduler.server_launch(ranks) is None
 
 
 def test_an_unreachable_controller_is_asked_again_only_after_a_longer_pause(
@@ -259,12 +261,46 @@ def test_an_unreachable_controller_is_asked_again_only_after_a_longer_pause(
     monkeypatch.setattr(slurm, "UNREACHABLE_POLL", 0.5)
     job = scheduler(tmp_path).start(0, 0, {}, tmp_path / "s.log")
     fake.failing = {"squeue": "squeue: error: slurm_load_jobs error: Unable to contact slurm controller"}
+
+    def slow(*argv: str, env: dict[str, str] | None = None) -> str:  # as long as the pause: it counts from the end
+        time.sleep(0.6)
+        return fake(*argv, env=env)
+
+    monkeypatch.setattr(slurm, "_slurm", slow)
     assert job.poll() is None and job.poll() is None
     assert len(fake.commands("squeue")) == 1
+    monkeypatch.setattr(slurm, "_slurm", fake)
     fake.failing = {}
     time.sleep(0.6)
     fake.states[job.job_id] = "RUNNING"
     assert job.poll() is None and job.started() and len(fake.commands("squeue")) >= 2
+
+
+@pytest.mark.parametrize("submitted", [True, False])
+def test_an_sbatch_that_got_no_answer_is_not_submitted_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, submitted: bool
+) -> None:
+    """A controller that timed out may have taken the job: before the attempt is submitted again, squeue is asked
+    for a job of its name, which is followed if there is one."""
+    calls: list[tuple[str, ...]] = []
+
+    def controller(*argv: str, env: dict[str, str] | None = None) -> str:
+        calls.append(argv)
+        if argv[0] == "sbatch" and len(calls) == 1:
+            raise SlurmUnavailable("sbatch: error: Batch job submission failed: Socket timed out on send/recv")
+        if argv[0] == "squeue":
+            return "77\n" if submitted else ""
+        return "78;cluster\n"
+
+    monkeypatch.setattr(slurm, "_slurm", controller)
+    runs = scheduler(tmp_path)
+    with pytest.raises(SchedulerUnavailable):
+        runs.start(3, 1, {}, tmp_path / "s.log")
+    assert runs.start(3, 1, {}, tmp_path / "s.log").job_id == ("77" if submitted else "78")
+    assert calls[1] == ("squeue", "--me", "--noheader", "--states=all", "--name=melissa-out-s3a1", "--format=%i")
+    assert [argv[0] for argv in calls] == ["sbatch", "squeue"] + ([] if submitted else ["sbatch"])
+    runs.start(4, 0, {}, tmp_path / "t.log")
+    assert calls[-1][0] == "sbatch"  # an sbatch that was answered: no question first
 
 
 def test_a_cancel_that_failed_is_retried_at_the_next_refresh_of_any_job(tmp_path: Path, fake: FakeSlurm) -> None:
