@@ -51,10 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--parameters",
-        type=float,
         nargs="+",
         metavar="VALUE",
-        help="with --try-simulation: the simulation's parameters",
+        help="with --try-simulation: the simulation's parameters (numbers; the configuration may follow them)",
     )
     parser.add_argument(
         "--check",
@@ -73,9 +72,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="write model.pt from the latest checkpoint (on any number of ranks) and exit",
     )
     args = parser.parse_args(argv)
+    if args.parameters is not None:
+        if args.config is None and len(args.parameters) > 1 and not _is_number(args.parameters[-1]):
+            args.config = args.parameters.pop()  # `--parameters 160 3.0 config.json`: argparse took it as a value
+        if bad := [value for value in args.parameters if not _is_number(value)]:
+            parser.error(f"argument --parameters: {bad[0]!r} is not a number")
+        args.parameters = [float(value) for value in args.parameters]
     if [args.config, args.status, args.plot].count(None) != 2:
         parser.error("give a configuration file, --status OUTPUT_DIR or --plot OUTPUT_DIR")
     return args
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_study(config: Config, build: bool) -> None:

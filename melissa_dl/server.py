@@ -21,7 +21,6 @@ import socket
 import struct
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,7 +54,7 @@ from melissa_dl.runtime.mpi import (
     install_abort_on_error,
     launch_problem,
 )
-from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
+from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT, lock_output
 from melissa_dl.study.plots import draw
 from melissa_dl.study.progress import StatusBoard
 from melissa_dl.study.report import final_report, write_report
@@ -66,25 +65,6 @@ from melissa_dl.train.trainer import Trainer
 from melissa_dl.wire.security import Security
 
 logger = logging.getLogger(__name__)
-
-LOCK = "server.lock"
-
-
-def lock_output(output: Path) -> Any:
-    """Refuse a second server on the same output folder (the lock dies with the process, even on kill -9)."""
-    output.mkdir(parents=True, exist_ok=True)
-    handle = open(output / LOCK, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        raise ConfigError(
-            f"output_dir: another melissa-server (pid {handle.read().strip() or '?'}) is running on {output}"
-        ) from None
-    handle.truncate(0)
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return handle
 
 
 def addresses(interface: str) -> tuple[str, str]:

@@ -299,7 +299,11 @@ class Assembler:
         if owner_rank(sim, step, spec.server_size, spec.bind_simulation) != spec.server_rank:
             raise ProtocolError(f"{where}: sent to rank {spec.server_rank}, not its owner", "routing")
         if spec.time_steps is not None and step >= spec.time_steps:
-            raise ProtocolError(f"{where}: the study has {spec.time_steps} steps", "time_step")
+            raise ProtocolError(
+                f"{where}: the study has {spec.time_steps} steps, numbered 0 to {spec.time_steps - 1} (send each "
+                "step's index, 0, 1, 2, ..., not your code's own step counter)",
+                "time_step",
+            )
         if fid >= len(spec.fields):
             raise ProtocolError(f"{where}: unknown field id {fid}", "unknown_field")
         where += f", field '{spec.fields[fid]}', client rank {crank}"

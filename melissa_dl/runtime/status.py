@@ -1,5 +1,15 @@
 """How a server tells the outside world (``melissa-launcher``, batch scripts) how it is doing."""
 
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from pathlib import Path
+from typing import IO
+
+from melissa_dl.errors import ConfigError
+
 EXIT_CONFIG = (
     2  # bad configuration, an output folder full or not writable, or nothing to resume from: a restart cannot help
 )
@@ -8,3 +18,36 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after a checkpoint; the sa
 HEARTBEAT = "heartbeat"  # file in the output folder that rank 0 touches at every bookkeeping round
 STATUS = "status.json"  # rank 0's latest status, rewritten atomically (``melissa-server --status``)
 HISTORY = "progress.jsonl"  # every status so far, one JSON per line (what the plots draw over time)
+LOCK = "server.lock"  # in the output folder: held by the server working on it
+SILENT = 10.0  # seconds without a heartbeat after which a server whose lock is free is taken for gone
+
+
+def lock_output(output: Path) -> IO[str]:
+    """Refuse a second server on the same output folder (the lock dies with the process, even on kill -9)."""
+    output.mkdir(parents=True, exist_ok=True)
+    handle = open(output / LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise ConfigError(
+            f"output_dir: another melissa-server (pid {handle.read().strip() or '?'}) is running on {output}"
+        ) from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def server_gone(output: Path) -> bool:
+    """Whether no server works on ``output`` any more: its lock is free and its heartbeat silent for
+    :data:`SILENT` seconds (the lock alone could be another node's, on a file system that keeps locks per node)."""
+    try:
+        with open(output / LOCK) as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when closed
+        beat = (output / HEARTBEAT).stat().st_mtime
+    except BlockingIOError:  # held: a server runs
+        return False
+    except FileNotFoundError:  # never locked, or no heartbeat yet
+        return True
+    return time.time() - beat > SILENT

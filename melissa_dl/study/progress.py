@@ -20,7 +20,7 @@ from typing import Any
 
 from melissa_dl.ingest.receiver import ReceiverReport
 from melissa_dl.runtime.files import write_atomic
-from melissa_dl.runtime.status import HISTORY, STATUS
+from melissa_dl.runtime.status import HISTORY, STATUS, server_gone
 from melissa_dl.study.study import Study
 from melissa_dl.wire.rejections import merge_rejections
 
@@ -178,4 +178,9 @@ def show_status(output: Path) -> str:
     status = json.loads((output / STATUS).read_text())
     age = time.time() - status["updated"]
     head = f"study in {output}: {status['state']}, status of {_duration(age)} ago"
+    if status["state"] == "running" and server_gone(output):
+        head = (
+            f"study in {output}: not running (its last status, of {_duration(age)} ago, says running: the server "
+            "was killed or crashed; the same command resumes it)"
+        )
     return "\n".join([head, *(f"  {line}" for line in describe(status))])

@@ -243,7 +243,12 @@ BAD_FRAMES: dict[str, tuple[Callable[[Sender], list[bytes]], str, str]] = {
         "simulation 3 is not in the study",
     ),
     "routing": (lambda s: s.data(1, "u", U_OTHER), "routing", "step 1: sent to rank 0, not its owner"),
-    "time step": (lambda s: s.data(4, "u", U_OTHER), "time_step", "step 4: the study has 4 steps"),
+    "time step": (
+        lambda s: s.data(4, "u", U_OTHER),
+        "time_step",
+        "step 4: the study has 4 steps, numbered 0 to 3 (send each step's index, 0, 1, 2, ..., not your code's "
+        "own step counter)",
+    ),
     "field id": (lambda s: s.data(0, "u", U_OTHER, field_id=2), "unknown_field", "unknown field id 2"),
     "field not declared": (
         lambda s: s.declare({"u": LAYOUTS["u"]}),

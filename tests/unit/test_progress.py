@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from melissa_dl.ingest.receiver import ReceiverReport
-from melissa_dl.runtime.status import HISTORY, STATUS
+from melissa_dl.runtime.status import HEARTBEAT, HISTORY, STATUS, lock_output
 from melissa_dl.study.progress import StatusBoard, show_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,3 +96,21 @@ def test_a_stopped_study_says_so(tmp_path: Path) -> None:
     board.update(start + 2.0, study(1, 3, 0), reports(10), 10, None)
     board.stopped()
     assert show_status(tmp_path).startswith(f"study in {tmp_path}: stopped")
+
+
+def test_a_running_status_of_a_server_that_is_gone_says_not_running(tmp_path: Path) -> None:
+    """A killed server leaves "running" in its status: its lock is free and its heartbeat silent."""
+    start = time.monotonic()
+    board = StatusBoard(tmp_path, interval=1.0, start=start, expected_samples=None)
+    board.update(start + 2.0, study(1, 3, 0), reports(10), 10, None)
+    lock = lock_output(tmp_path)
+    (tmp_path / HEARTBEAT).touch()
+    os.utime(tmp_path / HEARTBEAT, (time.time() - 60, time.time() - 60))
+    assert show_status(tmp_path).startswith(f"study in {tmp_path}: running")  # the lock is held
+    lock.close()  # as the kernel does at kill -9
+    assert show_status(tmp_path).startswith(
+        f"study in {tmp_path}: not running (its last status, of 0 s ago, says running: the server was killed or "
+        "crashed; the same command resumes it)"
+    )
+    (tmp_path / HEARTBEAT).touch()  # a beat of a server whose lock this node cannot see
+    assert show_status(tmp_path).startswith(f"study in {tmp_path}: running")
