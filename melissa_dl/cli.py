@@ -72,15 +72,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="write model.pt from the latest checkpoint (on any number of ranks) and exit",
     )
     args = parser.parse_args(argv)
-    if args.parameters is not None:
-        if args.config is None and len(args.parameters) > 1 and not _is_number(args.parameters[-1]):
-            args.config = args.parameters.pop()  # `--parameters 160 3.0 config.json`: argparse took it as a value
-        if bad := [value for value in args.parameters if not _is_number(value)]:
-            parser.error(f"argument --parameters: {bad[0]!r} is not a number")
-        args.parameters = [float(value) for value in args.parameters]
+    _numbers_and_config(parser, args)
     if [args.config, args.status, args.plot].count(None) != 2:
         parser.error("give a configuration file, --status OUTPUT_DIR or --plot OUTPUT_DIR")
     return args
+
+
+def _numbers_and_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--parameters`` as numbers; in ``--parameters 160 3.0 config.json`` argparse took the configuration for a
+    value: it is the configuration."""
+    if args.parameters is None:
+        return
+    if args.config is None and len(args.parameters) > 1 and not _is_number(args.parameters[-1]):
+        args.config = args.parameters.pop()
+    if bad := [value for value in args.parameters if not _is_number(value)]:
+        parser.error(f"argument --parameters: {bad[0]!r} is not a number")
+    args.parameters = [float(value) for value in args.parameters]
 
 
 def _is_number(text: str) -> bool:
