@@ -56,7 +56,7 @@ from melissa_dl.runtime.mpi import (
 )
 from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT, lock_output
 from melissa_dl.study.plots import draw
-from melissa_dl.study.progress import StatusBoard
+from melissa_dl.study.progress import StatusBoard, earlier_runs_seconds
 from melissa_dl.study.report import final_report, write_report
 from melissa_dl.study.study import Study, simulation_environment
 from melissa_dl.train.dataset import StreamDataset
@@ -336,6 +336,7 @@ class Server:
             assert study is not None and handshake is not None and status is not None and total is not None
             study.conclude()
             status.finish(study, reports, total, consumer.status())
+            duration += earlier_runs_seconds(self.config.output_path, time.time() - duration)  # before restarts
             report = final_report(
                 study, reports, handshake.rejections.counts(), total, duration, self.config.study.time_steps, extra
             )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from melissa_dl.errors import ConfigError
 
@@ -51,3 +52,26 @@ def server_gone(output: Path) -> bool:
     except FileNotFoundError:  # never locked, or no heartbeat yet
         return True
     return time.time() - beat > SILENT
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """Every status in ``path``, but a last line torn by a server killed while appending it."""
+    history = []
+    for line in path.read_text().splitlines():
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return history
+
+
+def runs(history: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The statuses of a history (``progress.jsonl``) by server run, in order: a restart starts its clock again,
+    so a status whose run began (``updated - elapsed_s``) over a second after the one before's is a new run's."""
+    grouped: list[list[dict[str, Any]]] = []
+    for status in history:
+        began = status["updated"] - status["elapsed_s"]
+        if not grouped or began - (grouped[-1][-1]["updated"] - grouped[-1][-1]["elapsed_s"]) > 1.0:
+            grouped.append([])
+        grouped[-1].append(status)
+    return grouped

@@ -9,7 +9,6 @@ TensorBoard stays the place for live curves; these are the record.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ matplotlib.use("Agg")  # files only: no display on a compute node
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from melissa_dl.runtime.status import HISTORY  # noqa: E402
+from melissa_dl.runtime.status import HISTORY, read_history, runs  # noqa: E402
 
 LOSS, INTAKE, BUFFERS, SIMULATIONS = "loss.png", "intake.png", "buffers.png", "simulations.png"
 STATES = ("done", "running", "queued", "failed")
@@ -34,7 +33,7 @@ def draw(output: Path) -> list[Path]:
         raise FileNotFoundError(f"{output / HISTORY} is empty")
     start = history[0]["updated"] - history[0]["elapsed_s"]
     scale, unit = time_unit(history[-1]["updated"] - start)
-    times = [(h["updated"] - start) / scale for h in history]
+    times, history = with_restarts_apart(history, start, scale)
     figures = {
         INTAKE: intake(times, unit, history),
         BUFFERS: buffers(times, unit, history),
@@ -51,15 +50,21 @@ def draw(output: Path) -> list[Path]:
     return paths
 
 
-def read_history(path: Path) -> list[dict[str, Any]]:
-    """Every status in ``path``, but a last line torn by a server killed while appending it."""
-    history = []
-    for line in path.read_text().splitlines():
-        try:
-            history.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return history
+def with_restarts_apart(
+    history: list[dict[str, Any]], start: float, scale: float
+) -> tuple[list[float], list[dict[str, Any]]]:
+    """The statuses' times since ``start`` in units of ``scale``, and the statuses, with a point of no time
+    (NaN: matplotlib ends a line there) between two server runs, so that no line joins the last status before a
+    crash to the first after the restart."""
+    times: list[float] = []
+    kept: list[dict[str, Any]] = []
+    for number, run in enumerate(runs(history)):
+        if number:
+            times.append(float("nan"))
+            kept.append(run[0])
+        times.extend((status["updated"] - start) / scale for status in run)
+        kept.extend(run)
+    return times, kept
 
 
 def time_unit(seconds: float) -> tuple[float, str]:
@@ -102,19 +107,24 @@ def loss(losses: dict[str, tuple[list[int], list[float], list[float]]], unit: st
 
 
 def intake(times: list[float], unit: str, history: list[dict[str, Any]]) -> Figure:
-    figure, (samples, rate) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    samples.plot(times, [h["samples"]["received"] for h in history], label="received")
-    samples.plot(times, [h["samples"]["consumed"] for h in history], label="consumed (all ranks)")
-    samples.set(xlabel=unit, ylabel="samples", title="Samples")
-    samples.legend()
+    """Samples received and consumed, each on its own axis (a sample may be consumed many times); the training's
+    and the data's rates, each on its own axis (batches/s and kB/s differ by orders of magnitude)."""
+    figure, (samples, batches) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    consumed, data = samples.twinx(), batches.twinx()
+    samples.plot(times, [h["samples"]["received"] for h in history], color="tab:blue", label="received")
+    consumed.plot(times, [h["samples"]["consumed"] for h in history], color="tab:orange", label="consumed (all ranks)")
+    samples.set(xlabel=unit, ylabel="samples received", title="Samples")
+    consumed.set(ylabel="samples consumed")
     trained = [(m, h["training"]["batches_per_s"]) for m, h in zip(times, history) if h["training"]]
     if trained:
-        rate.plot(*zip(*trained), label="training batches/s")
-    rate.plot(times, [h["MB_per_s"] for h in history], label="received MB/s")
-    rate.set(xlabel=unit, ylabel="per second", title="Rates over each status interval")
-    rate.legend()
-    for axes in (samples, rate):
-        axes.grid(True, alpha=0.3)
+        batches.plot(*zip(*trained), color="tab:green", label="training batches/s")
+    data.plot(times, [h["MB_per_s"] * 1000 for h in history], color="tab:red", label="received kB/s")
+    batches.set(xlabel=unit, ylabel="batches/s", title="Rates over each status interval")
+    data.set(ylabel="kB/s received")
+    for left, right in ((samples, consumed), (batches, data)):
+        left.grid(True, alpha=0.3)
+        lines = left.get_lines() + right.get_lines()
+        left.legend(lines, [line.get_label() for line in lines], loc="upper left")
     return figure
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from melissa_dl.ingest.receiver import ReceiverReport
 from melissa_dl.runtime.files import write_atomic
-from melissa_dl.runtime.status import HISTORY, STATUS, server_gone
+from melissa_dl.runtime.status import HISTORY, STATUS, read_history, runs, server_gone
 from melissa_dl.study.study import Study
 from melissa_dl.wire.rejections import merge_rejections
 
@@ -112,7 +112,7 @@ class StatusBoard:
             "eta_s": round(elapsed * (1 - share) / share, 1) if 0 < share < 1 else None,
             "simulations": {**counts, "total": total},
             "samples": {"received": received, "expected": self.expected_samples, "consumed": consumed},
-            "MB_per_s": round((nbytes - bytes_then) / interval / MB, 3),
+            "MB_per_s": round((nbytes - bytes_then) / interval / MB, 6),  # kB/s of small fields kept
             "buffers": [r.buffer_size for r in reports],
             "refused": merge_rejections([*(r.rejected for r in reports), self.refusals()]),
             "training": None
@@ -144,7 +144,7 @@ def describe(status: dict[str, Any]) -> list[str]:
         f"{sims['queued']} queued, {sims['failed']} failed of {sims['total']}",
         f"samples {samples['received']} received"
         + (f" of {samples['expected']}" if samples["expected"] else "")
-        + f", {samples['consumed']} consumed | {status['MB_per_s']:.1f} MB/s | buffers {sum(status['buffers'])} "
+        + f", {samples['consumed']} consumed | {rate(status['MB_per_s'])} | buffers {sum(status['buffers'])} "
         f"samples | {_refused(status['refused'])}",
     ]
     if training is not None:
@@ -171,6 +171,21 @@ def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
+def earlier_runs_seconds(output: Path, began: float) -> float:
+    """The seconds the server's runs before the one that began at wall time ``began`` took, from their last
+    statuses (a crash loses at most a status interval of its run)."""
+    try:
+        history = read_history(output / HISTORY)
+    except FileNotFoundError:
+        return 0.0
+    return sum(run[-1]["elapsed_s"] for run in runs(history) if run[-1]["updated"] - run[-1]["elapsed_s"] < began - 1)
+
+
+def rate(mb_per_s: float) -> str:
+    """A data rate readable at any size: small fields arrive at kB/s, which "0.0 MB/s" would hide."""
+    return f"{mb_per_s:.1f} MB/s" if mb_per_s >= 0.1 or mb_per_s == 0 else f"{mb_per_s * 1000:.1f} kB/s"
 
 
 def show_status(output: Path) -> str:

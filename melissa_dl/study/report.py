@@ -10,6 +10,7 @@ from typing import Any
 
 from melissa_dl.ingest.receiver import ReceiverReport
 from melissa_dl.runtime.files import write_atomic
+from melissa_dl.study.progress import rate
 from melissa_dl.study.study import State, Study
 from melissa_dl.wire.rejections import merge_rejections
 
@@ -41,7 +42,7 @@ def final_report(
         "rejected": merge_rejections([*(r.rejected for r in reports), handshake_rejections]),
         "duration_s": round(duration, 3),
         "bytes_received": bytes_received,
-        "throughput_MB_per_s": round(bytes_received / duration / MB, 3) if duration > 0 else 0.0,
+        "throughput_MB_per_s": round(bytes_received / duration / MB, 6) if duration > 0 else 0.0,
         "per_rank_samples": [r.samples for r in reports],
         "stopped_early": study.gave_up or None,
         "per_simulation": [
@@ -69,7 +70,7 @@ def write_report(report: dict[str, Any], path: Path) -> None:
     expected = report["samples_expected"]
     logger.info(
         "final report: %d/%d simulations done, %d failed; %d samples received%s; %d consumed; "
-        "%d duplicate frames dropped; refused: %s; %.1f s, %.2f MB/s (written to %s)",
+        "%d duplicate frames dropped; refused: %s; %.1f s, %s (written to %s)",
         sims[State.DONE.value],
         total,
         sims[State.FAILED.value],
@@ -79,7 +80,7 @@ def write_report(report: dict[str, Any], path: Path) -> None:
         report["duplicate_frames_dropped"],
         report["rejected"] or "none",
         report["duration_s"],
-        report["throughput_MB_per_s"],
+        rate(report["throughput_MB_per_s"]),
         path,
     )
     training = report.get("training")

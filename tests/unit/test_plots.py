@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import matplotlib.image
@@ -10,7 +11,19 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from melissa_dl.runtime.status import HISTORY
-from melissa_dl.study.plots import BUFFERS, INTAKE, LOSS, SIMULATIONS, buffers, draw, loss, read_losses, simulations
+from melissa_dl.study.plots import (
+    BUFFERS,
+    INTAKE,
+    LOSS,
+    SIMULATIONS,
+    buffers,
+    draw,
+    intake,
+    loss,
+    read_losses,
+    simulations,
+    with_restarts_apart,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -87,3 +100,22 @@ def test_the_figures_hold_the_curves_with_labelled_axes(tmp_path: Path) -> None:
         "queued",
         "failed",
     ]
+
+
+def test_a_restart_breaks_the_lines_and_received_and_consumed_have_their_own_axes() -> None:
+    """No line joins the last status before a crash to the first after the restart; a sample consumed many
+    times does not flatten the received curve."""
+    before = [status(1, 0, 10, 5), status(2, 1, 20, 10)]
+    after = [status(1, 1, 20, 12), status(2, 2, 30, 15)]  # the restarted run's elapsed time starts again
+    for h in after:
+        h["updated"] += 100
+        h["samples"]["consumed"] = 1000 * h["samples"]["received"]
+    times, history = with_restarts_apart(before + after, START, 1.0)
+    assert times[:2] == [1.0, 2.0] and math.isnan(times[2]) and times[3:] == [101.0, 102.0]
+    assert [h["samples"]["received"] for h in history] == [10, 20, 20, 20, 30]
+    samples, rates, consumed, data = intake(times, "wall time (s)", history).axes
+    assert [line.get_label() for line in samples.get_lines()] == ["received"]
+    assert [line.get_label() for line in consumed.get_lines()] == ["consumed (all ranks)"]
+    assert consumed.get_ylim()[1] > 10 * samples.get_ylim()[1]
+    assert [line.get_label() for line in data.get_lines()] == ["received kB/s"]
+    assert list(data.get_lines()[0].get_ydata())[0] == 1500.0  # 1.5 MB/s

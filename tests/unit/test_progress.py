@@ -14,7 +14,7 @@ import pytest
 
 from melissa_dl.ingest.receiver import ReceiverReport
 from melissa_dl.runtime.status import HEARTBEAT, HISTORY, STATUS, lock_output
-from melissa_dl.study.progress import StatusBoard, show_status
+from melissa_dl.study.progress import StatusBoard, earlier_runs_seconds, rate, show_status
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,3 +114,25 @@ def test_a_running_status_of_a_server_that_is_gone_says_not_running(tmp_path: Pa
     )
     (tmp_path / HEARTBEAT).touch()  # a beat of a server whose lock this node cannot see
     assert show_status(tmp_path).startswith(f"study in {tmp_path}: running")
+
+
+def test_a_small_data_rate_is_shown_in_kb_per_second_not_as_zero() -> None:
+    assert [rate(value) for value in (2.345, 0.1, 0.0123, 0.000004, 0.0)] == [
+        "2.3 MB/s",
+        "0.1 MB/s",
+        "12.3 kB/s",
+        "0.0 kB/s",
+        "0.0 MB/s",
+    ]
+
+
+def test_the_runs_before_a_restart_count_in_the_studys_duration(tmp_path: Path) -> None:
+    """Each run's clock starts again; its last status says how long it ran (a torn last line is skipped)."""
+    now = time.time()
+    statuses = [(now - 500, 10.0), (now - 480, 30.0), (now - 200, 5.0), (now - 100, 105.0), (now - 5, 2.0)]
+    (tmp_path / HISTORY).write_text(
+        "".join(json.dumps({"updated": updated, "elapsed_s": elapsed}) + "\n" for updated, elapsed in statuses)
+        + '{"updated": 1'
+    )
+    assert earlier_runs_seconds(tmp_path, began=now - 7) == 30.0 + 105.0  # the run of now - 7 is this one
+    assert earlier_runs_seconds(tmp_path / "elsewhere", began=now) == 0.0
