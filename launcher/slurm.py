@@ -12,6 +12,11 @@ Why it works this way:
   its exit code; ``sacct`` is not used, since accounting is often off.
 * A pending job has not started: the study's timeout clock starts when Slurm
   runs it, so a busy queue fails nothing.
+* A controller that does not answer (restarted, failed over) fails no
+  attempt: ``SlurmUnavailable`` holds it in the launcher's queue, and squeue
+  waits longer between two calls, each of which waits for the controller.
+* ``--no-requeue``: a failed node's job ends ``NODE_FAIL`` and the study
+  relaunches it as a new, counted attempt.
 """
 
 from __future__ import annotations
