@@ -52,7 +52,8 @@ lint: install-test
 
 # C and Fortran: the client library (native/) installed into $(NATIVE), and the
 # programs linked to it in $(NATIVE)/bin: the heat example's C and Fortran
-# solvers, the tests' Fortran client and the ingest and scale benches' C clients (through
+# solvers, the tests' Fortran client, Melissa-style simulations (C and Fortran, on
+# Melissa's API) and persistent workers (C and Fortran) and the ingest and scale benches' C clients (through
 # pkg-config, as a user builds) and the tests' C client (statically). Debian's
 # MPICH (libmpich-dev): the mpich wheel has no Fortran bindings, and its mpirun
 # launches these programs (README, "C and Fortran").
@@ -69,6 +70,14 @@ native:
 	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/c_client tests/integration/c_client.c $$($(NATIVE_PC) --cflags melissa_dl) \
 		$(NATIVE_DIR)/lib/libmelissa_dl.a $$($(NATIVE_PC) --libs libzmq) -lm
 	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/f_client tests/integration/f_client.f90 \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
+	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/melissa_sim tests/integration/melissa_sim.c \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
+	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/melissa_sim_f tests/integration/melissa_sim.f90 \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
+	$(MPICC) -O2 -Wall -Wextra -o $(NATIVE_DIR)/bin/c_worker tests/integration/c_worker.c \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
+	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/f_worker tests/integration/f_worker.f90 \
 		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
 	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/ingest_client bench/ingest_client.c \
 		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib

@@ -13,15 +13,26 @@ held-out set can delay by seconds.
 from __future__ import annotations
 
 import errno
+import heapq
 import importlib
 import logging
 import math
 import select
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-from launcher.schedulers import KILL_GRACE, JobTemplate, RunningJob, Scheduler, SchedulerUnavailable, open_log
+from launcher.placeholders import Placeholders
+from launcher.schedulers import (
+    KILL_GRACE,
+    JobTemplate,
+    RunningJob,
+    Scheduler,
+    SchedulerUnavailable,
+    Starter,
+    open_log,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +77,47 @@ def make_scheduler(kind: str, job: JobTemplate) -> Scheduler:
     return scheduler_class(kind).from_job(job)
 
 
+class Slots:
+    """The job slots 0 to ``job_limit`` - 1: an attempt takes the lowest free one when it starts and holds it
+    until its job is reaped, a killed job until it is dead (``{slot}`` of ``launcher.placeholders``)."""
+
+    def __init__(self, count: int) -> None:
+        self._free = list(range(count))  # a heap
+        self._held: dict[int, int] = {}  # id() of a job -> its slot (the job is referenced while it holds one)
+
+    def take(self) -> int:
+        return heapq.heappop(self._free)
+
+    def give_back(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def hold(self, job: RunningJob, slot: int) -> None:
+        self._held[id(job)] = slot
+
+    def release(self, job: RunningJob) -> None:
+        if (slot := self._held.pop(id(job), None)) is not None:
+            self.give_back(slot)
+
+
 class Launcher:
     """Runs submitted attempts through ``scheduler``, at most ``job_limit`` at a time; its methods may be called
-    from any thread."""
+    from any thread.
 
-    def __init__(self, scheduler: Scheduler, job_limit: int, log_dir: Path) -> None:
+    With ``placeholders`` (``launcher.command`` and ``launcher.env``), each attempt runs the command and gets the
+    extra environment filled for it; without, the scheduler's own command.
+    """
+
+    def __init__(
+        self, scheduler: Starter, job_limit: int, log_dir: Path, placeholders: Placeholders | None = None
+    ) -> None:
         self._scheduler = scheduler
         self._job_limit = job_limit
         self._log_dir = log_dir
-        # simulation -> (attempt, env), in start order: a dict, so that studies of 10^5 simulations queue in O(1)
-        self._queue: dict[int, tuple[int, dict[str, str]]] = {}
+        self._placeholders = placeholders
+        self._slots = Slots(job_limit)
+        # simulation -> (attempt, env, parameters by name), in start order: a dict, so that studies of 10^5
+        # simulations queue in O(1)
+        self._queue: dict[int, tuple[int, dict[str, str], Mapping[str, float]]] = {}
         self._jobs: dict[int, RunningJob] = {}
         self._starting: int | None = None  # the simulation whose job is being started, outside the lock
         self._cancelled = False  # that one was killed meanwhile
@@ -87,7 +129,8 @@ class Launcher:
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._closed = False
+        self._closed = False  # shut down: nothing starts any more
+        self._finished = False  # the scheduler closed too: the thread ends
         self._hold_until = 0.0  # no start before then: the scheduler was unavailable
         self._unavailable_since: float | None = None  # since when the scheduler takes no attempt
         self._unavailable_said = -math.inf  # when the launcher last said so
@@ -103,20 +146,23 @@ class Launcher:
             self._wake.wait(REFILL)
             self._wake.clear()
             with self._lock:
-                if self._closed:
+                if self._finished:
                     return
             self._reap_and_start()
 
-    def submit(self, simulation_id: int, attempt: int, env: dict[str, str]) -> None:
+    def submit(
+        self, simulation_id: int, attempt: int, env: dict[str, str], parameters: Mapping[str, float] | None = None
+    ) -> None:
         """Queue an attempt, started when a slot is free.
 
-        ``env`` is added to the child's environment. A simulation has at most
-        one attempt running or queued: the server retries only after it saw
-        the previous attempt end.
+        ``env`` is added to the child's environment, after ``launcher.env``;
+        ``parameters`` (by name) fill the placeholders. A simulation has at
+        most one attempt running or queued: the server retries only after it
+        saw the previous attempt end.
         """
         with self._lock:
             assert simulation_id not in self._jobs and simulation_id not in self._queue, simulation_id
-            self._queue[simulation_id] = (attempt, env)
+            self._queue[simulation_id] = (attempt, env, parameters or {})
         self._wake.set()
 
     def poll(self) -> list[tuple[int, int]]:
@@ -141,16 +187,16 @@ class Launcher:
         with self._lock:
             self._reap()
         while (picked := self._next_to_start()) is not None:
-            simulation_id, attempt, env = picked
+            simulation_id, attempt, env, parameters, slot = picked
             log_path = self.log_path(simulation_id, attempt)
             job: RunningJob | None = None
             error: OSError | None = None
             try:
-                job = self._scheduler.start(simulation_id, attempt, env, log_path)
+                job = self._start(simulation_id, attempt, env, parameters, slot, log_path)
                 self._unavailable_since = None
             except SchedulerUnavailable as unavailable:
                 if self._wait_for_scheduler(simulation_id, attempt, unavailable):
-                    self._hold(simulation_id, attempt, env)
+                    self._hold(simulation_id, attempt, env, parameters, slot)
                     return
                 error = unavailable
             except OSError as failure:
@@ -162,16 +208,37 @@ class Launcher:
             with self._lock:
                 self._starting = None
                 if job is None:
+                    self._slots.give_back(slot)
                     if not self._cancelled:
                         self._ended.append((simulation_id, _start_failure_code(error)))  # type: ignore[arg-type]
-                elif self._cancelled or self._closed:  # killed, or the launcher shut down, while it started
-                    job.terminate()
-                    self._dying.append((job, time.monotonic() + KILL_GRACE))
                 else:
-                    self._register(simulation_id, job, log_path)
+                    self._slots.hold(job, slot)
+                    if self._cancelled or self._closed:  # killed, or the launcher shut down, while it started
+                        job.terminate()
+                        self._dying.append((job, time.monotonic() + KILL_GRACE))
+                    else:
+                        self._register(simulation_id, job, log_path)
                 self._cancelled = False
             if self._closed:
                 self._finish_dying_now()
+
+    def _start(
+        self,
+        simulation_id: int,
+        attempt: int,
+        env: dict[str, str],
+        parameters: Mapping[str, float],
+        slot: int,
+        log_path: Path,
+    ) -> RunningJob:
+        """Start an attempt in ``slot``: its command and ``launcher.env`` filled, if the launcher has them (a
+        command without placeholders is left to the scheduler, as a scheduler written before them expects)."""
+        if self._placeholders is None:
+            return self._scheduler.start(simulation_id, attempt, env, log_path)
+        command, extra = self._placeholders.fill(simulation_id, attempt, slot, parameters)
+        if command == self._placeholders.command:
+            return self._scheduler.start(simulation_id, attempt, {**extra, **env}, log_path)
+        return self._scheduler.start(simulation_id, attempt, {**extra, **env}, log_path, command)
 
     def _wait_for_scheduler(self, simulation_id: int, attempt: int, unavailable: OSError) -> bool:
         """Whether to wait for a scheduler that cannot take attempts now: until it has been so for
@@ -193,37 +260,47 @@ class Launcher:
             )
         return True
 
-    def _hold(self, simulation_id: int, attempt: int, env: dict[str, str]) -> None:
+    def _hold(
+        self, simulation_id: int, attempt: int, env: dict[str, str], parameters: Mapping[str, float], slot: int
+    ) -> None:
         """Put an attempt the scheduler could not take back at the head of the queue, and start nothing for
         :data:`UNAVAILABLE_RETRY` seconds (unless it was killed meanwhile)."""
         with self._lock:
             self._starting = None
+            self._slots.give_back(slot)
             if not self._cancelled and not self._closed:
-                self._queue = {simulation_id: (attempt, env), **self._queue}
+                self._queue = {simulation_id: (attempt, env, parameters), **self._queue}
                 self._hold_until = time.monotonic() + UNAVAILABLE_RETRY
             self._cancelled = False
 
     def _reap(self) -> None:
-        self._dying = [(job, deadline) for job, deadline in self._dying if not job.finish_kill(deadline)]
+        dying, self._dying = self._dying, []
+        for job, deadline in dying:
+            if job.finish_kill(deadline):
+                self._slots.release(job)
+            else:
+                self._dying.append((job, deadline))
         for simulation_id in self._maybe_ended():
             job = self._jobs[simulation_id]
             code = job.poll()
             if code is not None:
                 self._forget(simulation_id)
+                self._slots.release(job)
                 self._ended.append((simulation_id, code))
                 logger.debug("simulation %d attempt %d ended with code %d", simulation_id, job.attempt, code)
 
-    def _next_to_start(self) -> tuple[int, int, dict[str, str]] | None:
-        """Take the next queued attempt if a slot is free; it is ``_starting`` until registered."""
+    def _next_to_start(self) -> tuple[int, int, dict[str, str], Mapping[str, float], int] | None:
+        """Take the next queued attempt and the lowest free slot, if one is free; it is ``_starting`` until
+        registered."""
         with self._lock:
             if self._closed or not self._queue or len(self._jobs) + len(self._dying) >= self._job_limit:
                 return None
             if time.monotonic() < self._hold_until:
                 return None
             simulation_id = next(iter(self._queue))
-            attempt, env = self._queue.pop(simulation_id)
+            attempt, env, parameters = self._queue.pop(simulation_id)
             self._starting = simulation_id
-            return simulation_id, attempt, env
+            return simulation_id, attempt, env, parameters, self._slots.take()
 
     def _register(self, simulation_id: int, job: RunningJob, log_path: Path) -> None:
         self._jobs[simulation_id] = job
@@ -311,6 +388,11 @@ class Launcher:
         with self._lock:
             return list(self._queue)
 
+    def finish(self) -> None:
+        """The study will submit nothing more: the scheduler may let go of what it keeps between attempts
+        (persistent workers are told the study is over)."""
+        self._scheduler.close()
+
     def shutdown(self) -> None:
         """Kill every running job, forget the queue and end the launcher's thread.
 
@@ -331,9 +413,13 @@ class Launcher:
             deadline = time.monotonic() + KILL_GRACE
             for job, dying_deadline in [(job, deadline) for job in jobs] + self._dying:
                 job.kill(dying_deadline)
+                self._slots.release(job)
             self._dying.clear()
         if jobs:
             logger.info("killed %d running simulations", len(jobs))
+        self._scheduler.close()  # before the thread ends: the processes it started die with it
+        with self._lock:
+            self._finished = True
         if self._thread is not None:
             self._wake.set()
             self._thread.join()

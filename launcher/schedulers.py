@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar, Protocol
@@ -136,6 +136,18 @@ class RunningJob(Protocol):
         """A descriptor that becomes readable when the job ends, or None: then it must be polled."""
 
 
+class Starter(Protocol):
+    """What the launcher starts attempts with: a :class:`Scheduler`, or persistent workers
+    (:class:`launcher.workers.WorkerScheduler`) that one of them starts."""
+
+    def start(
+        self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path, command: list[str] | None = None
+    ) -> RunningJob: ...
+
+    def close(self) -> None:
+        """The launcher shuts down: its running attempts are killed already."""
+
+
 class Job:
     """A started simulation process and its process group.
 
@@ -247,6 +259,9 @@ class Scheduler(ABC):
         says so."""
         return None
 
+    def close(self) -> None:  # noqa: B027 (a scheduler's jobs are all the launcher's: it killed them)
+        """The launcher shuts down: its running attempts are killed already."""
+
     @classmethod
     def server_launch(cls, ranks: int) -> list[str] | None:
         """The command prefix that starts the server's ``ranks`` ranks when this process runs inside one of this
@@ -259,9 +274,12 @@ class Scheduler(ABC):
         jobs on other nodes); ``marker``: the run's ``RUN_MARKER``. An ``OSError`` says it could not."""
 
     @abstractmethod
-    def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> RunningJob:
+    def start(
+        self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path, command: list[str] | None = None
+    ) -> RunningJob:
         """Start the attempt with ``env`` added to its environment (:func:`child_environment`, or what the
-        scheduler makes of it); output goes to ``log_path``."""
+        scheduler makes of it); output goes to ``log_path``. ``command``: this attempt's (``launcher.command``
+        with its placeholders filled), instead of the scheduler's."""
 
 
 class LocalScheduler(Scheduler):
@@ -274,16 +292,20 @@ class LocalScheduler(Scheduler):
     summary = "one subprocess per simulation"
     _death_signal = signal.SIGKILL
 
-    def __init__(self, command: list[str], cwd: Path) -> None:
-        self._argv = list(command)
+    def __init__(self, command: list[str], cwd: Path, launch: Sequence[str] = ()) -> None:
+        self._command = list(command)
+        self._launch = list(launch)  # what runs the command (mpirun, srun), if anything does
         self._cwd = cwd
 
     @classmethod
     def from_job(cls, job: JobTemplate) -> Scheduler:
         return cls(job.command, job.cwd)
 
-    def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> Job:
-        process = _spawn(self._argv, self._cwd, self.environment(env), log_path, self._death_signal)
+    def start(
+        self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path, command: list[str] | None = None
+    ) -> Job:
+        argv = [*self._launch, *(self._command if command is None else command)]
+        process = _spawn(argv, self._cwd, self.environment(env), log_path, self._death_signal)
         return Job(simulation_id, attempt, process)
 
     @staticmethod
@@ -306,8 +328,10 @@ class MpirunScheduler(LocalScheduler):
     runs_mpi = True
     _death_signal = signal.SIGTERM
 
-    def __init__(self, command: list[str], cwd: Path, ranks: int, mpirun: str = "mpirun") -> None:
-        super().__init__([mpirun, "-n", str(ranks), *command], cwd)
+    def __init__(
+        self, command: list[str], cwd: Path, ranks: int, mpirun: str = "mpirun", options: Sequence[str] = ()
+    ) -> None:
+        super().__init__(command, cwd, [mpirun, "-n", str(ranks), *options])
 
     @classmethod
     def from_job(cls, job: JobTemplate) -> Scheduler:

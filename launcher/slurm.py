@@ -225,9 +225,11 @@ class SlurmScheduler(Scheduler):
             _slurm("scancel", *jobs)
             logger.info("cancelled the Slurm jobs of the ended server's simulations: %s", " ".join(jobs))
 
-    def start(self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path) -> SlurmJob:
+    def start(
+        self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path, command: list[str] | None = None
+    ) -> SlurmJob:
         open_log(log_path).close()  # the folder exists and can be written before Slurm writes into it
-        run = shlex.join(self._command)
+        run = shlex.join(self._command if command is None else command)
         if self._ranks > 1:  # a rank that dies ends the others, as under mpirun
             run = f"srun --mpi=pmi2 --kill-on-bad-exit=1 -n {self._ranks} {run}"
         marker = os.environ.get(RUN_MARKER)  # set when a supervisor runs this server
@@ -419,7 +421,7 @@ class SrunScheduler(MpirunScheduler):
     def __init__(
         self, command: list[str], cwd: Path, ranks: int, srun: str = "srun", step: list[str] | None = None
     ) -> None:
-        super().__init__([*(step or []), *command], cwd, ranks, srun)
+        super().__init__(command, cwd, ranks, srun, step or [])
 
     environment = staticmethod(step_environment)
 

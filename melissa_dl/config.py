@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 
 from launcher.jobs import SCHEDULERS, scheduler_class
+from launcher.placeholders import Placeholders, unknown_placeholder
 from launcher.samplers import SAMPLERS, SPACE_FILLING, Breeding, Sampler, make_sampler
 from launcher.schedulers import JobTemplate
 from melissa_dl.buffers.kinds import BUFFER_KINDS, Buffer, make_buffer
@@ -424,7 +425,10 @@ def _with_scheduler_sections(cls: type[T]) -> type[T]:
 class LauncherConfig:
     """How simulations are started; each scheduler's own options are the section named after it."""
 
-    command: list[str] = option(doc="Command line of one simulation, run from the config file's folder.")
+    command: list[str] = option(
+        doc="Command line of one simulation, run from the config file's folder; placeholders such as `{simulation}`, "
+        "`{slot}`, `{parameters}` or a parameter's `{name}` are filled for each attempt (README, Placeholders)."
+    )
     scheduler: Literal[tuple(SCHEDULERS)] = option(  # type: ignore[valid-type]
         "local", doc="; ".join(f"`{kind}`: {scheduler_class(kind).summary}" for kind in SCHEDULERS) + "."
     )
@@ -435,6 +439,12 @@ class LauncherConfig:
         "another client size is refused.",
     )
     job_limit: int = option(4, minimum=1, doc="Simulations running at once.")
+    persistent: bool = option(
+        False,
+        doc="Start `job_limit` workers once, each running simulation after simulation (`Client.simulations`, "
+        "`melissa_dl_next`) until the study is over, instead of one process per simulation: for codes whose start "
+        "is costly (a JIT, a mesh, a CUDA context). `command` and `env` then take only `{slot}`.",
+    )
     simulation_timeout: float = option(
         120.0,
         positive=True,
@@ -451,7 +461,11 @@ class LauncherConfig:
     send_queue_bytes: int = option(
         64 * MiB, positive=True, doc="Memory ZeroMQ may queue in each client rank per server rank."
     )
-    env: dict[str, str] = option({}, doc="Extra environment variables of the simulations.")
+    env: dict[str, str] = option(
+        {},
+        doc="Extra environment variables of the simulations, with the placeholders of `command`, e.g. "
+        '`{"CUDA_VISIBLE_DEVICES": "{slot}"}`.',
+    )
     server_timeout: float = option(
         600.0,
         positive=True,
@@ -461,8 +475,15 @@ class LauncherConfig:
         3, minimum=0, doc="`melissa-launcher`: restarts of a dead server before giving up."
     )
 
+    def placeholders(self) -> Placeholders:
+        """``command`` and ``env`` as written, which the launcher fills for each attempt."""
+        return Placeholders(self.command, self.env)
+
     def check(self, config: Config) -> None:
         _require(len(self.command) > 0, "launcher.command", "must not be empty")
+        names = config.study.parameter_names
+        if (unknown := unknown_placeholder(self.command, self.env, names, self.persistent)) is not None:
+            raise ConfigError(f"{unknown[0]}: {unknown[1]}")
         _require(
             scheduler_class(self.scheduler).runs_mpi or self.client_ranks == 1,
             "launcher.client_ranks",
@@ -506,6 +527,13 @@ class CheckpointConfig:
         500, minimum=0, doc="Batches between two checkpoints (one is also written at the end); 0 writes only the last."
     )
     keep: int = option(3, minimum=1, doc="Committed checkpoint versions kept on disk; older ones are deleted.")
+    seconds: float = option(
+        0.0,
+        minimum=0,
+        doc="Least seconds between two checkpoints taken because simulations ended (done or failed): each records "
+        "that they ended, so that a restart runs none of them again. 0 takes one at the first chance after every "
+        "bookkeeping round in which one ended; a simulation that ended within ``seconds`` before a crash runs again.",
+    )
 
 
 # Keys that moved to another section: a one-line error says where.

@@ -27,6 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from launcher import Launcher, Sampler, make_scheduler
+from launcher.workers import WorkerScheduler
 from melissa_dl.checkpoint.manager import CheckpointManager
 from melissa_dl.checkpoint.recovery import (
     DENSE,
@@ -95,12 +96,16 @@ def interface_address(name: str) -> str | None:
 SIOCGIFADDR = 0x8915  # linux/sockios.h
 
 
-def make_launcher(config: Config) -> Launcher:
-    return Launcher(
-        make_scheduler(config.launcher.scheduler, config.simulation_job()),
-        config.launcher.job_limit,
-        config.output_path / "simulations",
-    )
+def make_launcher(config: Config, handshake: HandshakeServer) -> Launcher:
+    """The launcher of the study's attempts: one process each, or (``launcher.persistent``) persistent workers,
+    which ask ``handshake`` what to run next."""
+    scheduler = make_scheduler(config.launcher.scheduler, config.simulation_job())
+    log_dir, job_limit = config.output_path / "simulations", config.launcher.job_limit
+    if not config.launcher.persistent:
+        return Launcher(scheduler, job_limit, log_dir, config.launcher.placeholders())
+    workers = WorkerScheduler(scheduler, config.launcher.placeholders())
+    handshake.workers = workers.next_for
+    return Launcher(workers, job_limit, log_dir)
 
 
 class Server:
@@ -259,7 +264,7 @@ class Server:
             server_endpoint,
             self.size,
         )
-        launcher = make_launcher(self.config)
+        launcher = make_launcher(self.config, handshake)
         study = Study.from_config(
             self.config.study,
             self.config.launcher,

@@ -5,7 +5,8 @@ from, checked against this configuration) and registers its parts as it
 builds them (``add``: each is restored from that version at once); the
 training loop calls it when training begins (``begin``), after every step
 (``after_step``: a snapshot every ``checkpoint.interval`` batches),
-in every bookkeeping round (``sync``: commits) and at the end (``final``);
+in every bookkeeping round (``sync``: commits), in every round where no
+rank holds a formed batch (``when_idle``) and at the end (``final``);
 the server has it write the trained model (``export``: ``model.pt``).
 ``recovery.Checkpointer`` writes and commits, ``versions`` stores; the
 parts know only ``state_dict``.
@@ -14,6 +15,7 @@ parts know only ``state_dict``.
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +37,14 @@ class CheckpointManager:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.root = checkpoint_root(config)
         self.interval = config.checkpoint.interval if config.training is not None else 0
+        self.spacing = config.checkpoint.seconds
         self.parts: list[Part] = []  # the stream's, the trainer's, and on rank 0 the study's
         self.version: Version | None = None  # resumed from
         self.copies = BackgroundCopies()  # of the parts' live state: the trainer waits for them before a step
         self._checkpointer: Checkpointer | None = None  # from begin()
+        self._unrecorded = False  # simulations ended that no snapshot taken or asked for has recorded yet
+        self._requested = False  # a snapshot at the first chance: after the next step, or when idle
+        self._next_record = 0.0  # rank 0's clock: no snapshot for ended simulations before then
 
     def open(self, fresh: bool, refused: str | None = None) -> Version | None:
         """Collective: start over (``fresh``) or find the version to resume from, which every rank gets (None: a
@@ -73,21 +79,35 @@ class CheckpointManager:
 
     def due(self, batches: int) -> bool:
         """Whether a snapshot follows the step that makes ``batches``."""
-        return self.interval > 0 and batches % self.interval == 0
+        return self._requested or (self.interval > 0 and batches % self.interval == 0)
 
     def after_step(self, batches: int, samples: int) -> None:
         """Every rank, after each lockstep step: a snapshot when it is due."""
         if self.due(batches):
             self.snapshot(batches, samples)
 
+    def when_idle(self, batches: int, samples: int) -> None:
+        """Every rank, in a round where no rank holds a formed batch: the snapshot asked for, if any."""
+        if self._requested:
+            self.snapshot(batches, samples)
+
     def snapshot(self, batches: int, samples: int) -> None:
         assert self._checkpointer is not None, "begin() first"
         self._checkpointer.snapshot(batches, samples)
+        self._requested = False
 
-    def sync(self) -> None:
-        """Collective, in a bookkeeping round: commit what every rank has written."""
-        if self._checkpointer is not None:
-            self._checkpointer.sync()
+    def sync(self, ended: bool = False) -> None:
+        """Collective, in a bookkeeping round: commit what every rank has written; ``ended``: simulations ended
+        in this round (every rank knows it from the round's news), which a snapshot will record.
+
+        Rank 0's clock alone spaces those snapshots, so that every rank takes them at the same step."""
+        if self._checkpointer is None:
+            return
+        self._checkpointer.sync()
+        self._unrecorded |= ended
+        if self._unrecorded and (self.spacing == 0 or self.comm.bcast(time.monotonic() >= self._next_record)):
+            self._unrecorded, self._requested = False, True
+            self._next_record = time.monotonic() + self.spacing
 
     def export(self, model: dict[str, Any] | None) -> Path:
         """``<output_dir>/model.pt``: the trained ``model`` that rank 0 holds (``Trainer.model_state``), written

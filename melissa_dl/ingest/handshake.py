@@ -8,6 +8,11 @@ A client rank sends one JSON object::
 and receives ``{"ok": true, "endpoints": [...], "acks": [...], "fields": [...],
 "bind_simulation": false}`` (each server rank's data socket and delivery
 service, :mod:`melissa_dl.ingest.delivery`) or ``{"ok": false, "kind": ..., "error": ...}``.
+A persistent worker (``launcher.persistent``) asks for its next simulation
+with ``{"protocol": 4, "token": "<hex>", "worker": "3:0"}`` and receives
+``{"ok": true, "env": {...}}`` (its next simulation's environment), ``{"ok":
+true, "wait": 0.1}`` or ``{"ok": true, "over": true}``
+(:meth:`launcher.workers.WorkerScheduler.next_for`).
 Refusals are counted like bad data frames; whatever a hello holds, checking
 it can only refuse it, never end the thread. The service runs in its own
 thread with its own REP socket; the study tells it which attempt of which
@@ -35,7 +40,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -110,6 +115,7 @@ class HandshakeServer(ServerSocketThread):
         self._nonces: dict[int, dict[int, str]] = {}  # simulation -> client rank -> its hello's nonce
         self._failures: list[tuple[int, str]] = []
         self._lock = threading.Lock()
+        self.workers: Callable[[str], dict[str, Any]] | None = None  # what a persistent worker runs next
 
     @classmethod
     def from_config(
@@ -165,7 +171,11 @@ class HandshakeServer(ServerSocketThread):
         try:
             if len(request) != 1:
                 raise ProtocolError(f"handshake: {len(request)} message parts instead of 1", "malformed")
-            self._check(decode_json(request[0], "handshake"))
+            message = decode_json(request[0], "handshake")
+            self._check_credentials(message)
+            if "worker" in message:
+                return {"ok": True, **self._next_for(message["worker"])}
+            self._check(message)
         except ProtocolError as error:
             return self._refuse(error.kind, str(error))
         except Exception as error:  # an input nobody foresaw must cost this peer its hello, not the study its rank 0
@@ -176,18 +186,29 @@ class HandshakeServer(ServerSocketThread):
         self.rejections.reject(f"handshake_{kind}", message)
         return {"ok": False, "kind": kind, "error": message}
 
-    def _check(self, hello: Any) -> None:
-        """Refuse anything but a well-formed hello of an expected simulation."""
-        if not isinstance(hello, dict):
+    def _check_credentials(self, message: Any) -> None:
+        """Refuse anything but a JSON object of our protocol carrying the study's token."""
+        if not isinstance(message, dict):
             raise ProtocolError("handshake: expected a JSON object", "malformed")
-        version = hello.get("protocol")
+        version = message.get("protocol")
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
                 f"handshake: protocol version {quote(version)}, server speaks {PROTOCOL_VERSION}", "version"
             )
-        token = hello.get("token")
+        token = message.get("token")
         if not (isinstance(token, str) and token.isascii() and hmac.compare_digest(token, self._token.hex())):
             raise ProtocolError("handshake: bad or missing token", "credentials")
+
+    def _next_for(self, worker: Any) -> dict[str, Any]:
+        """What a persistent worker runs next."""
+        if self.workers is None:
+            raise ProtocolError("handshake: a worker asked for a simulation, but launcher.persistent is off", "worker")
+        if not (isinstance(worker, str) and len(worker) <= NONCE_CHARS and worker.isascii()):
+            raise ProtocolError(f"handshake: worker {quote(worker)} is not a short ASCII string", "malformed")
+        return self.workers(worker)
+
+    def _check(self, hello: dict[str, Any]) -> None:
+        """Refuse anything but a well-formed hello of an expected simulation (its credentials checked)."""
         numbers = integers(hello, ("simulation_id", "attempt", "client_rank", "client_size"))
         if numbers is None or not (0 <= numbers[2] < numbers[3] < 1 << 16 and 0 <= numbers[1] < 1 << 32):
             raise ProtocolError(

@@ -285,7 +285,9 @@ class Study:
         sim.refused = None
         self._expect(sim.id, sim.attempts)
         self._attempts_started[sim.id] = sim.attempts
-        self._launcher.submit(sim.id, sim.attempts, self._environment(sim.id, sim.attempts, self.parameters[sim.id]))
+        row = self.parameters[sim.id]
+        named = dict(zip(self.names, row.tolist()))
+        self._launcher.submit(sim.id, sim.attempts, self._environment(sim.id, sim.attempts, row), named)
         sim.attempts += 1
 
     def _end(self, sim: Simulation, state: State) -> None:
@@ -435,11 +437,18 @@ class Study:
             elif now - sim.last_activity > self._timeout:  # type: ignore[operator]
                 self._launcher.kill(sim.id)
                 self._failed(sim, f"no data for {self._timeout:g} s")
+        self._look_ahead(now)
+
+    def _look_ahead(self, now: float) -> None:
+        """After a round: the sampler told what training learnt, the next simulations drawn, the study given up
+        on if hopeless, and the launcher told once it is over (persistent workers end then, not with training)."""
         if self._learning:
             self._learnt_at, self._learning = now, False
         self._tell_finished()
         self._draw(now)
         self._give_up_if_hopeless()
+        if self.over:
+            self._launcher.finish()
 
     def _merge(self, reports: Sequence[ReceiverReport], now: float) -> bool:
         """What each rank received of each simulation; whether a rank's buffer made it wait."""
@@ -526,9 +535,9 @@ def simulation_environment(
     parameters: np.ndarray,
     names: Sequence[str] = (),
 ) -> dict[str, str]:
-    """What an attempt of ``simulation`` finds in its environment: where the server is, who it is, its parameters."""
+    """What an attempt of ``simulation`` finds in its environment: where the server is, who it is, its parameters
+    (after ``launcher.env``, which the launcher fills for each attempt)."""
     return {
-        **options.env,
         client.ENV_SERVER: endpoint,
         client.ENV_TOKEN: token.hex(),
         client.ENV_SIMULATION_ID: str(simulation),

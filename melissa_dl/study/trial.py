@@ -87,7 +87,9 @@ def try_simulation(config: Config, parameters: list[float] | None = None, timeou
     )
     trial = Trial(table[0].tolist())
     scheduler = "mpirun" if config.launcher.client_ranks > 1 else "local"  # here, not through a batch system
-    launcher = Launcher(make_scheduler(scheduler, config.simulation_job()), 1, config.output_path / LOGS)
+    launcher = Launcher(
+        make_scheduler(scheduler, config.simulation_job()), 1, config.output_path / LOGS, config.launcher.placeholders()
+    )
     try:
         server = f"tcp://{HOST}:{handshake.start_and_bind()}"
         handshake.expect(0, 0)
@@ -97,6 +99,7 @@ def try_simulation(config: Config, parameters: list[float] | None = None, timeou
             simulation_environment(
                 config.launcher, server, token, security, 0, 0, table[0], config.study.parameter_names
             ),
+            dict(zip(config.study.parameter_names, table[0].tolist())),
         )
         _follow(trial, launcher, receiver, handshake, timeout or config.launcher.simulation_timeout)
         trial.log = launcher.log_path(0, 0)

@@ -20,9 +20,11 @@ made. Not before a snapshot (a rank would hold a formed batch the snapshot
 misses) nor once a stop is asked for.
 
 The loop calls the checkpoints (``checkpoint.manager``) after every step,
-in every bookkeeping round and at the end: a snapshot right after every
-``checkpoint.interval``-th step (no rank then holds a formed batch), its
-commit in a later round, and a last one when training ends or stops. The
+in every bookkeeping round, in every round where no rank holds a formed
+batch, and at the end: a snapshot right after every
+``checkpoint.interval``-th step (no rank then holds a formed batch) and at
+the first chance after simulations ended, its commit in a later round, and a
+last one when training ends or stops. The
 trainer only steps and gives its state; the bookkeeping round only talks to
 the study.
 """
@@ -132,6 +134,7 @@ class Bookkeeping:
         self.next_sync = time.monotonic() + interval
         self.freed = FreedMemory()
         self.over = False
+        self._ended = False  # simulations ended since the last take_ended (every rank knows, from the news)
 
     def due(self) -> bool:
         """Also after the study is over: draining the buffers still commits checkpoints and beats the heart."""
@@ -160,6 +163,7 @@ class Bookkeeping:
         was_over = self.over
         self.over, news = self.comm.bcast((over, news))
         self.receiver.follow(*news)
+        self._ended |= bool(news[1])
         self.beat()
         if self.over and not was_over:  # every simulation is done or failed: what is buffered is all there will be
             self.receiver.stop()
@@ -168,6 +172,11 @@ class Bookkeeping:
         else:
             self.freed.release_if_due()
         self.next_sync = time.monotonic() + self.interval
+
+    def take_ended(self) -> bool:
+        """Whether simulations ended (done or failed) since the last call: the same on every rank."""
+        ended, self._ended = self._ended, False
+        return ended
 
     def gather(self, consumer: Consumer) -> list[ReceiverReport]:
         """Collective: every rank's receiver report, on rank 0 (elsewhere an empty list), whose study learns the
@@ -225,6 +234,7 @@ class Loop:
                 step,
                 trainer.options.stall_timeout,
                 look_ahead=lambda: not checkpoints.due(summary.batches + 1),
+                idle=lambda: checkpoints.when_idle(summary.batches, summary.samples),
             )
         except BaseException:
             trainer.metrics.close()  # the curves so far, before the job ends
@@ -260,12 +270,14 @@ class Loop:
         step: Callable[[Any], None],
         stall_timeout: float | None,
         look_ahead: Callable[[], bool] = lambda: False,
+        idle: Callable[[], None] = lambda: None,
     ) -> Outcome:
         """Consume until one rank (with a ``stall_timeout``: lockstep training) or every rank (without:
         independent draining) is dry, or a rank was asked to stop.
 
         When every rank steps, the next round may travel with the step (see ``_step_ahead``) if
-        ``look_ahead()`` allows holding the next batch through it (not before a snapshot).
+        ``look_ahead()`` allows holding the next batch through it (not before a snapshot). In lockstep,
+        ``idle()`` is called in every round where no rank holds a formed batch.
         """
         synchronous = stall_timeout is not None
         flags, next_flags = np.zeros(5, dtype=np.int64), np.zeros(5, dtype=np.int64)
@@ -283,9 +295,11 @@ class Loop:
             if flags[DUE]:
                 self.bookkeeping.sync(consumer)
                 if self.checkpoints is not None:
-                    self.checkpoints.sync()
+                    self.checkpoints.sync(ended=self.bookkeeping.take_ended())
             if flags[ENDED] >= (1 if synchronous else self.size):
                 return Outcome.ENDED
+            if synchronous and flags[READY] == 0:
+                idle()
             if ready and (flags[READY] == self.size or not synchronous):
                 if synchronous and not flags[STOP] and self._stopping_since is None and look_ahead():
                     pending, ahead = self._step_ahead(step, pending, next_batch, next_flags), True

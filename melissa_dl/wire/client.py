@@ -44,7 +44,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -76,9 +76,11 @@ ENV_PARAMETERS = "MELISSA_PARAMETERS"
 ENV_PARAMETER_NAMES = "MELISSA_PARAMETER_NAMES"
 ENV_CLIENT_TIMEOUT = "MELISSA_CLIENT_TIMEOUT"
 ENV_SEND_QUEUE_BYTES = "MELISSA_SEND_QUEUE_BYTES"
+ENV_WORKER = "MELISSA_WORKER"  # launcher.workers.ENV_WORKER: a persistent worker's slot and start
 
 WAKE_MS = 1000  # a blocked send looks at its connection at least this often
 ANSWER_POLL_MS = 100  # how often a finalize waiting for the ranks' answers looks at its connections
+WORKER_POLL = 0.01  # seconds between two looks of a worker's other ranks at whether rank 0 has its next simulation
 
 
 def _require(environ: Mapping[str, str], name: str) -> str:
@@ -167,6 +169,96 @@ class _Questions:
         return 0.0 if self.asked is None else time.monotonic() - self.asked
 
 
+def _handshake_link(context: zmq.Context, endpoint: str, environ: Mapping[str, str]) -> _Link:
+    """A REQ link to rank 0's handshake service, on which a request may be sent again (only the answer to the
+    latest counts)."""
+    link = _Link(context, zmq.REQ, endpoint, environ)
+    link.socket.setsockopt(zmq.REQ_RELAXED, 1)
+    link.socket.setsockopt(zmq.REQ_CORRELATE, 1)
+    link.socket.connect(endpoint)
+    return link
+
+
+def _ask(link: _Link, request: dict[str, Any], timeout: float, who: str) -> dict[str, Any]:
+    """Send ``request`` to the handshake service and return its answer; sent again when the connection that
+    carried it, or its answer, was lost. ``HandshakeRefused`` if the service refuses it, ``ServerUnreachable``
+    without an answer for ``timeout`` seconds."""
+    link.socket.send(encode_json(request))
+    poller = zmq.Poller()
+    poller.register(link.socket, zmq.POLLIN)
+    poller.register(link.monitor, zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    drops = link.drops
+    while True:
+        link.update()
+        _check_refused(link, who)
+        if link.drops > drops:
+            drops = link.drops
+            link.socket.send(encode_json(request))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            hint = (
+                f" ({link.failed_handshakes} ZeroMQ handshakes with it failed: another security level "
+                f"or CURVE server key than {ENV_SECURITY}={link.level}?)"
+                if link.failed_handshakes
+                else ""
+            )
+            raise ServerUnreachable(f"no handshake answer from {link.endpoint} within {timeout:g} s{hint}")
+        if link.socket in dict(poller.poll(int(left * 1000) + 1)):
+            reply: dict[str, Any] = json.loads(link.socket.recv())
+            if not reply.get("ok"):
+                raise HandshakeRefused(f"{who}: {reply.get('error')}")
+            return reply
+
+
+def _check_refused(link: _Link, who: str) -> None:
+    if link.refused is not None:
+        raise HandshakeRefused(
+            f"{who}: {link.endpoint}: {link.refused}: this simulation's credentials "
+            f"({ENV_SECURITY}={link.level}) are not the server's (a stale environment, or another study's server?)"
+        )
+
+
+def _next_simulation(environ: Mapping[str, str], comm: Comm | None) -> dict[str, str] | None:
+    """What this persistent worker runs next, on every rank of ``comm`` (rank 0 asks): its simulation's
+    environment, or None once the study is over; rank 0's error is raised on every rank. The other ranks wait
+    without spinning a core."""
+    if comm is None:
+        return _ask_next(environ)
+    answer: dict[str, str] | Exception | None = None
+    if comm.Get_rank() == 0:
+        try:
+            answer = _ask_next(environ)
+        except Exception as error:  # every rank raises it, rather than wait for an answer that will not come
+            answer = error
+    arrived = comm.Ibarrier()
+    while not arrived.Test():
+        time.sleep(WORKER_POLL)
+    answer = comm.bcast(answer)
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
+
+
+def _ask_next(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """Ask rank 0's handshake service, until it hands this worker a simulation or says the study is over."""
+    worker = _require(environ, ENV_WORKER)
+    request = {"protocol": PROTOCOL_VERSION, "token": _require(environ, ENV_TOKEN), "worker": worker}
+    context = zmq.Context()
+    link = _handshake_link(context, _require(environ, ENV_SERVER), environ)
+    try:
+        while True:
+            reply = _ask(link, request, float(environ.get(ENV_CLIENT_TIMEOUT, "300")), f"worker {worker}")
+            if "env" in reply:
+                return {str(name): str(value) for name, value in reply["env"].items()}
+            if reply.get("over"):
+                return None
+            time.sleep(float(reply["wait"]))
+    finally:
+        link.close()
+        context.term()
+
+
 class Client:
     """One client rank's connection to the server for one simulation."""
 
@@ -230,48 +322,11 @@ class Client:
             "fields": {n: [d, list(s)] for n, (d, s) in self._layouts.items()},
             "nonce": secrets.token_hex(8),
         }
-        link = _Link(self._context, zmq.REQ, endpoint, self._environ)
+        link = _handshake_link(self._context, endpoint, self._environ)
         try:
-            # a hello may be sent again; only the answer to the latest one counts
-            link.socket.setsockopt(zmq.REQ_RELAXED, 1)
-            link.socket.setsockopt(zmq.REQ_CORRELATE, 1)
-            link.socket.connect(endpoint)
-            link.socket.send(encode_json(hello))
-            poller = zmq.Poller()
-            poller.register(link.socket, zmq.POLLIN)
-            poller.register(link.monitor, zmq.POLLIN)
-            deadline = time.monotonic() + self._timeout
-            drops = 0
-            while True:
-                link.update()
-                self._check_refused(link)
-                if link.drops > drops:  # the connection that carried the hello, or its answer, was lost
-                    drops = link.drops
-                    link.socket.send(encode_json(hello))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    hint = (
-                        f" ({link.failed_handshakes} ZeroMQ handshakes with it failed: another security level "
-                        f"or CURVE server key than {ENV_SECURITY}={link.level}?)"
-                        if link.failed_handshakes
-                        else ""
-                    )
-                    raise ServerUnreachable(f"no handshake answer from {endpoint} within {self._timeout:g} s{hint}")
-                if link.socket in dict(poller.poll(int(left * 1000) + 1)):
-                    reply = json.loads(link.socket.recv())
-                    break
+            return _ask(link, hello, self._timeout, f"simulation {self.simulation_id}")
         finally:
             link.close()
-        if not reply.get("ok"):
-            raise HandshakeRefused(f"simulation {self.simulation_id}: {reply.get('error')}")
-        return reply
-
-    def _check_refused(self, link: _Link) -> None:
-        if link.refused is not None:
-            raise HandshakeRefused(
-                f"simulation {self.simulation_id}: {link.endpoint}: {link.refused}: this simulation's credentials "
-                f"({ENV_SECURITY}={link.level}) are not the server's (a stale environment, or another study's server?)"
-            )
 
     def _check_alive(self, rank: int) -> None:
         """Raise if a server rank refused us or has been unreachable for the client timeout: no connection, or
@@ -279,7 +334,7 @@ class Client:
         link, questions = self._links[rank], self._questions[rank]
         for each in (link, questions.link):
             each.update()
-            self._check_refused(each)
+            _check_refused(each, f"simulation {self.simulation_id}")
         if max(link.down_for(), questions.link.down_for(), questions.silent_for()) >= self._timeout:
             raise ServerUnreachable(
                 f"simulation {self.simulation_id}: server rank {rank} ({link.endpoint}) has been "
@@ -416,6 +471,29 @@ class Client:
             link.close()
         self._links, self._questions = [], []
         self._context.term()
+
+    @classmethod
+    def simulations(
+        cls,
+        fields: Mapping[str, tuple[Any, Sequence[int]]],
+        comm: Comm | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> Iterator[Client]:
+        """The simulations this process runs, a client each: under ``launcher.persistent``, those the study hands
+        this worker until it is over; otherwise the one its environment names (so the same code runs both ways).
+
+        Each iteration's body streams one simulation; its end finalizes it. An exception (or a ``break``) leaves
+        that simulation unfinalized, and the study runs it again.
+        """
+        env = dict(os.environ if environ is None else environ)
+        if ENV_WORKER not in env:
+            with cls(fields, comm, environ=env) as client:
+                yield client
+            return
+        while (assigned := _next_simulation(env, comm)) is not None:
+            with cls(fields, comm, environ={**env, **assigned}) as client:
+                yield client
 
     def __enter__(self) -> Client:
         return self

@@ -12,6 +12,19 @@
 !     end do
 !     ierr = melissa_dl_finalize()
 !
+! A persistent worker (launcher.persistent: true) runs simulation after
+! simulation in one process, asking for each (the same loop runs the single
+! simulation of its environment without it; see melissa_dl_next in
+! melissa_dl.h):
+!
+!     logical :: more
+!     do
+!        ierr = melissa_dl_next(MPI_COMM_WORLD, more)        ! MPI_COMM_NULL: a serial program
+!        if (ierr /= MELISSA_DL_OK .or. .not. more) exit
+!        ierr = melissa_dl_parameters(p)                       ! this simulation's
+!        ierr = melissa_dl_init(...); sends; ierr = melissa_dl_finalize()
+!     end do
+!
 ! Every function returns the C library's status (MELISSA_DL_OK = 0 or one of
 ! the MELISSA_DL_ERR_* codes) and melissa_dl_error_message() says why a call
 ! failed. Names are ordinary Fortran strings (trailing blanks are dropped);
@@ -33,7 +46,7 @@ module melissa_dl
                                 MELISSA_DL_ERR_MPI = 10, MELISSA_DL_ERR_SYSTEM = 11
 
   public :: melissa_dl_version, melissa_dl_simulation, melissa_dl_parameters, melissa_dl_parameter, &
-            melissa_dl_init, melissa_dl_send, melissa_dl_finalize, melissa_dl_error_message
+            melissa_dl_init, melissa_dl_send, melissa_dl_finalize, melissa_dl_next, melissa_dl_error_message
 
   interface melissa_dl_init
     module procedure init_f08, init_handle
@@ -41,6 +54,10 @@ module melissa_dl
 
   interface melissa_dl_send
     module procedure send_real32, send_real64
+  end interface
+
+  interface melissa_dl_next
+    module procedure next_f08, next_handle
   end interface
 
   interface
@@ -95,6 +112,13 @@ module melissa_dl
 
     function c_finalize() bind(C, name="melissa_dl_finalize") result(status)
       import :: c_int
+      integer(c_int) :: status
+    end function
+
+    function c_next(comm, more) bind(C, name="melissa_dl_next_fortran") result(status)
+      import :: c_int
+      integer(c_int), value :: comm
+      integer(c_int), intent(out) :: more
       integer(c_int) :: status
     end function
 
@@ -206,6 +230,22 @@ contains
   ! Announce the steps sent, wait until every server rank has read them all, and close.
   integer function melissa_dl_finalize() result(status)
     status = c_finalize()
+  end function
+
+  ! The next simulation this process runs: more is .true. when it has one, .false. once the study is over (and
+  ! on failure). Call it on every rank of comm, outside a simulation (before init, after finalize).
+  integer function next_f08(comm, more) result(status)
+    type(MPI_Comm), intent(in) :: comm
+    logical, intent(out) :: more
+    status = next_handle(comm%MPI_VAL, more)
+  end function
+
+  integer function next_handle(comm, more) result(status)
+    integer, intent(in) :: comm
+    logical, intent(out) :: more
+    integer(c_int) :: flag
+    status = c_next(int(comm, c_int), flag)
+    more = flag /= 0
   end function
 
 end module melissa_dl

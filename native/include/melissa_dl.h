@@ -25,7 +25,22 @@
  * handshake's. In an MPI-parallel simulation every rank declares and sends its
  * own slice; the server concatenates the slices in rank order (a field
  * arrives as a 1-D array of the global element count). The library keeps one
- * connection per process and is not thread-safe: call it from one thread.
+ * connection per process and is not thread-safe: call it from one thread
+ * (melissa_dl_next also changes the process's environment with setenv, which
+ * no other thread may read or write meanwhile, getenv included).
+ *
+ * A program that pays a costly start (a mesh to read, a code to compile, a
+ * GPU context) can run simulation after simulation in one process under
+ * launcher.persistent: true, asking melissa_dl_next for each; the same loop
+ * runs the single simulation of its environment without it:
+ *
+ *     int more;
+ *     while (melissa_dl_next(MPI_COMM_WORLD, &more) == MELISSA_DL_OK && more) {
+ *         melissa_dl_parameters(p, 5, &n);                   // this simulation's
+ *         melissa_dl_init("temperature", MELISSA_DL_FLOAT32, local_count, MPI_COMM_WORLD);
+ *         ...sends...
+ *         melissa_dl_finalize();
+ *     }
  */
 #ifndef MELISSA_DL_H
 #define MELISSA_DL_H
@@ -117,15 +132,49 @@ MELISSA_DL_API int melissa_dl_send_double(const char *field, int64_t time_step, 
  * server. */
 MELISSA_DL_API int melissa_dl_finalize(void);
 
+/* The next simulation this process runs: sets *more to 1 when it has one
+ * (melissa_dl_simulation, melissa_dl_parameters, melissa_dl_parameter and
+ * melissa_dl_init then describe it), to 0 when the study is over or the call
+ * fails. Call it on every rank of comm, outside a simulation (before
+ * melissa_dl_init or after melissa_dl_finalize: MELISSA_DL_ERR_STATE in
+ * between); once the study is over, later calls say 0 without asking.
+ *
+ * Without MELISSA_WORKER (no launcher.persistent) the first call gives the
+ * simulation of the environment and the next one 0. A persistent worker
+ * (MELISSA_WORKER, set by the launcher) asks rank 0's handshake service for
+ * its next simulation, waiting while there is none yet; asking again ends the
+ * simulation it had (one that did not finalize is relaunched by the server).
+ * Rank 0 of comm asks and its answer reaches every rank of comm; the other
+ * ranks wait on an MPI_Ibarrier they test every 10 ms, asleep meanwhile, so
+ * that an idle worker burns no core. A serial program passes MPI_COMM_NULL
+ * (see melissa_dl_init). The answer is applied to the process's environment
+ * with setenv (the worker's environment at its start with the next
+ * simulation's MELISSA_SIMULATION_ID, MELISSA_ATTEMPT, MELISSA_PARAMETERS,
+ * ... on top), which the other calls read.
+ *
+ * MELISSA_DL_ERR_REFUSED if the service refuses the request or the
+ * credentials, MELISSA_DL_ERR_UNREACHABLE without an answer for
+ * MELISSA_CLIENT_TIMEOUT seconds, MELISSA_DL_ERR_PROTOCOL for an answer the
+ * protocol does not know, MELISSA_DL_ERR_ENVIRONMENT for a missing or
+ * malformed MELISSA_SERVER, MELISSA_TOKEN or security variable, and
+ * MELISSA_DL_ERR_MPI as melissa_dl_init, MELISSA_DL_ERR_ARGUMENT for a NULL
+ * more; every rank of comm returns rank 0's code and message. A program should
+ * exit with a non-zero code when melissa_dl_next fails. A simulation whose
+ * sends or finalize failed is relaunched by the server whether the program
+ * exits (non-zero: at once) or asks for the next one (after a grace). */
+MELISSA_DL_API int melissa_dl_next(MPI_Comm comm, int *more);
+
 /* What the last failing call said ("" before any failure); successful calls
  * leave it unchanged. */
 MELISSA_DL_API const char *melissa_dl_error_message(void);
 
 /* For the Fortran module: melissa_dl_init with a Fortran communicator handle
- * (a negative count is refused), and the send of either dtype. */
+ * (a negative count is refused), the send of either dtype, and melissa_dl_next
+ * with a Fortran communicator handle. */
 MELISSA_DL_API int melissa_dl_init_fortran(const char *field, int dtype, int64_t local_count, MPI_Fint comm);
 MELISSA_DL_API int melissa_dl_send_fortran(const char *field, int64_t time_step, const void *data, int64_t count,
                                            int dtype);
+MELISSA_DL_API int melissa_dl_next_fortran(MPI_Fint comm, int *more);
 
 #ifdef __cplusplus
 }

@@ -275,37 +275,49 @@ static int simulation_ids(double *simulation_id, double *attempt) {
     return code;
 }
 
-static int read_environment(environment *env) {
-    double simulation_id, attempt;
+/* What any request to rank 0's handshake service needs: MELISSA_SERVER, MELISSA_TOKEN,
+ * MELISSA_CLIENT_TIMEOUT and the security level; *env is empty on failure. */
+static int read_server(environment *env) {
     const char *endpoint, *token;
-    int code = simulation_ids(&simulation_id, &attempt);
-    if (code == MELISSA_DL_OK)
-        code = env_number("MELISSA_CLIENT_TIMEOUT", 300, 1e-3, 1e6, false, &env->timeout);
-    if (code == MELISSA_DL_OK)
-        code = env_number("MELISSA_SEND_QUEUE_BYTES", 64 << 20, 1, 1e18, true, &env->queue_bytes);
+    int code = env_number("MELISSA_CLIENT_TIMEOUT", 300, 1e-3, 1e6, false, &env->timeout);
     if (code == MELISSA_DL_OK)
         code = require("MELISSA_SERVER", &endpoint);
     if (code == MELISSA_DL_OK)
         code = require("MELISSA_TOKEN", &token);
     if (code == MELISSA_DL_OK)
-        code = make_key(token, (uint32_t)simulation_id, (uint32_t)attempt, env->key);
-    if (code == MELISSA_DL_OK)
         code = read_security(env);
+    if (code == MELISSA_DL_OK) {
+        env->endpoint = strdup(endpoint);
+        env->token = strdup(token);
+        if (env->endpoint == NULL || env->token == NULL)
+            code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    }
+    if (code != MELISSA_DL_OK) {
+        free_environment(env);
+        return code;
+    }
+    env->security.token = env->token;
+    for (int i = 0; i < 3; i++)
+        env->security.curve[i] = env->curve[i];
+    return MELISSA_DL_OK;
+}
+
+/* A simulation's environment: the server's, its id, attempt and key. */
+static int read_environment(environment *env) {
+    double simulation_id, attempt;
+    int code = simulation_ids(&simulation_id, &attempt);
+    if (code == MELISSA_DL_OK)
+        code = env_number("MELISSA_SEND_QUEUE_BYTES", 64 << 20, 1, 1e18, true, &env->queue_bytes);
+    if (code == MELISSA_DL_OK)
+        code = read_server(env);
+    if (code == MELISSA_DL_OK)
+        code = make_key(env->token, (uint32_t)simulation_id, (uint32_t)attempt, env->key);
     if (code != MELISSA_DL_OK) {
         free_environment(env);
         return code;
     }
     env->simulation_id = (uint32_t)simulation_id;
     env->attempt = (uint32_t)attempt;
-    env->endpoint = strdup(endpoint);
-    env->token = strdup(token);
-    if (env->endpoint == NULL || env->token == NULL) {
-        free_environment(env);
-        return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
-    }
-    env->security.token = env->token;
-    for (int i = 0; i < 3; i++)
-        env->security.curve[i] = env->curve[i];
     return MELISSA_DL_OK;
 }
 
@@ -377,13 +389,21 @@ static int broken(int code) {
     return code;
 }
 
-/* The server refused the link's credentials or mechanism: a deterministic failure. */
-static int refused(const mdl_link *link) {
+/* The server refused the link's credentials or mechanism: a deterministic failure. ``who`` names the asker
+ * ("simulation 3", "worker 0:1"). */
+static int refused(const mdl_link *link, const char *who, const environment *env) {
     char why[256];
     mdl_link_refusal(link, why, sizeof why);
-    return fail(MELISSA_DL_ERR_REFUSED, "simulation %u: %s: %s: this simulation's credentials "
-                "(MELISSA_SECURITY=%s) are not the server's (a stale environment, or another study's server?)",
-                client.env.simulation_id, link->endpoint, why, mdl_security_name(client.env.security.level));
+    return fail(MELISSA_DL_ERR_REFUSED, "%s: %s: %s: this simulation's credentials (MELISSA_SECURITY=%s) are not "
+                "the server's (a stale environment, or another study's server?)", who, link->endpoint, why,
+                mdl_security_name(env->security.level));
+}
+
+/* "simulation 3": who asks in a simulation's errors. */
+static const char *simulation_name(void) {
+    static char name[32];
+    snprintf(name, sizeof name, "simulation %u", client.env.simulation_id);
+    return name;
 }
 
 /* MELISSA_DL_OK while a server rank lives: connected, and its delivery service not silent for the timeout. */
@@ -393,7 +413,7 @@ static int alive(size_t rank) {
     for (int i = 0; i < 2; i++) {
         mdl_link_update(links[i]);
         if (links[i]->refused)
-            return refused(links[i]);
+            return refused(links[i], simulation_name(), &client.env);
         silent = fmax(silent, mdl_link_down_for(links[i]));
     }
     if (silent >= client.env.timeout)
@@ -611,75 +631,83 @@ static bool hello(strbuf *sb) {
     return !sb->failed;
 }
 
-/* Ask rank 0 for the data endpoints; the reply in *reply. The hello is sent again whenever the connection
- * that carried it is lost (REQ_RELAXED; REQ_CORRELATE: only the answer to the latest one is taken). */
-static int ask(json_value *reply) {
-    strbuf request = {0};
-    if (!hello(&request)) {
-        free(request.data);
-        return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
-    }
-    mdl_link link;
-    int code = MELISSA_DL_OK, one = 1;
-    if (mdl_link_open(&link, client.context, ZMQ_REQ, client.env.endpoint, &client.env.security, 0) != 0)
-        code = fail(errno == ENOMEM ? MELISSA_DL_ERR_SYSTEM : MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_SERVER='%s': %s",
-                    client.env.endpoint, zmq_strerror(errno));
-    else if (zmq_setsockopt(link.socket, ZMQ_REQ_RELAXED, &one, sizeof one) != 0 ||
-             zmq_setsockopt(link.socket, ZMQ_REQ_CORRELATE, &one, sizeof one) != 0 ||
-             zmq_send(link.socket, request.data, request.size, 0) < 0)
-        code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", client.env.endpoint, zmq_strerror(errno));
-    if (code != MELISSA_DL_OK) {
-        free(request.data);
-        mdl_link_close(&link);
+/* A REQ link to rank 0's handshake service, on which a request may be sent again (REQ_RELAXED; REQ_CORRELATE:
+ * only the answer to the latest one is taken). */
+static int open_handshake(mdl_link *link, void *context, const environment *env) {
+    int one = 1;
+    if (mdl_link_open(link, context, ZMQ_REQ, env->endpoint, &env->security, 0) != 0)
+        return fail(errno == ENOMEM ? MELISSA_DL_ERR_SYSTEM : MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_SERVER='%s': %s",
+                    env->endpoint, zmq_strerror(errno));
+    if (zmq_setsockopt(link->socket, ZMQ_REQ_RELAXED, &one, sizeof one) != 0 ||
+        zmq_setsockopt(link->socket, ZMQ_REQ_CORRELATE, &one, sizeof one) != 0) {
+        int code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", env->endpoint, zmq_strerror(errno));
+        mdl_link_close(link);
         return code;
     }
+    return MELISSA_DL_OK;
+}
+
+/* Send ``request`` to the handshake service on ``link`` and take its accepting answer, a JSON object, into
+ * *reply (to free); the request is sent again whenever the connection that carried it, or its answer, is lost.
+ * MELISSA_DL_ERR_REFUSED if the service refuses it (``who`` names the asker: "simulation 3", "worker 0:1"),
+ * MELISSA_DL_ERR_UNREACHABLE without an answer for the timeout. */
+static int ask(mdl_link *link, const environment *env, const char *who, const strbuf *request, json_value *reply) {
+    *reply = (json_value){0};
+    if (zmq_send(link->socket, request->data, request->size, 0) < 0)
+        return fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", env->endpoint, zmq_strerror(errno));
+    int code = MELISSA_DL_OK;
     zmq_msg_t message;
     zmq_msg_init(&message);
-    double deadline = mdl_now() + client.env.timeout;
-    unsigned drops = 0;
+    double deadline = mdl_now() + env->timeout;
+    unsigned drops = link->drops;
     for (;;) {
-        mdl_link_update(&link);
-        if (link.refused) {
-            code = refused(&link);
+        mdl_link_update(link);
+        if (link->refused) {
+            code = refused(link, who, env);
             break;
         }
-        if (link.drops > drops) { /* the connection that carried the hello, or its answer, was lost */
-            drops = link.drops;
-            if (zmq_send(link.socket, request.data, request.size, 0) < 0) {
-                code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", client.env.endpoint, zmq_strerror(errno));
+        if (link->drops > drops) { /* the connection that carried the request, or its answer, was lost */
+            drops = link->drops;
+            if (zmq_send(link->socket, request->data, request->size, 0) < 0) {
+                code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", env->endpoint, zmq_strerror(errno));
                 break;
             }
         }
         double left = deadline - mdl_now();
         if (left <= 0) {
-            code = link.failed_handshakes
+            code = link->failed_handshakes
                        ? fail(MELISSA_DL_ERR_UNREACHABLE, "no handshake answer from %s within %g s (%u ZeroMQ "
                               "handshakes with it failed: another security level or CURVE server key than "
-                              "MELISSA_SECURITY=%s?)", client.env.endpoint, client.env.timeout,
-                              link.failed_handshakes, mdl_security_name(client.env.security.level))
-                       : fail(MELISSA_DL_ERR_UNREACHABLE, "no handshake answer from %s within %g s",
-                              client.env.endpoint, client.env.timeout);
+                              "MELISSA_SECURITY=%s?)", env->endpoint, env->timeout, link->failed_handshakes,
+                              mdl_security_name(env->security.level))
+                       : fail(MELISSA_DL_ERR_UNREACHABLE, "no handshake answer from %s within %g s", env->endpoint,
+                              env->timeout);
             break;
         }
-        zmq_pollitem_t items[2] = {{link.socket, 0, ZMQ_POLLIN, 0}, {link.monitor, 0, ZMQ_POLLIN, 0}};
+        zmq_pollitem_t items[2] = {{link->socket, 0, ZMQ_POLLIN, 0}, {link->monitor, 0, ZMQ_POLLIN, 0}};
         int ready = zmq_poll(items, 2, (long)(left * 1000) + 1);
         if (ready < 0 && errno != EINTR) {
-            code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", client.env.endpoint, zmq_strerror(errno));
+            code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", env->endpoint, zmq_strerror(errno));
             break;
         }
         if (ready > 0 && (items[0].revents & ZMQ_POLLIN)) {
-            if (zmq_msg_recv(&message, link.socket, 0) < 0)
-                code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", client.env.endpoint, zmq_strerror(errno));
+            if (zmq_msg_recv(&message, link->socket, 0) < 0)
+                code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", env->endpoint, zmq_strerror(errno));
             else if (!mdl_json_parse(zmq_msg_data(&message), zmq_msg_size(&message), reply) ||
                      reply->type != JSON_OBJECT)
-                code = fail(MELISSA_DL_ERR_PROTOCOL, "the handshake answer of %s is not a JSON object",
-                            client.env.endpoint);
+                code = fail(MELISSA_DL_ERR_PROTOCOL, "the handshake answer of %s is not a JSON object", env->endpoint);
             break;
         }
     }
     zmq_msg_close(&message);
-    free(request.data);
-    mdl_link_close(&link);
+    if (code == MELISSA_DL_OK) {
+        const json_value *ok = mdl_json_get(reply, "ok"), *error = mdl_json_get(reply, "error");
+        if (ok == NULL || ok->type != JSON_BOOL || !ok->boolean)
+            code = fail(MELISSA_DL_ERR_REFUSED, "%s: %s", who,
+                        error && error->type == JSON_STRING ? error->string : "refused without a reason");
+    }
+    if (code != MELISSA_DL_OK)
+        mdl_json_free(reply);
     return code;
 }
 
@@ -735,16 +763,20 @@ static int accept_reply(const json_value *reply) {
 /* Handshake, connect to every server rank and declare the fields there. */
 static int handshake(void) {
     json_value reply = {0};
+    strbuf request = {0};
+    mdl_link link = {0};
     client.context = zmq_ctx_new();
-    int code = client.context ? ask(&reply) : fail(MELISSA_DL_ERR_SYSTEM, "zmq_ctx_new: %s", zmq_strerror(errno));
-    if (code == MELISSA_DL_OK) {
-        const json_value *ok = mdl_json_get(&reply, "ok"), *error = mdl_json_get(&reply, "error");
-        if (ok == NULL || ok->type != JSON_BOOL || !ok->boolean)
-            code = fail(MELISSA_DL_ERR_REFUSED, "simulation %u: %s", client.env.simulation_id,
-                        error && error->type == JSON_STRING ? error->string : "refused without a reason");
-        else
-            code = accept_reply(&reply);
-    }
+    int code = client.context ? MELISSA_DL_OK : fail(MELISSA_DL_ERR_SYSTEM, "zmq_ctx_new: %s", zmq_strerror(errno));
+    if (code == MELISSA_DL_OK && !hello(&request))
+        code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    if (code == MELISSA_DL_OK)
+        code = open_handshake(&link, client.context, &client.env);
+    if (code == MELISSA_DL_OK)
+        code = ask(&link, &client.env, simulation_name(), &request, &reply);
+    mdl_link_close(&link);
+    free(request.data);
+    if (code == MELISSA_DL_OK)
+        code = accept_reply(&reply);
     mdl_json_free(&reply);
     if (code == MELISSA_DL_OK) {
         client.phase = CONNECTED;
@@ -866,6 +898,28 @@ int melissa_dl_parameter(const char *name, double *value) {
 #pragma weak MPI_Initialized
 #pragma weak MPI_Comm_rank
 #pragma weak MPI_Comm_size
+#pragma weak MPI_Ibarrier
+#pragma weak MPI_Test
+#pragma weak MPI_Bcast
+
+/* This process's rank and size in ``comm``: 0 of 1 for MPI_COMM_NULL (a serial program, which need not pay
+ * MPI_Init). ``who`` begins the errors ("field 'x'"). */
+static int communicator(MPI_Comm comm, const char *who, int *rank, int *size) {
+    int initialized;
+    *rank = 0;
+    *size = 1;
+    if (comm == MPI_COMM_NULL)
+        return MELISSA_DL_OK;
+    if (MPI_Initialized == NULL)
+        return fail(MELISSA_DL_ERR_MPI, "%s: a communicator was passed, but this program is not linked with MPI "
+                    "(build it with mpicc, or pass MPI_COMM_NULL from a serial program)", who);
+    if (MPI_Initialized(&initialized) != MPI_SUCCESS || !initialized)
+        return fail(MELISSA_DL_ERR_MPI, "%s: MPI is not initialised: call MPI_Init first (or pass MPI_COMM_NULL "
+                    "from a serial program)", who);
+    if (MPI_Comm_rank(comm, rank) != MPI_SUCCESS || MPI_Comm_size(comm, size) != MPI_SUCCESS)
+        return fail(MELISSA_DL_ERR_MPI, "%s: the communicator gives no rank or size", who);
+    return MELISSA_DL_OK;
+}
 
 int melissa_dl_init(const char *name, int dtype, size_t local_count, MPI_Comm comm) {
     if (name == NULL || name[0] == '\0')
@@ -881,15 +935,12 @@ int melissa_dl_init(const char *name, int dtype, size_t local_count, MPI_Comm co
     for (size_t i = 0; i < client.nfields; i++)
         if (strcmp(client.fields[i].name, name) == 0)
             return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s' is declared twice", name);
-    int initialized, rank = 0, size = 1; /* MPI_COMM_NULL: a serial program, which need not pay MPI_Init */
-    if (comm != MPI_COMM_NULL && MPI_Initialized == NULL)
-        return fail(MELISSA_DL_ERR_MPI, "field '%s': a communicator was passed, but this program is not linked "
-                    "with MPI (build it with mpicc, or pass MPI_COMM_NULL from a serial program)", name);
-    if (comm != MPI_COMM_NULL && (MPI_Initialized(&initialized) != MPI_SUCCESS || !initialized))
-        return fail(MELISSA_DL_ERR_MPI, "field '%s': MPI is not initialised: call MPI_Init first (or pass "
-                    "MPI_COMM_NULL from a serial program)", name);
-    if (comm != MPI_COMM_NULL && (MPI_Comm_rank(comm, &rank) != MPI_SUCCESS || MPI_Comm_size(comm, &size) != MPI_SUCCESS))
-        return fail(MELISSA_DL_ERR_MPI, "field '%s': the communicator gives no rank or size", name);
+    int rank, size;
+    char who[MESSAGE_BYTES];
+    snprintf(who, sizeof who, "field '%s'", name);
+    int code = communicator(comm, who, &rank, &size);
+    if (code != MELISSA_DL_OK)
+        return code;
     if (size > UINT16_MAX)
         return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': %d client ranks, the protocol allows at most 65535", name,
                     size);
@@ -905,7 +956,7 @@ int melissa_dl_init(const char *name, int dtype, size_t local_count, MPI_Comm co
         return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     }
     if (client.phase == EMPTY) {
-        int code = read_environment(&client.env);
+        code = read_environment(&client.env);
         if (code != MELISSA_DL_OK) {
             free(copy);
             return code;
@@ -923,6 +974,211 @@ int melissa_dl_init_fortran(const char *name, int dtype, int64_t local_count, MP
         return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': negative element count %lld", name ? name : "",
                     (long long)local_count);
     return melissa_dl_init(name, dtype, (size_t)local_count, MPI_Comm_f2c(comm));
+}
+
+/* -- persistent workers ------------------------------------------------- */
+
+static const double WORKER_POLL = 0.01; /* seconds between two looks of a worker's other ranks at rank 0's answer */
+static const double MAX_WAIT = 3600;   /* the longest "wait" the handshake service may ask for */
+
+/* A variable that an answer set, and its value at the worker's start (NULL: unset). */
+typedef struct {
+    char *name, *value;
+} saved_variable;
+
+static struct {
+    bool over;             /* the study is over: melissa_dl_next hands no more */
+    saved_variable *saved; /* restored before each answer applies: a simulation's environment is the worker's with
+                              its answer on top (an answer holds what differs from the worker's start) */
+    size_t nsaved;
+} worker;
+
+static void pause_for(double seconds) {
+    struct timespec left = {(time_t)seconds, (long)((seconds - floor(seconds)) * 1e9)};
+    while (nanosleep(&left, &left) != 0 && errno == EINTR)
+        ;
+}
+
+/* An answer's "env" object as "NAME\0VALUE\0..." in *packed (names non-empty and without '=', values strings). */
+static int pack_env(const json_value *vars, const char *who, strbuf *packed) {
+    for (size_t i = 0; i < vars->size; i++) {
+        const char *name = vars->keys[i];
+        if (name[0] == '\0' || strchr(name, '=') != NULL || vars->items[i].type != JSON_STRING)
+            return fail(MELISSA_DL_ERR_PROTOCOL, "%s: the handshake service handed the variable '%s', which is not "
+                        "a name with a string value", who, name);
+        sb_printf(packed, "%s%c%s%c", name, '\0', vars->items[i].string, '\0');
+    }
+    return packed->failed ? fail(MELISSA_DL_ERR_SYSTEM, "out of memory") : MELISSA_DL_OK;
+}
+
+/* Rank 0 asks the handshake service for this worker's next simulation (``name``: MELISSA_WORKER), again after
+ * each "wait", until it hands one (its variables packed in *packed) or says the study is over (*over). */
+static int ask_next(const char *name, strbuf *packed, bool *over) {
+    environment env = {0};
+    int code = read_server(&env);
+    if (code != MELISSA_DL_OK)
+        return code;
+    char who[128];
+    snprintf(who, sizeof who, "worker %.100s", name);
+    strbuf request = {0};
+    sb_printf(&request, "{\"protocol\":%d,\"token\":", MELISSA_DL_PROTOCOL_VERSION);
+    sb_json_string(&request, env.token);
+    sb_printf(&request, ",\"worker\":");
+    sb_json_string(&request, name);
+    sb_printf(&request, "}");
+    mdl_link link = {0};
+    void *context = request.failed ? NULL : zmq_ctx_new();
+    if (request.failed)
+        code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    else if (context == NULL)
+        code = fail(MELISSA_DL_ERR_SYSTEM, "zmq_ctx_new: %s", zmq_strerror(errno));
+    else
+        code = open_handshake(&link, context, &env);
+    while (code == MELISSA_DL_OK) {
+        json_value reply;
+        code = ask(&link, &env, who, &request, &reply);
+        if (code != MELISSA_DL_OK)
+            break;
+        const json_value *vars = mdl_json_get(&reply, "env"), *wait = mdl_json_get(&reply, "wait"),
+                         *done = mdl_json_get(&reply, "over");
+        double seconds = wait && wait->type == JSON_NUMBER ? wait->number : -1;
+        bool again = !vars && !done && seconds >= 0 && seconds <= MAX_WAIT;
+        if (vars && vars->type == JSON_OBJECT)
+            code = pack_env(vars, who, packed);
+        else if (done && done->type == JSON_BOOL && done->boolean)
+            *over = true;
+        else if (!again)
+            code = fail(MELISSA_DL_ERR_PROTOCOL, "%s: the handshake service answered something else than {env}, "
+                        "{wait} or {over}", who);
+        mdl_json_free(&reply);
+        if (!again)
+            break;
+        pause_for(seconds);
+    }
+    mdl_link_close(&link);
+    if (context != NULL)
+        while (zmq_ctx_term(context) != 0 && errno == EINTR)
+            ;
+    free(request.data);
+    free_environment(&env);
+    return code;
+}
+
+/* Rank 0's outcome reaches every rank of ``comm``: its code (and message), whether the study is over, and the
+ * variables packed. The other ranks wait on a barrier they test every WORKER_POLL seconds, asleep meanwhile, so
+ * that an idle worker burns no core. The text goes in pieces of SHARE_BYTES, which a rank out of memory can still
+ * take part in (and drop). */
+enum { SHARE_BYTES = 1 << 16 };
+
+static int share(MPI_Comm comm, int rank, int code, strbuf *packed, bool *over) {
+    static char scratch[SHARE_BYTES];
+    const char *text = code == MELISSA_DL_OK ? packed->data : last_message;
+    long long shared[3] = {code, *over, code == MELISSA_DL_OK ? (long long)packed->size : (long long)strlen(text) + 1};
+    MPI_Request arrived;
+    int done = 0;
+    if (MPI_Ibarrier(comm, &arrived) != MPI_SUCCESS)
+        return fail(MELISSA_DL_ERR_MPI, "melissa_dl_next: MPI_Ibarrier failed");
+    while (!done) {
+        if (MPI_Test(&arrived, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+            return fail(MELISSA_DL_ERR_MPI, "melissa_dl_next: MPI_Test failed");
+        if (!done)
+            pause_for(WORKER_POLL);
+    }
+    if (MPI_Bcast(shared, 3, MPI_LONG_LONG, 0, comm) != MPI_SUCCESS)
+        return fail(MELISSA_DL_ERR_MPI, "melissa_dl_next: MPI_Bcast failed");
+    size_t size = (size_t)shared[2];
+    char *copy = rank != 0 && size > 0 ? malloc(size) : NULL;
+    for (size_t at = 0; at < size; at += SHARE_BYTES) {
+        int n = (int)(size - at < SHARE_BYTES ? size - at : SHARE_BYTES);
+        void *into = rank == 0 ? (void *)(text + at) : copy ? copy + at : scratch;
+        if (MPI_Bcast(into, n, MPI_CHAR, 0, comm) != MPI_SUCCESS) {
+            free(copy);
+            return fail(MELISSA_DL_ERR_MPI, "melissa_dl_next: MPI_Bcast failed");
+        }
+    }
+    if (rank == 0)
+        return code;
+    if (size > 0 && copy == NULL)
+        return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    *over = shared[1];
+    if (shared[0] != MELISSA_DL_OK) {
+        snprintf(last_message, sizeof last_message, "%s", copy ? copy : "");
+        free(copy);
+        return (int)shared[0];
+    }
+    free(packed->data);
+    *packed = (strbuf){.data = copy, .size = size, .capacity = size};
+    return MELISSA_DL_OK;
+}
+
+/* A simulation's environment: the worker's as it started, with the variables packed on top. */
+static int apply(const strbuf *packed) {
+    for (size_t i = 0; i < worker.nsaved; i++) {
+        saved_variable *v = &worker.saved[i];
+        if ((v->value ? setenv(v->name, v->value, 1) : unsetenv(v->name)) != 0)
+            return fail(MELISSA_DL_ERR_SYSTEM, "cannot restore %s: %s", v->name, strerror(errno));
+    }
+    for (size_t at = 0; at < packed->size;) {
+        const char *name = packed->data + at, *value = name + strlen(name) + 1;
+        at = (size_t)(value - packed->data) + strlen(value) + 1;
+        size_t i = 0;
+        while (i < worker.nsaved && strcmp(worker.saved[i].name, name) != 0)
+            i++;
+        if (i == worker.nsaved) { /* first set: keep its value at the start */
+            saved_variable *saved = realloc(worker.saved, (worker.nsaved + 1) * sizeof *saved);
+            if (saved == NULL)
+                return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+            worker.saved = saved;
+            const char *before = getenv(name);
+            saved[i] = (saved_variable){strdup(name), before ? strdup(before) : NULL};
+            if (saved[i].name == NULL || (before && saved[i].value == NULL)) {
+                free(saved[i].name);
+                free(saved[i].value);
+                return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+            }
+            worker.nsaved++;
+        }
+        if (setenv(name, value, 1) != 0)
+            return fail(MELISSA_DL_ERR_SYSTEM, "cannot set %s: %s", name, strerror(errno));
+    }
+    return MELISSA_DL_OK;
+}
+
+int melissa_dl_next(MPI_Comm comm, int *more) {
+    if (more == NULL)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_next: more is NULL");
+    *more = 0;
+    if (client.phase != EMPTY)
+        return fail(MELISSA_DL_ERR_STATE, "melissa_dl_next: simulation %u is declared and not finalized: call "
+                    "melissa_dl_finalize first", client.env.simulation_id);
+    int rank, size;
+    int code = communicator(comm, "melissa_dl_next", &rank, &size);
+    if (code != MELISSA_DL_OK || worker.over)
+        return code;
+    const char *name = getenv("MELISSA_WORKER");
+    if (name == NULL) { /* not a persistent worker: the one simulation of the environment */
+        worker.over = true;
+        *more = 1;
+        return MELISSA_DL_OK;
+    }
+    strbuf packed = {0};
+    bool over = false;
+    if (rank == 0)
+        code = ask_next(name, &packed, &over);
+    if (comm != MPI_COMM_NULL)
+        code = share(comm, rank, code, &packed, &over);
+    if (code == MELISSA_DL_OK && !over)
+        code = apply(&packed);
+    free(packed.data);
+    if (code != MELISSA_DL_OK)
+        return code;
+    worker.over = over;
+    *more = !over;
+    return MELISSA_DL_OK;
+}
+
+int melissa_dl_next_fortran(MPI_Fint comm, int *more) {
+    return melissa_dl_next(MPI_Comm_f2c(comm), more);
 }
 
 static int send_field(const char *name, int64_t time_step, const void *data, size_t count, int dtype) {

@@ -84,6 +84,18 @@ class Run:
     report: dict[str, Any] | None
 
 
+def persistent_config(output: Path, command: list[str], scheduler: str, simulations: int, steps: int) -> dict:
+    """A study run by persistent workers (``launcher.persistent``), serial or, under ``mpirun``, of 2 ranks (the
+    worker's command then gets ``--mpi``)."""
+    mpi = scheduler == "mpirun"
+    return study_config(
+        output,
+        [*command, *(["--mpi"] if mpi else [])],
+        study={"simulations": simulations, "time_steps": steps},
+        launcher={"persistent": True, "scheduler": scheduler, "client_ranks": 2 if mpi else 1},
+    )
+
+
 def server_command(tmp_path: Path, config: dict[str, Any], ranks: int, *args: str) -> list[str]:
     """``mpirun -n ranks melissa-server config.json args`` with ``config`` written to ``tmp_path``."""
     path = tmp_path / "config.json"

@@ -136,10 +136,12 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: P
     assert newest is not None and newest.number >= 2
     victim = newest.path / "rank1" / "stream.pt"
     victim.write_bytes(victim.read_bytes()[:-10])
+    manifested = [int(m.parent.name[1:]) for m in (output / "checkpoints").glob("v*/manifest.json")]
+    previous = max(n for n in manifested if n < newest.number)  # versions snapshot but never committed have none
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
     assert f"checkpoint v{newest.number}: size mismatch of rank1/stream.pt" in run.log
-    assert re.search(rf"resuming from checkpoint \S*v{newest.number - 1} ", run.log), run.log
+    assert re.search(rf"resuming from checkpoint \S*v{previous} ", run.log), run.log
     assert_every_step_once(output, ranks=2)
 
 
@@ -206,6 +208,32 @@ def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
     assert final is not None and final.manifest["batch"] == report["training"]["batches"]
     Tiny().load_state_dict(loads(final.read(0, "dense.pt"))["module"])
     assert processes_mentioning(str(tmp_path)) == [], "a process of the study outlived the supervisor"
+
+
+def test_a_simulation_done_just_before_a_kill_9_is_not_run_again(tmp_path: Path, output: Path) -> None:
+    """No batch-counted checkpoints (interval 0): the first commit is the snapshot that records simulation 0's
+    end, taken while no rank holds a batch (the other simulations wait for a file). The server is killed -9 as
+    soon as it is committed."""
+    go = tmp_path / "go"
+    config = paced_config(output)
+    config["launcher"]["command"] += ["--go", str(go), "--go-now", "0"]
+    config["checkpoint"] = {"interval": 0}
+    process = start(server_command(tmp_path, config, 2))
+    wait_for(lambda: committed(output), process)
+    assert "simulation 0 done" in (output / "logs" / "rank0.log").read_text()
+    for pid in processes_mentioning(str(tmp_path)):  # mpirun, both ranks, the waiting simulations
+        os.kill(pid, signal.SIGKILL)
+    process.communicate(timeout=30)
+    assert process.returncode != 0
+    go.touch()
+    run = run_server(tmp_path, config, 2)
+    assert run.code == 0 and run.report is not None, run.log
+    assert "resuming from checkpoint" in (output / "logs" / "rank0.log").read_text()
+    first = run.report["per_simulation"][0]
+    assert (first["state"], first["attempts"], first["samples"]) == ("done", 1, STEPS)
+    assert not (output / "simulations" / "simulation0.attempt1.log").exists()
+    assert run.report["simulations"]["done"] == SIMULATIONS and run.report["samples_received"] == SIMULATIONS * STEPS
+    assert_every_step_once(output, ranks=2)
 
 
 def test_the_heartbeat_goes_on_while_the_buffers_drain_after_the_study(tmp_path: Path, output: Path) -> None:

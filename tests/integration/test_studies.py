@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -86,6 +87,25 @@ def test_a_failing_simulation_is_relaunched_and_completes(
     assert reason in run.log
     if mode == "crash":  # the simulation's own last words, and where its whole output is
         assert failed["reason"].endswith("simulation2.attempt0.log): toy_sim: crashing on purpose at step 3"), failed
+
+
+@pytest.mark.parametrize("scheduler", ["local", "mpirun"])
+def test_placeholders_give_each_attempt_its_parameters_on_argv_and_its_slot_in_env(
+    tmp_path: Path, output: Path, scheduler: str
+) -> None:
+    """Simulation 2 crashes once: its relaunch has attempt 1 on argv. Each attempt prints its ``{slot}``."""
+    command = [sys.executable, TOY_SIM, "--fail", "crash", "--fail-simulation", "2"]
+    command += ["--argv", "{simulation}", "{attempt}", "{parameters}"]
+    config = study_config(output, command, launcher={"scheduler": scheduler, "env": {"TOY_SLOT": "{slot}"}})
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    assert_every_step_once(run.report, 4, 10)
+    assert [s["attempts"] for s in run.report["per_simulation"]] == [1, 1, 2, 1]
+    logs = sorted((output / "simulations").glob("simulation*.attempt*.log"))
+    assert len(logs) == 5
+    slots = [re.findall(r"^slot (\d+)$", log.read_text(), re.MULTILINE) for log in logs]
+    assert all(len(found) == 1 and found[0] in ("0", "1") for found in slots), slots  # job_limit 2
 
 
 def test_a_simulation_that_always_fails_is_reported_failed(tmp_path: Path, output: Path) -> None:

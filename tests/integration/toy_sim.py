@@ -6,8 +6,10 @@ misbehave on its first ``--fail-attempts`` attempts, at step ``--fail-at``:
 ``crash`` exits 1, ``hang`` sleeps forever, ``no-finalize`` exits 0 without
 announcing its steps. ``--step-delay`` paces the steps, so that a test can
 interrupt the server in the middle of a study, and ``--go FILE`` holds the
-first step until FILE exists. Simulation ``--odd-simulation``
-declares and sends ``--odd-dtype`` and ``--odd-shape`` instead.
+first step until FILE exists (of every simulation but ``--go-now``). Simulation ``--odd-simulation``
+declares and sends ``--odd-dtype`` and ``--odd-shape`` instead. ``--argv SIMULATION ATTEMPT PARAMETERS...``
+(from ``launcher.command`` placeholders) must say what the environment says, and the simulation prints
+``slot TOY_SLOT``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def main() -> None:
     parser.add_argument("--odd-shape", type=int, nargs="+")
     parser.add_argument("--nan-at", type=int, default=-1, help="send NaN values from this step on")
     parser.add_argument("--go", help="a file to wait for before the first step")
+    parser.add_argument("--go-now", type=int, default=-1, help="a simulation that does not wait for --go")
+    parser.add_argument("--argv", type=float, nargs="+", help="simulation, attempt, parameters: checked")
     args = parser.parse_args()
     comm = None
     if args.mpi:
@@ -47,9 +51,13 @@ def main() -> None:
     if int(os.environ["MELISSA_SIMULATION_ID"]) == args.odd_simulation:
         dtype, shape = args.odd_dtype, tuple(args.odd_shape or shape)
     client = Client({"field": (dtype, shape)}, comm=comm)
+    if args.argv is not None:
+        told = [client.simulation_id, client.attempt, *client.parameters.tolist()]
+        assert args.argv == told, f"argv {args.argv} but environment {told}"
+        print(f"slot {os.environ['TOY_SLOT']}", flush=True)
     failing = client.simulation_id == args.fail_simulation and client.attempt < args.fail_attempts
     rank = comm.Get_rank() if comm is not None else 0
-    while args.go is not None and not os.path.exists(args.go):
+    while args.go is not None and client.simulation_id != args.go_now and not os.path.exists(args.go):
         time.sleep(0.05)
     for t in range(args.steps):
         if failing and t == args.fail_at:

@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
 
+from melissa_dl.checkpoint.manager import CheckpointManager
 from melissa_dl.checkpoint.serialization import dumps, loads
 from melissa_dl.checkpoint.snapshots import (
     BackgroundCopies,
@@ -41,6 +43,7 @@ from melissa_dl.checkpoint.versions import (
     version_dir,
     write_rank_files,
 )
+from melissa_dl.config import parse_config
 from melissa_dl.errors import CheckpointCorrupt
 
 pytestmark = pytest.mark.timeout(60)
@@ -459,3 +462,71 @@ def test_background_copy_reuses_an_earlier_copy_and_is_not_changed_by_later_step
     assert second["w"].data_ptr() == first["w"].data_ptr() and float(second["w"].sum()) == 1000
     other_shape = BackgroundCopy({"w": torch.zeros(7), "step": 3, "nested": [torch.ones(2, 2)]}, into=second).wait()
     assert other_shape["w"].data_ptr() != second["w"].data_ptr()  # nothing reused that does not fit
+
+
+class Snapshots:
+    """Stands in for ``recovery.Checkpointer``: counts snapshots and commits."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[int] = []
+        self.syncs = 0
+
+    def snapshot(self, batch: int, samples: int) -> None:
+        self.snapshots.append(batch)
+
+    def sync(self) -> None:
+        self.syncs += 1
+
+
+def manager_with(seconds: float) -> tuple[CheckpointManager, Snapshots]:
+    config = parse_config(
+        {
+            "study": {"fields": ["u"], "parameters": [{"name": "a", "low": 0, "high": 1}], "simulations": 3},
+            "launcher": {"command": ["sim"]},
+            "checkpoint": {"seconds": seconds},
+        },
+        Path("/studies/x"),
+    )
+    manager = CheckpointManager(config, MPI.COMM_SELF)
+    snapshots = Snapshots()
+    manager._checkpointer = snapshots  # type: ignore[assignment]
+    return manager, snapshots
+
+
+def test_simulations_that_ended_are_snapshot_after_the_next_step_or_when_idle() -> None:
+    manager, snapshots = manager_with(seconds=0)
+    manager.sync(ended=False)
+    manager.when_idle(0, 0)
+    assert not manager.due(1) and snapshots.snapshots == []  # nothing ended: no snapshot
+    manager.sync(ended=True)
+    assert manager.due(1)  # the next step keeps no batch ahead, and is followed by the snapshot
+    manager.after_step(1, 4)
+    assert snapshots.snapshots == [1] and not manager.due(2)
+    manager.sync(ended=True)
+    manager.when_idle(1, 4)  # data is late: the snapshot is taken in a round where no rank holds a batch
+    manager.when_idle(1, 4)
+    assert snapshots.snapshots == [1, 1] and snapshots.syncs == 3
+
+
+def test_checkpoint_seconds_spaces_the_snapshots_of_ended_simulations_and_forgets_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    manager, snapshots = manager_with(seconds=30)
+    manager.sync(ended=True)
+    manager.when_idle(0, 0)
+    now[0] += 10
+    manager.sync(ended=True)  # within 30 s of the last: waits
+    manager.when_idle(0, 0)
+    assert snapshots.snapshots == [0]
+    now[0] += 19
+    manager.sync(ended=False)
+    manager.when_idle(0, 0)
+    assert snapshots.snapshots == [0]
+    now[0] += 2  # 31 s after the first: the simulation that ended meanwhile is recorded, though none ended now
+    manager.sync(ended=False)
+    manager.when_idle(0, 0)
+    manager.sync(ended=False)
+    manager.when_idle(0, 0)
+    assert snapshots.snapshots == [0, 0]

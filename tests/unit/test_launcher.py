@@ -18,6 +18,7 @@ import pytest
 
 from launcher import jobs
 from launcher.jobs import NOT_EXECUTABLE, NOT_FOUND, START_FAILED, Launcher
+from launcher.placeholders import Placeholders
 from launcher.schedulers import (
     KILL_GRACE,
     Job,
@@ -462,3 +463,33 @@ def test_jobs_die_with_the_server(tmp_path: Path, ranks: int | None) -> None:
         server.kill()
         server.wait()
     wait_for(lambda: not any(alive(pid) for pid in job_pids))
+
+
+def test_each_attempt_takes_the_lowest_free_slot_and_a_killed_one_keeps_it_until_dead(tmp_path: Path) -> None:
+    """``{slot}`` in the command and the environment: slots 0 and 1 of job_limit 2; simulation 2 gets slot 0
+    only once simulation 0, killed while ignoring SIGTERM, is dead."""
+    code = (
+        "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('slot', sys.argv[1], os.environ['SLOT'], flush=True); time.sleep(60)"
+    )
+    launcher = Launcher(
+        LocalScheduler(["unused"], tmp_path),
+        2,
+        tmp_path / "logs",
+        Placeholders([sys.executable, "-c", code, "{slot}"], {"SLOT": "{slot}"}),
+    )
+    for simulation_id in range(3):
+        launcher.submit(simulation_id, 0, {})
+    launcher.poll()
+
+    def printed(simulation_id: int) -> str:
+        log = log_of(tmp_path, simulation_id)
+        return log.read_text() if log.exists() else ""
+
+    wait_for(lambda: [printed(0), printed(1)] == ["slot 0 0\n", "slot 1 1\n"])
+    assert launcher.queued() == [2]
+    killed = time.monotonic()
+    launcher.kill(0)
+    wait_for(lambda: launcher.poll() == [] and printed(2) == "slot 0 0\n")
+    assert time.monotonic() - killed >= KILL_GRACE  # the slot was held through the grace
+    launcher.shutdown()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("melissa_dl", "launcher")
+PACKAGES = ("melissa_dl", "launcher", "melissa_api")
 LONGEST = 50  # lines of a function, docstring included
 TOP_MODULES = 8  # modules directly under melissa_dl/ beside its wings (``__init__`` not counted)
 

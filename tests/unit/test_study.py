@@ -32,14 +32,22 @@ class FakeLauncher:
         self.active: set[int] = set()
         self.ended: list[tuple[int, int]] = []
         self.outputs: dict[tuple[int, int], str] = {}  # (simulation, attempt) -> the end of its log
+        self.named: dict[int, dict[str, float]] = {}  # simulation -> its parameters by name, for the placeholders
+        self.finished = False  # told the study submits nothing more
 
-    def submit(self, simulation_id: int, attempt: int, env: dict[str, str]) -> None:
+    def submit(
+        self, simulation_id: int, attempt: int, env: dict[str, str], parameters: dict[str, float] | None = None
+    ) -> None:
         self.submitted.append((simulation_id, attempt, env))
+        self.named[simulation_id] = parameters or {}
         self.waiting.append(simulation_id)
 
     def poll(self) -> list[tuple[int, int]]:
         ended, self.ended = self.ended, []
         return ended
+
+    def finish(self) -> None:
+        self.finished = True
 
     def output_tail(self, simulation_id: int, attempt: int) -> str:
         return self.outputs.get((simulation_id, attempt), "")
@@ -182,6 +190,7 @@ def test_start_submits_every_simulation_as_attempt_0_once_the_ranks_have_its_par
         (0, str(drawn[0].tolist())),
         (1, str(drawn[1].tolist())),
     ]
+    assert launcher.named == {s: {"0": drawn[s][0], "1": drawn[s][1]} for s in (0, 1)}  # unnamed: by position
 
 
 def test_start_submits_every_simulation_as_attempt_0(h: Harness) -> None:
@@ -342,10 +351,10 @@ def test_over_only_when_all_terminal_and_nothing_runs(h: Harness) -> None:
     assert not h.study.over  # both jobs are still exiting
     h.launcher.exit(1, 0)
     h.tick(3.0)
-    assert not h.study.over and h.launcher.killed == []
+    assert not h.study.over and h.launcher.killed == [] and not h.launcher.finished
     h.tick(2.0 + TIMEOUT + 0.5)  # a done simulation whose process hangs is killed after the timeout
     assert h.launcher.killed == [0]
-    assert h.study.over
+    assert h.study.over and h.launcher.finished  # persistent workers are told at once
 
 
 def test_attempt_that_could_not_start_is_retried(h: Harness) -> None:

@@ -1,0 +1,64 @@
+"""``launcher.command`` and ``launcher.env`` placeholders: filled per attempt, checked with the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.placeholders import Placeholders, unknown_placeholder
+from melissa_dl.config import parse_config
+from melissa_dl.errors import ConfigError
+
+PARAMETERS = {"temperature": 1.5, "density": 0.1}
+
+
+def test_parameters_by_name_all_at_once_and_the_attempt_fields() -> None:
+    placeholders = Placeholders(
+        ["sim", "--t", "{temperature}", "{parameters}", "--all={parameters:.2f}", "run{simulation}.{attempt}"],
+        {"CUDA_VISIBLE_DEVICES": "{slot}", "WORKDIR": "/scratch/slot{slot:02d}", "PLAIN": "{{braces}}"},
+    )
+    command, env = placeholders.fill(7, 1, 3, PARAMETERS)
+    assert command == ["sim", "--t", "1.5", "1.5", "0.1", "--all=1.50 0.10", "run7.1"]
+    assert env == {"CUDA_VISIBLE_DEVICES": "3", "WORKDIR": "/scratch/slot03", "PLAIN": "{braces}"}
+
+
+def test_floats_reach_argv_exactly() -> None:
+    value = 0.1 + 0.2
+    command, _ = Placeholders(["{parameters}", "{x}"]).fill(0, 0, 0, {"x": value})
+    assert [float(argument) for argument in command] == [value, value]
+
+
+@pytest.mark.parametrize(
+    ("command", "env", "path", "complaint"),
+    [
+        (
+            ["sim", "{temprature}"],
+            {},
+            "launcher.command[1]",
+            "unknown placeholder {temprature}; known: {simulation}, {attempt}, {slot}, {parameters}, {a}, {b}",
+        ),
+        (["sim"], {"GPU": "{slots}"}, "launcher.env.GPU", "unknown placeholder {slots}; did you mean {slot}?"),
+        (["sim", "{a.b}"], {}, "launcher.command[1]", "unknown placeholder {a.b}"),
+        (["sh", "-c", "echo {"], {}, "launcher.command[2]", "Single '{' encountered in format string"),
+        (["sh", "-c", "echo }"], {}, "launcher.command[2]", "Single '}' encountered in format string"),
+    ],
+)
+def test_a_placeholder_that_names_nothing_is_refused_with_its_path(
+    command: list[str], env: dict[str, str], path: str, complaint: str
+) -> None:
+    unknown = unknown_placeholder(command, env, ["a", "b"])
+    assert unknown is not None and unknown[0] == path and complaint in unknown[1], unknown
+    assert "write {{ and }} for a literal brace" in unknown[1]
+
+
+def test_the_config_check_refuses_an_unknown_placeholder_in_one_line() -> None:
+    data = {
+        "study": {"fields": ["u"], "parameters": [{"name": "a", "low": 0, "high": 1}], "simulations": 2},
+        "launcher": {"command": ["sim", "{a}", "{b}"]},
+    }
+    refusal = r"^launcher\.command\[2\]: '\{b\}': unknown placeholder \{b\}; known: .*, \{a\} \(write"
+    with pytest.raises(ConfigError, match=refusal):
+        parse_config(data, Path("/studies/x"))
+    data["launcher"]["command"] = ["sim", "{a}", "--slot={slot}"]  # type: ignore[index]
+    assert parse_config(data, Path("/studies/x")).launcher.placeholders().command == ["sim", "{a}", "--slot={slot}"]
