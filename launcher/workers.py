@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 ENV_WORKER = "MELISSA_WORKER"
 """A worker's slot and start, ``"3:0"``: what it asks for its next simulation with (a process of an earlier
 start of the slot is told the study is over)."""
-ASK_AGAIN = 0.1
-"""Seconds an idle worker waits before it asks again (the handshake service answers at once)."""
+ASK_SOON, ASK_AGAIN = 0.005, 0.2
+"""Seconds an idle worker waits before it asks again: ``ASK_SOON`` at first (its next simulation is usually
+being handed to it), doubling up to ``ASK_AGAIN`` (the handshake service answers at once, so waiting is the
+worker's)."""
 
 
 @dataclass(eq=False)
@@ -44,6 +46,7 @@ class Worker:
     env: dict[str, str] = field(default_factory=dict)  # the environment it was started with
     attempt: WorkerAttempt | None = None  # handed to it and not finished
     dying: bool = False  # its process is being killed with the attempt it held
+    waits: int = 0  # "wait" answers since it was last handed an attempt
 
     @property
     def idle(self) -> bool:
@@ -159,8 +162,9 @@ class WorkerScheduler:
             if handed is not None and handed.taken:
                 handed.finished, found.attempt, handed = True, None, None
             if handed is None:
-                return {"wait": ASK_AGAIN}
-            handed.taken = True
+                found.waits += 1
+                return {"wait": min(ASK_AGAIN, ASK_SOON * 2 ** (found.waits - 1))}
+            handed.taken, found.waits = True, 0
             return {"env": {name: value for name, value in handed.env.items() if found.env.get(name) != value}}
 
     def close(self) -> None:
@@ -173,7 +177,7 @@ class WorkerScheduler:
                 worker.job = None
         deadline = time.monotonic() + KILL_GRACE
         while any(job.poll() is None for job in jobs) and time.monotonic() < deadline:
-            time.sleep(ASK_AGAIN / 2)
+            time.sleep(ASK_SOON)
         for job in jobs:
             job.kill(deadline)
 

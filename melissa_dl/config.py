@@ -147,6 +147,41 @@ class CustomSamplerConfig:
 
 
 @dataclass
+class ValidationConfig:
+    simulations: int = option(
+        0,
+        minimum=0,
+        doc="Held-out simulations the study runs first, their parameters drawn uniformly within the bounds of "
+        "`study.parameters`: their samples are never trained on, and the validation loss is computed on them.",
+    )
+    seed: int = option(1, minimum=0, doc="Seed of their draw (not `study.seed`: the training draw's first rows).")
+    parameters: list[list[float]] | None = option(
+        None, doc="Explicit held-out parameter sets, one row each, instead of a draw (then leave out `simulations`)."
+    )
+
+    @property
+    def count(self) -> int:
+        return len(self.parameters) if self.parameters is not None else self.simulations
+
+    def table(self, study: StudyConfig) -> np.ndarray:
+        """The held-out simulations' parameters, one row each."""
+        if self.parameters is not None:
+            return np.array(self.parameters, dtype=np.float64).reshape(self.count, len(study.parameters))
+        low, high = [p.low for p in study.parameters], [p.high for p in study.parameters]
+        return make_sampler("uniform", low, high, self.seed, self.simulations).ask(self.simulations)
+
+    def check(self, config: Config) -> None:
+        if self.parameters is None:
+            return
+        _require(self.simulations == 0, "study.validation.simulations", "leave it out with explicit parameters")
+        width = len(config.study.parameters)
+        for i, row in enumerate(self.parameters):
+            path = f"study.validation.parameters[{i}]"
+            _require(len(row) == width, path, f"{len(row)} values for {width} parameters")
+            _require(all(map(math.isfinite, row)), path, "values must be finite")
+
+
+@dataclass
 class StudyConfig:
     fields: list[str] | dict[str, FieldConfig] = option(
         doc="Names of the fields every time step carries; or an object `name: {dtype, shape}` that pins each "
@@ -176,6 +211,9 @@ class StudyConfig:
         doc="Time steps each simulation sends, if known: larger steps are refused and the report checks the total.",
     )
     seed: int = option(0, minimum=0, doc="Seed of the parameter sampler.")
+    validation: ValidationConfig = option(
+        ValidationConfig, doc="Held-out simulations the study runs for the validation loss (README, Validation)."
+    )
 
     @property
     def field_names(self) -> list[str]:
@@ -184,6 +222,11 @@ class StudyConfig:
     @property
     def parameter_names(self) -> list[str]:
         return [p.name for p in self.parameters]
+
+    @property
+    def all_simulations(self) -> int:
+        """The study's simulations and the held-out ones, which follow them (ids from ``simulations`` on)."""
+        return self.simulations + self.validation.count
 
     def make_sampler(self, base_dir: Path, job_limit: int) -> Sampler:
         """The study's sampler, from its start."""
@@ -528,11 +571,12 @@ class CheckpointConfig:
     )
     keep: int = option(3, minimum=1, doc="Committed checkpoint versions kept on disk; older ones are deleted.")
     seconds: float = option(
-        0.0,
+        10.0,
         minimum=0,
         doc="Least seconds between two checkpoints taken because simulations ended (done or failed): each records "
-        "that they ended, so that a restart runs none of them again. 0 takes one at the first chance after every "
-        "bookkeeping round in which one ended; a simulation that ended within ``seconds`` before a crash runs again.",
+        "that they ended, so that a restart runs none of them again; one that ended within `seconds` of the last "
+        "such checkpoint waits for the next. 0 takes one at the first chance after every round in which one ended "
+        "(each costs a snapshot: studies of short simulations train slower).",
     )
 
 

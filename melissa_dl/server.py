@@ -120,8 +120,9 @@ class Server:
         self.lock: Any = None  # rank 0's lock of the output folder, held until the process ends
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         study = config.study
-        # each simulation's parameters, drawn by rank 0's sampler as the study goes (``Receiver.follow``)
-        self.parameters = np.full((study.simulations, len(study.parameters)), np.nan)
+        # each simulation's parameters, drawn by rank 0's sampler as the study goes (``Receiver.follow``); the
+        # held-out simulations' follow the study's
+        self.parameters = np.full((study.all_simulations, len(study.parameters)), np.nan)
         self.token: bytes = comm.bcast(secrets.token_bytes(32) if self.rank == 0 else None)
         self.security: Security = comm.bcast(  # CURVE keys drawn once, by rank 0
             Security.generate(
@@ -311,7 +312,7 @@ class Server:
 
     def _status_board(self, start: float, handshake: HandshakeServer | None) -> StatusBoard:
         study = self.config.study
-        expected = study.simulations * study.time_steps if study.time_steps is not None else None
+        expected = study.all_simulations * study.time_steps if study.time_steps is not None else None
         assert handshake is not None
         return StatusBoard(
             self.config.output_path, self.config.server.status_interval, start, expected, handshake.rejections.counts

@@ -21,8 +21,10 @@ batch size and validation schedule, in two phases:
    ``deterministic_process`` every sample is processed once and the outputs
    stacked, so a batch is one indexing per output (the fastest way through
    an in-memory data set); otherwise a ``DataLoader`` runs ``process`` on
-   each sample it serves (``default_collate``). The held-out
-   ``validation_samples()`` are evaluated before the first batch, every
+   each sample it serves (``default_collate``). The held-out samples
+   (``validation_samples()``, and the study's held-out simulations,
+   ``study.validation``, generated in phase 1 like the others) are
+   evaluated before the first batch, every
    ``training.nb_batches_update`` batches and at the end, with the server's
    rule (mean of ``validation_step`` over chunks of
    ``training.validation_batch_size``, weighted by chunk size); the report
@@ -58,7 +60,7 @@ import math  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from collections.abc import Iterable, Iterator  # noqa: E402
+from collections.abc import Iterable, Iterator, Sequence  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -226,6 +228,7 @@ def train(
     seconds: float | None,
     deadline: float,
     log: bool,
+    held_out: Sequence[Sample] = (),
 ) -> dict[str, Any]:
     """Phase 2: shuffled epochs over the loaded samples until the budget is spent.
 
@@ -234,7 +237,7 @@ def train(
     ``deadline`` is absolute (``time.monotonic()``); the first reached wins.
     """
     optimizer = module.configure_optimizer()
-    validation_set = list(module.validation_samples())
+    validation_set = [*module.validation_samples(), *held_out]  # the study's held-out simulations too
     curve: list[list[float]] = []
 
     def record(batches: int) -> None:
@@ -327,13 +330,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.generation_cpus:
         os.sched_setaffinity(0, args.generation_cpus)
     t0 = time.monotonic()
-    generate(parameters, grid, output, config.launcher.job_limit, {**os.environ, **config.launcher.env})
+    environment = {**os.environ, **config.launcher.env}
+    generate(parameters, grid, output, config.launcher.job_limit, environment)
+    held_out_parameters = config.study.validation.table(config.study)  # the study's held-out simulations
+    if len(held_out_parameters):
+        generate(held_out_parameters, grid, output / "held_out", config.launcher.job_limit, environment)
     generation_s = time.monotonic() - t0
     if args.training_cpus:
         os.sched_setaffinity(0, args.training_cpus)
 
     t0 = time.monotonic()
     samples = load(output)
+    held_out = load(output / "held_out") if len(held_out_parameters) else []
     load_s = time.monotonic() - t0
 
     if args.threads is not None:
@@ -348,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{options.class_name} (batch {options.batch_size}, validation every {options.nb_batches_update})",
             flush=True,
         )
-    training = train(module, samples, options, max_batches, args.seconds, deadline, log=not args.quiet)
+    training = train(module, samples, options, max_batches, args.seconds, deadline, not args.quiet, held_out)
     if args.save_model is not None:
         torch.save(module.state_dict(), args.save_model)
     report = {

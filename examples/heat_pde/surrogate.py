@@ -17,10 +17,14 @@ Normalisation, so that the network sees numbers of order one:
   for the default bounds: the maximum principle keeps every temperature in
   ``[low, high]``, so targets lie in ``[-2, 2]``.
 
-Validation uses whole simulations held out from training: parameter sets
-drawn uniformly with ``validation_seed`` (the study draws a scrambled Sobol
-sequence with its own seed, so they are different parameter sets), solved
-in-process with the study's own solver (its ``refine`` too). With
+Validation uses whole simulations held out from training. In the example's
+studies they are the study's own (``study.validation`` in config.json: run
+by the launcher like the others, never trained on), and
+``validation_simulations`` is 0. ``offline.py`` and the benches, which have
+no study to run them, set it: parameter sets drawn uniformly with
+``validation_seed`` (the study draws a scrambled Sobol sequence with its own
+seed, so they are different parameter sets), solved in-process with the
+study's own solver (its ``refine`` too). With
 ``validation_cache`` (a folder) they are solved once and read back by every
 later run of the same problem: a refined solver makes them seconds of work.
 
@@ -153,6 +157,8 @@ class HeatSurrogate(TrainingModule):
         simulation of the study.
         """
         parameters = self.validation_parameters()
+        if not len(parameters):
+            return []  # the study runs the held-out simulations (study.validation)
         problem = [self.nx, self.ny, self.steps, self.dt, self.refine, parameters.tolist()]
         fields = solved_once(
             self.validation_cache,

@@ -8,11 +8,9 @@ bounds (options ``temperature`` and ``density``), the report's index to
 error of g(r) plus that of the two scalars, so that the scalars weigh as
 much as the curve.
 
-Validation: ``validation_simulations`` held-out simulations, drawn uniformly
-with ``validation_seed`` and run here with fluid.py, on every server rank
-(the only way the server offers today; about half a second each with 108
-particles). ``steps``, ``interval`` and ``particles`` must be those of
-simulate.py's command line.
+Validation is on held-out simulations that the study runs like the others
+(``study.validation`` in config.json): nothing to do here. ``steps`` must be
+simulate.py's ``--reports``.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from melissa_dl import Sample, TrainingModule
 
 # (centre, scale) of each scalar: over the study's box the energy ran from -5.6 to -2.9, the pressure from -1 to 3.5
 SCALARS = {"energy": (-4.0, 1.0), "pressure": (1.0, 2.0)}
-HELD_OUT_SEED = 1_000_000  # their MD seeds: the study's simulations take their id + 1
 
 
 class FluidSurrogate(TrainingModule):
@@ -42,18 +39,13 @@ class FluidSurrogate(TrainingModule):
         depth: int = 3,
         lr: float = 2e-3,
         steps: int = 100,
-        interval: int = 50,
-        particles: int = 108,
         temperature: Sequence[float] = (100.0, 160.0),
         density: Sequence[float] = (0.5, 0.8),
-        validation_simulations: int = 2,
-        validation_seed: int = 1,
     ) -> None:
         super().__init__()
-        self.lr, self.steps, self.interval, self.particles = lr, steps, interval, particles
+        self.lr, self.steps = lr, steps
         self.bounds = np.array([temperature, density], dtype=np.float64)
         self.mid, self.radius = self.bounds.mean(axis=1), (self.bounds[:, 1] - self.bounds[:, 0]) / 2
-        self.validation_simulations, self.validation_seed = validation_simulations, validation_seed
         layers: list[nn.Module] = []
         width = 3
         for _ in range(depth):
@@ -82,20 +74,3 @@ class FluidSurrogate(TrainingModule):
         x, y = batch
         error = (self(x) - y) ** 2
         return error[:, : fluid.BINS].mean(dim=1) + error[:, fluid.BINS :].mean(dim=1)
-
-    def validation_samples(self) -> list[Sample]:
-        """Every report of the held-out simulations (ids negative: never a simulation of the study)."""
-        rng = np.random.default_rng(self.validation_seed)
-        parameters = rng.uniform(self.bounds[:, 0], self.bounds[:, 1], size=(self.validation_simulations, 2))
-        samples: list[Sample] = []
-        for i, p in enumerate(parameters):
-            fluid.run(
-                p[0],
-                p[1],
-                lambda t, observables: samples.append(Sample(-1 - i, t, p, observables)),
-                self.steps,
-                self.interval,
-                self.particles,
-                seed=HELD_OUT_SEED + i,
-            )
-        return samples

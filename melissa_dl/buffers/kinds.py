@@ -222,16 +222,7 @@ class Buffer(ABC):
         with self._cond:
             return {
                 "kind": self.kind,
-                "entries": [
-                    {
-                        "simulation_id": e.sample.simulation_id,
-                        "time_step": e.sample.time_step,
-                        "parameters": e.sample.parameters,
-                        "fields": dict(e.sample.fields),
-                        "served": e.served,
-                    }
-                    for e in self._entries
-                ],
+                "entries": [{**e.sample.state(), "served": e.served} for e in self._entries],
                 "total_put": self._total_put,
                 "total_served": self._total_served,
                 "put_wait_seconds": self._put_wait,
@@ -249,8 +240,7 @@ class Buffer(ABC):
             if self._rows is not None:
                 self._rows = Rows(self._rows.process, self._cap_samples or 64, self._rows.pin_memory)
             for d in state["entries"]:
-                sample = Sample(d["simulation_id"], d["time_step"], d["parameters"], dict(d["fields"]))
-                entry = self._entry(sample)
+                entry = self._entry(Sample.from_state(d))
                 entry.served = d["served"]
                 self._entries.append(entry)
             self._nbytes = sum(e.sample.nbytes for e in self._entries)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,3 +24,16 @@ class Sample:
 
     def __post_init__(self) -> None:
         self.nbytes = int(self.parameters.nbytes) + sum(int(a.nbytes) for a in self.fields.values())
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it."""
+        return {
+            "simulation_id": self.simulation_id,
+            "time_step": self.time_step,
+            "parameters": self.parameters,
+            "fields": dict(self.fields),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Sample:
+        return cls(state["simulation_id"], state["time_step"], state["parameters"], dict(state["fields"]))

@@ -75,10 +75,15 @@ class StreamSpec:
     reject_non_finite: bool = True
     max_partial_bytes: int = 1 << 28
     layouts: Mapping[str, Layout] | None = None  # pinned dtype and whole shape per field, if configured
+    trained: int | None = None  # the simulations trained on; those after them (held out for validation) are not
 
     @property
     def simulations(self) -> int:
         return len(self.parameters)
+
+    def held_out(self, simulation: int) -> bool:
+        """Whether ``simulation`` is one of the held-out ones (``study.validation``): its samples are not trained on."""
+        return self.trained is not None and simulation >= self.trained
 
     @property
     def part_bytes(self) -> int:
@@ -102,6 +107,7 @@ class StreamSpec:
             reject_non_finite=server.reject_non_finite,
             max_partial_bytes=server.max_partial_bytes,
             layouts=study.field_layouts,
+            trained=study.simulations,
         )
 
 

@@ -133,7 +133,7 @@ class HandshakeServer(ServerSocketThread):
         return cls(
             token=token,
             fields=study.field_names,
-            simulations=study.simulations,
+            simulations=study.all_simulations,
             endpoints=endpoints,
             bind_simulation=server.bind_simulation_to_server_rank,
             max_message_bytes=server.max_message_bytes,

@@ -79,6 +79,7 @@ class Receiver(ServerSocketThread):
         # ZeroMQ counts messages, not bytes: size the queue for the largest part allowed
         self._hwm = max(2, receive_queue_bytes // spec.part_bytes)
         self._lock = threading.Lock()
+        self._held_out: list[Sample] = []  # the held-out simulations' samples (``study.validation``): not buffered
         self._blocked = False
         self._last_scalars = (time.monotonic(), 0)  # time, bytes received
         if spec.reject_non_finite:
@@ -122,6 +123,11 @@ class Receiver(ServerSocketThread):
             return
         if sample is None:
             return
+        if self.spec.held_out(sample.simulation_id):
+            with self._lock:
+                self._held_out.append(sample)
+                self._assembler.commit(sample)
+            return
         while not self.buffer.put(sample, timeout=POLL_MS / 1000, on_insert=lambda: self._commit(sample)):
             self._blocked = True
             guard.check()  # connections still come while the buffer makes us wait
@@ -138,24 +144,30 @@ class Receiver(ServerSocketThread):
         With them, the counters the final report adds up, so that a restart forgets none.
         """
 
-        def assembler() -> dict[str, Any]:
+        def assembler() -> tuple[dict[str, Any], list[dict[str, Any]]]:
             with self._lock:
-                return self._assembler.state_dict()
+                return self._assembler.state_dict(), [sample.state() for sample in self._held_out]
 
-        buffer, received = self.buffer.state_dict_with(assembler)
-        return {"buffer": buffer, **received, "rejected": self.rejections.state_dict()}
+        buffer, (received, held_out) = self.buffer.state_dict_with(assembler)
+        return {"buffer": buffer, **received, "held_out": held_out, "rejected": self.rejections.state_dict()}
+
+    def held_out(self) -> list[Sample]:
+        """The held-out simulations' samples this rank received (the validation set's share that came here)."""
+        with self._lock:
+            return list(self._held_out)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Before ``start``: the buffered samples, the steps received (their second arrival is dropped), the
         counters."""
         self.buffer.load_state_dict({**state["buffer"], "entries": _owned(state["buffer"]["entries"]), "closed": False})
         self._assembler.load_state_dict(state)
+        self._held_out = [Sample.from_state(entry) for entry in _owned(state.get("held_out", []))]
         self.rejections.load_state_dict(state["rejected"])
 
     def load_resharded(self, old: OldRanks) -> None:
         """Before ``start``, from a checkpoint of another number of ranks: the steps of every old ledger that
-        the new routing sends this rank, an equal share of the old buffered samples, and on rank 0 the old
-        ranks' counters added up."""
+        the new routing sends this rank, an equal share of the old buffered samples and of the held-out ones,
+        and on rank 0 the old ranks' counters added up."""
         spec = self.spec
         streams = [old.read(rank) for rank in range(old.size)]
         ledger = Ledger()
@@ -166,6 +178,7 @@ class Receiver(ServerSocketThread):
             )
         entries = [entry for stream in streams for entry in stream["buffer"]["entries"]]
         entries = sorted(entries[spec.server_rank :: spec.server_size], key=lambda entry: entry["served"] > 0)
+        held_out = [entry for stream in streams for entry in stream.get("held_out", [])]
         first = spec.server_rank == 0  # the old ranks' counters, added up once
         self.load_state_dict(
             {  # never-served samples first, as a reservoir needs
@@ -174,6 +187,7 @@ class Receiver(ServerSocketThread):
                 "bytes_received": sum(s["bytes_received"] for s in streams) if first else 0,
                 "duplicates": sum(s["duplicates"] for s in streams) if first else 0,
                 "rejected": merge_rejections([s["rejected"] for s in streams]) if first else {},
+                "held_out": held_out[spec.server_rank :: spec.server_size],
             }
         )
 

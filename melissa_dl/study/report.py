@@ -33,8 +33,10 @@ def final_report(
     bytes_received = sum(r.bytes_received for r in reports)
     counts = study.counts()
     expected = len(study.simulations) * time_steps if time_steps is not None else None
+    held_out = study.simulations[study.trained :]
     return {
         "simulations": counts,
+        "held_out": {"simulations": len(held_out), "samples": sum(s.received for s in held_out)},
         "samples_received": received,
         "samples_expected": expected,
         "samples_consumed": consumed,
@@ -68,11 +70,13 @@ def write_report(report: dict[str, Any], path: Path) -> None:
     sims = report["simulations"]
     total = sum(sims.values())
     expected = report["samples_expected"]
+    held_out = report["held_out"]["simulations"]
     logger.info(
-        "final report: %d/%d simulations done, %d failed; %d samples received%s; %d consumed; "
+        "final report: %d/%d simulations done%s, %d failed; %d samples received%s; %d consumed; "
         "%d duplicate frames dropped; refused: %s; %.1f s, %s (written to %s)",
         sims[State.DONE.value],
         total,
+        f" ({held_out} held out)" if held_out else "",
         sims[State.FAILED.value],
         report["samples_received"],
         f" (expected {expected})" if expected is not None else "",

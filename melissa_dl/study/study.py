@@ -164,10 +164,13 @@ class Study:
         names: Sequence[str] = (),
         statistic: str = "mean",
         plotted: Sequence[int] = (0, 1),
+        held_out: np.ndarray | None = None,
     ) -> None:
-        self.simulations = [Simulation(s, server_size) for s in range(simulations)]
+        held_out = np.empty((0, sampler.low.size)) if held_out is None else held_out
+        self.trained = simulations  # the simulations trained on; the held-out ones follow them
+        self.simulations = [Simulation(s, server_size) for s in range(simulations + len(held_out))]
         self.sampler = sampler
-        self.parameters = np.full((simulations, sampler.low.size), np.nan)
+        self.parameters = np.concatenate([np.full((simulations, sampler.low.size), np.nan), held_out])
         self.names = list(names) or [str(i) for i in range(sampler.low.size)]
         self.losses = SimulationLosses(statistic)
         self._job_limit = job_limit
@@ -179,13 +182,13 @@ class Study:
         self._plotted = [i for i in plotted if i < sampler.low.size]
         self._pictured = 0  # generations taken by take_generations
         self._running: dict[int, Simulation] = {}
-        self._counts = dict.fromkeys(State, 0) | {State.QUEUED: simulations}
+        self._counts = dict.fromkeys(State, 0) | {State.QUEUED: len(self.simulations)}
         self._launcher = launcher
         self._environment = environment
         self._expect = expect
         self._max_retries = max_retries
         self._timeout = timeout
-        self._give_up_after = min(max(job_limit, GIVE_UP_AFTER), simulations)
+        self._give_up_after = min(max(job_limit, GIVE_UP_AFTER), len(self.simulations))
         self.gave_up = ""  # why the study stopped before every simulation ran, if it did
         self._attempts_started: dict[int, int] = {}
         self._ended: list[int] = []
@@ -216,14 +219,21 @@ class Study:
             study.parameter_names,
             study.loss_statistic,
             study.plotted(),
+            study.validation.table(study),
         )
 
     def start(self) -> None:
-        """After ``load_state_dict``: the unfinished simulations whose parameters were drawn run again, once the
-        ranks have their parameters (the next news)."""
-        self._unsent = [
-            s.id for s in self.simulations[: self.sampler.drawn] if s.state not in (State.DONE, State.FAILED)
-        ]
+        """After ``load_state_dict``: the unfinished simulations whose parameters were drawn run again, the
+        held-out ones first (the validation loss needs all of them), once the ranks have their parameters (the
+        next news)."""
+        unfinished = [*self.simulations[self.trained :], *self.simulations[: self.sampler.drawn]]
+        self._unsent = [s.id for s in unfinished if s.state not in (State.DONE, State.FAILED)]
+
+    @property
+    def held_out_ended(self) -> bool:
+        """Every held-out simulation is done or failed: the validation set is whole (False if there is none)."""
+        held_out = self.simulations[self.trained :]
+        return bool(held_out) and all(s.state in (State.DONE, State.FAILED) for s in held_out)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Before ``start``, after a restart: each simulation's attempts and failures, and which ones ended; the
@@ -238,7 +248,7 @@ class Study:
             if saved.get("state") in (State.DONE, State.FAILED):
                 self._set_state(sim, State(saved["state"]))
             sim.steps, sim.statistic = saved.get("steps", 0), self.losses.final.get(sim.id)
-            if sim.state is State.DONE and self.sampler.learns and sim.id not in self.losses.final:
+            if sim.state is State.DONE and self._learns_from(sim) and sim.id not in self.losses.final:
                 self._untold.add(sim.id)
 
     def state_dict(self) -> dict[str, Any]:
@@ -296,11 +306,15 @@ class Study:
         self._ended.append(sim.id)
         if state is State.DONE:
             sim.steps = sim.received
-            if self.sampler.learns:
+            if self._learns_from(sim):
                 self._untold.add(sim.id)
-        else:
+        elif sim.id < self.trained:  # the sampler drew it
             self.losses.forget(sim.id)  # nothing of a failed simulation is a parent
             self.sampler.tell(sim.id, None)
+
+    def _learns_from(self, sim: Simulation) -> bool:
+        """Whether the sampler learns from this simulation's losses: one it drew, when it learns."""
+        return self.sampler.learns and sim.id < self.trained
 
     def take_news(self) -> tuple[dict[int, int], list[int], dict[int, np.ndarray]]:
         """Attempts started, simulations ended and parameters drawn since the last call, for every rank's
@@ -378,11 +392,8 @@ class Study:
         """What the report says of how a simulation's parameters were chosen, and what training made of it."""
         row = self.parameters[simulation]
         named = None if np.isnan(row).any() else dict(zip(self.names, row.tolist()))
-        return {
-            "parameters": named,
-            **self.sampler.describe(simulation),
-            "statistic": self.simulations[simulation].statistic,
-        }
+        drawn = self.sampler.describe(simulation) if simulation < self.trained else {"held_out": True}
+        return {"parameters": named, **drawn, "statistic": self.simulations[simulation].statistic}
 
     def fail(self, simulation_id: int, reason: str) -> None:
         """Fail a running simulation now: a relaunch would meet the same ``reason``."""

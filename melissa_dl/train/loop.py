@@ -87,6 +87,10 @@ class Consumer(Protocol):
         """This rank's losses per sample since the last call, for a sampler that learns (None if none)."""
         ...
 
+    def take_held_out(self, samples: list[Sample]) -> None:
+        """Collective, once every held-out simulation ended: this rank's share of their samples, as received."""
+        ...
+
 
 class Drain:
     """The consumer of ranks without a training module: it counts what it takes."""
@@ -102,6 +106,9 @@ class Drain:
 
     def take_losses(self) -> None:
         return None
+
+    def take_held_out(self, samples: list[Sample]) -> None:
+        pass  # nothing validates
 
 
 class Bookkeeping:
@@ -135,6 +142,7 @@ class Bookkeeping:
         self.freed = FreedMemory()
         self.over = False
         self._ended = False  # simulations ended since the last take_ended (every rank knows, from the news)
+        self._held_out_given = False  # the held-out samples went to the consumer
 
     def due(self) -> bool:
         """Also after the study is over: draining the buffers still commits checkpoints and beats the heart."""
@@ -148,7 +156,7 @@ class Bookkeeping:
         reports = self.gather(consumer)
         total = self.comm.reduce(consumer.consumed())  # rank 0's; None elsewhere
         news: Any
-        over, news = False, ({}, [], {})  # without a study (benches): nothing to follow
+        over, news, held_out = False, ({}, [], {}), False  # without a study (benches): nothing to follow
         if self.study is not None:
             assert self.handshake is not None and self.status is not None and total is not None
             if self.handshake.error is not None:
@@ -159,11 +167,14 @@ class Bookkeeping:
             for generation in self.study.take_generations():
                 generation.write(self.metrics)
             self.status.update(time.monotonic(), self.study, reports, total, consumer.status())
-            over, news = self.study.over, self.study.take_news()
+            over, news, held_out = self.study.over, self.study.take_news(), self.study.held_out_ended
         was_over = self.over
-        self.over, news = self.comm.bcast((over, news))
+        self.over, news, held_out = self.comm.bcast((over, news, held_out))
         self.receiver.follow(*news)
         self._ended |= bool(news[1])
+        if held_out and not self._held_out_given:
+            self._held_out_given = True
+            consumer.take_held_out(self.receiver.held_out())
         self.beat()
         if self.over and not was_over:  # every simulation is done or failed: what is buffered is all there will be
             self.receiver.stop()

@@ -43,6 +43,7 @@ from melissa_dl.train.dataset import Batch, collate
 from melissa_dl.train.module import TrainingModule, load_module_class
 
 if TYPE_CHECKING:
+    from melissa_dl.buffers.sample import Sample
     from melissa_dl.checkpoint.recovery import OldRanks
 
 logger = logging.getLogger(__name__)
@@ -163,13 +164,28 @@ class Trainer:
     def begin(self) -> None:
         """Take this rank's share of the held-out samples (here, once the study runs: a module may solve them,
         and the simulations need not wait for it); open the curves where the restored run left them; validate
-        the untrained model."""
-        held_out = list(self.module.validation_samples())
-        # equal shares, so that every rank runs as many validation batches (lookups of sharded tables are collectives)
-        self.validation_set = held_out[: len(held_out) - len(held_out) % self.size][self.rank :: self.size]
+        the untrained model. (A resumed run may have the study's held-out set already: ``take_held_out``.)"""
+        self.validation_set += self._share(list(self.module.validation_samples()))
         # a resumed run replaces what a dead one logged after its checkpoint (taken after batch b's points)
         self.metrics.open(purge_step=self.summary.batches + 1)
         if self.summary.batches == 0:  # a resumed run validates where an uninterrupted one would
+            self.validate_unless_done()
+
+    def _share(self, held_out: list[Any]) -> list[Any]:
+        """This rank's share of ``held_out``: equal shares, so that every rank runs as many validation batches
+        (lookups of sharded tables are collectives)."""
+        return held_out[: len(held_out) - len(held_out) % self.size][self.rank :: self.size]
+
+    def take_held_out(self, samples: list[Sample]) -> None:
+        """Collective, once every held-out simulation of the study ended (``loop.Consumer``): the samples each
+        rank received of them, gathered once and shared out again, join the validation set; the first validation
+        on them follows at once."""
+        gathered = [sample for part in self.comm.allgather(samples) for sample in part]
+        gathered.sort(key=lambda sample: (sample.simulation_id, sample.time_step))  # the same order on every rank
+        self.validation_set += self._share(gathered)
+        if self.rank == 0:
+            logger.info("held-out set: %d samples of the study's validation simulations", len(gathered))
+        if not self.summary.validation:  # a resumed run validated on them before
             self.validate()
 
     def close(self) -> None:

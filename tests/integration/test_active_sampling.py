@@ -155,3 +155,22 @@ def test_the_burgers_example_breeds_toward_small_viscosities(tmp_path: Path) -> 
     base = [s["parameters"]["nu"] < hard for s in sims if s["parent"] is None]
     bred = [s["parameters"]["nu"] < hard for s in sims if s["parent"] is not None]
     assert len(bred) >= 8 and sum(bred) / len(bred) > 2 * sum(base) / len(base)
+
+
+def test_an_adaptive_study_on_persistent_workers_draws_what_one_process_per_simulation_draws(tmp_path: Path) -> None:
+    """The sampler learns as with a process per simulation: workers change when simulations start, not what
+    training makes of them."""
+    (tmp_path / "each").mkdir()
+    (tmp_path / "workers").mkdir()
+    each = run_server(tmp_path / "each", adaptive_config(tmp_path / "each" / "output"), ranks=2)
+    config = adaptive_config(tmp_path / "workers" / "output")
+    config["launcher"].update(
+        persistent=True, command=[sys.executable, str(HERE / "toy_worker.py"), "--steps", "6", "--solve", "0.6"]
+    )
+    workers = run_server(tmp_path / "workers", config, ranks=2)
+    assert each.code == 0 and workers.code == 0, each.log + workers.log
+    assert each.report is not None and workers.report is not None
+    assert workers.report["simulations"]["done"] == SIMULATIONS
+    assert draws(workers.report) == draws(each.report)
+    logs = (tmp_path / "workers" / "output" / "simulations").glob("worker*.start*.log")
+    assert len(list(logs)) == 2  # job_limit 2 workers ran all 16 simulations

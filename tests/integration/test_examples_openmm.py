@@ -49,14 +49,15 @@ def test_the_openmm_study_streams_every_report_once_and_trains(tmp_path: Path, o
     config["launcher"]["command"][:2] = [sys.executable, str(EXAMPLE / "simulate.py")]
     training = config["training"]
     training.update(module=str(EXAMPLE / "surrogate.py"), batch_size=16, nb_batches_update=5, device="cpu")
-    training["options"].update(validation_simulations=1)
+    config["study"]["validation"] = {"simulations": 1, "seed": 1}  # run first, by the study, never trained on
     run = run_server(tmp_path, config, ranks=2, timeout=150)
     assert run.code == 0, run.log
     report = run.report
     assert report is not None
-    assert report["simulations"]["done"] == SIMULATIONS
-    assert report["samples_received"] == SIMULATIONS * REPORTS == report["samples_expected"]
-    assert report["samples_consumed"] == SIMULATIONS * REPORTS  # each sample served once
+    assert report["simulations"]["done"] == SIMULATIONS + 1
+    assert report["held_out"] == {"simulations": 1, "samples": REPORTS}
+    assert report["samples_received"] == (SIMULATIONS + 1) * REPORTS == report["samples_expected"]
+    assert report["samples_consumed"] == SIMULATIONS * REPORTS  # each sample served once, none held out
     assert report["duplicate_frames_dropped"] == 0 and report["rejected"] == {}
     assert all(s["attempts"] == 1 and s["samples"] == REPORTS for s in report["per_simulation"])
     summary = report["training"]

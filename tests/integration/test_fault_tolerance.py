@@ -217,7 +217,7 @@ def test_a_simulation_done_just_before_a_kill_9_is_not_run_again(tmp_path: Path,
     go = tmp_path / "go"
     config = paced_config(output)
     config["launcher"]["command"] += ["--go", str(go), "--go-now", "0"]
-    config["checkpoint"] = {"interval": 0}
+    config["checkpoint"] = {"interval": 0, "seconds": 0}
     process = start(server_command(tmp_path, config, 2))
     wait_for(lambda: committed(output), process)
     assert "simulation 0 done" in (output / "logs" / "rank0.log").read_text()

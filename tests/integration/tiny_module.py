@@ -74,3 +74,25 @@ class Hardness(Tiny):
 
     def sample_losses(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return batch[0][:, 0] ** 2
+
+
+class StudyValidated(Tiny):
+    """Tiny validated on the study's held-out simulations alone (``study.validation``), which it refuses to be
+    trained on: a training batch holding a sample of one of the ``held_out`` parameter sets raises."""
+
+    def __init__(self, held_out: list[list[float]], **options: float) -> None:
+        super().__init__(**options)  # type: ignore[arg-type]
+        self.held_out = torch.tensor(held_out, dtype=torch.float32)
+
+    def validation_samples(self) -> list[Sample]:
+        return []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        parameters = batch[0][:, None, :2]
+        if (parameters == self.held_out[None]).all(dim=2).any():
+            raise AssertionError("trained on a held-out simulation's sample")
+        return super().training_step(batch)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)

@@ -104,6 +104,7 @@ class Harness:
         restored: list[dict] | dict | None = None,
         job_limit: int = 1 << 20,
         sampler: Sampler | None = None,
+        held_out: np.ndarray | None = None,
     ) -> None:
         self.launcher = FakeLauncher()
         self.expected: list[tuple[int, int | None]] = []
@@ -117,6 +118,7 @@ class Harness:
             max_retries=max_retries,
             timeout=TIMEOUT,
             job_limit=job_limit,
+            held_out=held_out,
         )
         if restored is not None:
             self.study.load_state_dict(
@@ -612,3 +614,22 @@ def test_a_study_built_from_its_sections_takes_the_launcher_section_s_bounds_and
     )
     assert len(study.simulations) == 3 and study.names == ["a", "b"] and study.losses.statistic == "max"
     assert (study._max_retries, study._timeout, study._job_limit) == (4, 7.5, 2)
+
+
+def test_held_out_simulations_follow_the_study_s_run_first_and_the_sampler_never_hears_of_them() -> None:
+    breeding = Breeding(population=2, breed_after=2, lag=0, window=2, sigma=[0.1], start=1.0, end=1.0, breakpoint=1)
+    sampler = make_sampler("adaptive", [0.0], [1.0], 0, 2, breeding=breeding)
+    told: list[int] = []
+    sampler.tell = lambda sid, statistic: told.append(sid)  # type: ignore[method-assign]
+    h = Harness(simulations=2, job_limit=1, sampler=sampler, held_out=np.array([[0.25], [0.75]]))
+    assert [sim for sim, _, _ in h.launcher.submitted] == [2, 3]  # the held-out ones first, with their parameters
+    assert h.launcher.named[2] == {"0": 0.25} and h.study.describe(3)["held_out"] is True
+    assert not h.study.held_out_ended
+    h.running(1.0, 2, 3)
+    h.tick(2.0, *reports({2: [(1, 1), (1, 1)], 3: [(0, 0), (2, 2)]}))
+    h.launcher.exit(2, 0)
+    h.launcher.exit(3, 0)
+    h.tick(3.0)
+    assert h.state(2) is h.state(3) is State.DONE and h.study.held_out_ended
+    h.study.conclude()
+    assert told == []  # their losses are no statistic of the sampler's

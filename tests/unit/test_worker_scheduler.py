@@ -66,7 +66,10 @@ def test_a_worker_is_told_its_next_simulation_once_and_asking_again_ends_it(tmp_
     assert first.poll() is None
     assert workers.next_for("0:0") == {"env": {}}  # it started with simulation 0's environment
     assert first.poll() is None
-    assert workers.next_for("0:0") == {"wait": 0.1}  # simulation 0 is over; nothing more yet
+    assert [workers.next_for("0:0") for _ in range(8)] == [  # simulation 0 is over; nothing more yet: asked again
+        {"wait": wait}
+        for wait in (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.2, 0.2)  # soon, then less and less often
+    ]
     assert first.poll() == 0
     second = workers.start(1, 0, attempt_env(1), tmp_path / "simulation1.attempt0.log")
     assert len(inner.processes) == 1  # the same worker
