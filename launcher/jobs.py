@@ -390,8 +390,8 @@ class Launcher:
 
     def finish(self) -> None:
         """The study will submit nothing more: the scheduler may let go of what it keeps between attempts
-        (persistent workers are told the study is over)."""
-        self._scheduler.close()
+        (persistent workers are told the study is over), without waiting: rank 0's round calls it."""
+        self._scheduler.finish()
 
     def shutdown(self) -> None:
         """Kill every running job, forget the queue and end the launcher's thread.

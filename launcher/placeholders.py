@@ -41,9 +41,10 @@ def placeholders_in(text: str) -> list[str]:
 def unknown_placeholder(
     command: Sequence[str], env: Mapping[str, str], names: Iterable[str], persistent: bool = False
 ) -> tuple[str, str] | None:
-    """The config path and the complaint of the first placeholder of ``command`` or ``env`` that is malformed or
+    """The config path and the complaint of the first placeholder of ``command`` or ``env`` that is malformed,
     names neither an attempt's field nor a parameter of ``names`` (``persistent``: anything but ``{slot}``, as a
-    worker runs many simulations); None when all are known."""
+    worker runs many simulations), or cannot be filled (a spec for another type, ``{temperature:d}``); None when
+    all can. Each is filled once here, so that no attempt's start meets it."""
     known = ["slot"] if persistent else [*ATTEMPT_FIELDS, *names]
     texts = [(f"launcher.command[{i}]", argument) for i, argument in enumerate(command)]
     texts += [(f"launcher.env.{name}", value) for name, value in env.items()]
@@ -61,6 +62,13 @@ def unknown_placeholder(
                 f"{text!r}: unknown placeholder {{{unknown[0]}}}; {hint}known: {listed}{why} "
                 "(write {{ and }} for a literal brace)"
             )
+        try:
+            filling = Placeholders([text])
+            filling.fill_slot(0) if persistent else filling.fill(0, 0, 0, dict.fromkeys(names, 0.5))
+        except (ValueError, TypeError, LookupError, AttributeError) as error:
+            dotted = any(c in name for name in placeholders_in(text) for c in ".[")
+            hint = " (a name with '.' or '[' can only be reached through {parameters})" if dotted else ""
+            return path, f"{text!r}: cannot be filled: {type(error).__name__}: {error}{hint}"
     return None
 
 

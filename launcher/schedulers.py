@@ -144,8 +144,11 @@ class Starter(Protocol):
         self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path, command: list[str] | None = None
     ) -> RunningJob: ...
 
+    def finish(self) -> None:
+        """The study will submit nothing more: let go, without waiting, of what is kept between attempts."""
+
     def close(self) -> None:
-        """The launcher shuts down: its running attempts are killed already."""
+        """The launcher shuts down (its running attempts are killed already): end what is kept between them."""
 
 
 class Job:
@@ -258,6 +261,9 @@ class Scheduler(ABC):
         """Why the simulations' jobs would be refused, found without running any (``--check``); None if nothing
         says so."""
         return None
+
+    def finish(self) -> None:  # noqa: B027 (a scheduler's jobs are all the launcher's: nothing is kept)
+        """The study will submit nothing more."""
 
     def close(self) -> None:  # noqa: B027 (a scheduler's jobs are all the launcher's: it killed them)
         """The launcher shuts down: its running attempts are killed already."""

@@ -124,34 +124,45 @@ class WorkerScheduler:
     def start(
         self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path, command: list[str] | None = None
     ) -> RunningJob:
-        """Hand the attempt to an idle worker, started first if it has no live process; ``log_path`` becomes a
-        link to that worker's log, whose end is the attempt's failure reason."""
+        """Hand the attempt to an idle worker, started first if it has no live process (outside the lock: a
+        fork, or an sbatch, must not hold up the handshake service); ``log_path`` becomes a link to that worker's
+        log, whose end is the attempt's failure reason."""
+        worker_command: list[str] = []
         with self.lock:
             worker = next((w for w in self._workers if w.idle), None)
             if worker is None:
                 worker = Worker(len(self._workers))
                 self._workers.append(worker)
-            if worker.job is None or worker.job.poll() is not None:
-                self._start_worker(worker, env, log_path.parent)
-            handed = WorkerAttempt(self, worker, simulation_id, attempt, env)
-            worker.attempt = handed
-            _link(log_path, _worker_log(log_path.parent, worker.slot, worker.starts - 1))
-            return handed
+            restart = worker.job is None or worker.job.poll() is not None
+            if restart:  # its start number is taken now, so that the process's questions match it
+                worker.job, worker.starts = None, worker.starts + 1
+                worker_command, extra = self._placeholders.fill_slot(worker.slot)
+                worker.env = {**extra, **env, ENV_WORKER: f"{worker.slot}:{worker.starts - 1}"}
+            log = _worker_log(log_path.parent, worker.slot, worker.starts - 1)
+            handed = worker.attempt = WorkerAttempt(self, worker, simulation_id, attempt, env)  # reserves it
+        try:
+            _link(log_path, log)
+            job = (
+                self._inner.start(worker.slot, worker.starts - 1, worker.env, log, worker_command) if restart else None
+            )
+        except BaseException:
+            with self.lock:
+                worker.attempt = None
+            raise
+        if job is not None:
+            with self.lock:
+                worker.job = job
+            logger.debug("worker %d started (%s, log %s)", worker.slot, job.label, log)
+        return handed
 
-    def _start_worker(self, worker: Worker, env: dict[str, str], log_dir: Path) -> None:
-        command, extra = self._placeholders.fill_slot(worker.slot)
-        worker.env = {**extra, **env, ENV_WORKER: f"{worker.slot}:{worker.starts}"}
-        worker.job = None
-        log = _worker_log(log_dir, worker.slot, worker.starts)
-        worker.job = self._inner.start(worker.slot, worker.starts, worker.env, log, command)
-        worker.starts += 1
-        logger.debug("worker %d started (%s, log %s)", worker.slot, worker.job.label, log)
+    def next_for(self, worker: str, last: str | None = None) -> dict[str, Any]:
+        """The answer to a worker asking for its next simulation (``worker``: its ``MELISSA_WORKER``; ``last``:
+        ``"simulation:attempt"`` of the last one it was told, if any): the environment of the attempt handed to
+        it (what differs from its own), ``over``, or ``wait`` seconds.
 
-    def next_for(self, worker: str) -> dict[str, Any]:
-        """The answer to a worker asking for its next simulation (``worker``: its ``MELISSA_WORKER``): the
-        environment of the attempt handed to it (what differs from its own), ``over``, or ``wait`` seconds.
-
-        Asking ends the attempt it had taken. A process of an earlier start of its slot is told ``over``.
+        Asking after the attempt it took ends that attempt. Asking again with an older ``last`` means our answer
+        was lost with its connection: it gets the same answer. A process of an earlier start of its slot is
+        told ``over``.
         """
         slot, _, start = worker.partition(":")
         with self.lock:
@@ -159,7 +170,7 @@ class WorkerScheduler:
             if found is None or found.dying or start != str(found.starts - 1) or self._over:
                 return {"over": True}
             handed = found.attempt
-            if handed is not None and handed.taken:
+            if handed is not None and handed.taken and last == f"{handed.simulation_id}:{handed.attempt}":
                 handed.finished, found.attempt, handed = True, None, None
             if handed is None:
                 found.waits += 1
@@ -167,11 +178,16 @@ class WorkerScheduler:
             handed.taken, found.waits = True, 0
             return {"env": {name: value for name, value in handed.env.items() if found.env.get(name) != value}}
 
-    def close(self) -> None:
-        """The study is over: the workers are told so when they ask, and those still alive after
-        :data:`KILL_GRACE` seconds are killed (once: a later call finds none)."""
+    def finish(self) -> None:
+        """The study is over: the workers are told so when they next ask (and then exit)."""
         with self.lock:
             self._over = True
+
+    def close(self) -> None:
+        """The launcher shuts down: the workers are told the study is over, and those still alive after
+        :data:`KILL_GRACE` seconds are killed (once: a later call finds none)."""
+        self.finish()
+        with self.lock:
             jobs = [w.job for w in self._workers if w.job is not None]
             for worker in self._workers:
                 worker.job = None
@@ -180,6 +196,7 @@ class WorkerScheduler:
             time.sleep(ASK_SOON)
         for job in jobs:
             job.kill(deadline)
+        self._inner.close()
 
 
 def _worker_log(log_dir: Path, slot: int, start: int) -> Path:
@@ -187,6 +204,7 @@ def _worker_log(log_dir: Path, slot: int, start: int) -> Path:
 
 
 def _link(path: Path, target: Path) -> None:
-    """``path`` becomes a link to ``target`` (its name alone: both are in the same folder)."""
+    """``path`` becomes a link to ``target`` (its name alone: both are in the same folder, made if needed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     path.symlink_to(target.name)

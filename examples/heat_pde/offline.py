@@ -76,6 +76,7 @@ from solver import DEFAULT_DT  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 
+from launcher.placeholders import placeholders_in  # noqa: E402
 from melissa_dl import Sample, TrainingModule  # noqa: E402
 from melissa_dl.config import Config, TrainingConfig, load_config  # noqa: E402
 from melissa_dl.train.module import load_module_class  # noqa: E402
@@ -330,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.generation_cpus:
         os.sched_setaffinity(0, args.generation_cpus)
     t0 = time.monotonic()
+    if any(placeholders_in(value) for value in config.launcher.env.values()):
+        sys.exit("offline.py: launcher.env has placeholders ({slot}, ...): offline runs have no slots; remove them")
     environment = {**os.environ, **config.launcher.env}
     generate(parameters, grid, output, config.launcher.job_limit, environment)
     held_out_parameters = config.study.validation.table(config.study)  # the study's held-out simulations

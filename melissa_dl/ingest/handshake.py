@@ -9,7 +9,9 @@ and receives ``{"ok": true, "endpoints": [...], "acks": [...], "fields": [...],
 "bind_simulation": false}`` (each server rank's data socket and delivery
 service, :mod:`melissa_dl.ingest.delivery`) or ``{"ok": false, "kind": ..., "error": ...}``.
 A persistent worker (``launcher.persistent``) asks for its next simulation
-with ``{"protocol": 4, "token": "<hex>", "worker": "3:0"}`` and receives
+with ``{"protocol": 4, "token": "<hex>", "worker": "3:0", "last": "12:0"}``
+(``last``: the simulation and attempt it was last told, null at first, so
+that a request sent again after a lost answer gets that answer again) and receives
 ``{"ok": true, "env": {...}}`` (its next simulation's environment), ``{"ok":
 true, "wait": 0.1}`` or ``{"ok": true, "over": true}``
 (:meth:`launcher.workers.WorkerScheduler.next_for`).
@@ -115,7 +117,7 @@ class HandshakeServer(ServerSocketThread):
         self._nonces: dict[int, dict[int, str]] = {}  # simulation -> client rank -> its hello's nonce
         self._failures: list[tuple[int, str]] = []
         self._lock = threading.Lock()
-        self.workers: Callable[[str], dict[str, Any]] | None = None  # what a persistent worker runs next
+        self.workers: Callable[[str, str | None], dict[str, Any]] | None = None  # what a persistent worker runs next
 
     @classmethod
     def from_config(
@@ -174,7 +176,7 @@ class HandshakeServer(ServerSocketThread):
             message = decode_json(request[0], "handshake")
             self._check_credentials(message)
             if "worker" in message:
-                return {"ok": True, **self._next_for(message["worker"])}
+                return {"ok": True, **self._next_for(message["worker"], message.get("last"))}
             self._check(message)
         except ProtocolError as error:
             return self._refuse(error.kind, str(error))
@@ -199,13 +201,15 @@ class HandshakeServer(ServerSocketThread):
         if not (isinstance(token, str) and token.isascii() and hmac.compare_digest(token, self._token.hex())):
             raise ProtocolError("handshake: bad or missing token", "credentials")
 
-    def _next_for(self, worker: Any) -> dict[str, Any]:
+    def _next_for(self, worker: Any, last: Any) -> dict[str, Any]:
         """What a persistent worker runs next."""
         if self.workers is None:
             raise ProtocolError("handshake: a worker asked for a simulation, but launcher.persistent is off", "worker")
-        if not (isinstance(worker, str) and len(worker) <= NONCE_CHARS and worker.isascii()):
-            raise ProtocolError(f"handshake: worker {quote(worker)} is not a short ASCII string", "malformed")
-        return self.workers(worker)
+        if not _short_ascii(worker) or not (last is None or _short_ascii(last)):
+            raise ProtocolError(
+                f"handshake: worker {quote(worker)} and last {quote(last)} must be short ASCII strings", "malformed"
+            )
+        return self.workers(worker, last)
 
     def _check(self, hello: dict[str, Any]) -> None:
         """Refuse anything but a well-formed hello of an expected simulation (its credentials checked)."""
@@ -302,9 +306,14 @@ class HandshakeServer(ServerSocketThread):
 def _nonce(hello: dict[str, Any]) -> str | None:
     """The hello's nonce (a client's own random string, ``NONCE_CHARS`` at most), if it has one."""
     nonce = hello.get("nonce")
-    if nonce is not None and not (isinstance(nonce, str) and 0 < len(nonce) <= NONCE_CHARS and nonce.isascii()):
+    if nonce is not None and not _short_ascii(nonce):
         raise ProtocolError(f"handshake: nonce {quote(nonce)} is not a short ASCII string", "malformed")
     return nonce
+
+
+def _short_ascii(value: Any) -> bool:
+    """A string of 1 to ``NONCE_CHARS`` ASCII characters: what a hello's nonce or a worker's names are."""
+    return isinstance(value, str) and 0 < len(value) <= NONCE_CHARS and value.isascii()
 
 
 def joined(slices: list[Layout]) -> Layout:

@@ -109,6 +109,7 @@ class TrainingSummary:
     samples: int = 0  # on this rank
     duration_s: float = 0.0
     validation: list[tuple[int, float]] = field(default_factory=list)
+    held_out_validated: bool = False  # the study's held-out set has been validated on (a resumed run: before)
 
     def to_dict(self) -> dict[str, Any]:
         losses = [loss for _, loss in self.validation]
@@ -178,14 +179,15 @@ class Trainer:
 
     def take_held_out(self, samples: list[Sample]) -> None:
         """Collective, once every held-out simulation of the study ended (``loop.Consumer``): the samples each
-        rank received of them, gathered once and shared out again, join the validation set; the first validation
-        on them follows at once."""
+        rank received of them, gathered once and shared out again, join the validation set; the model is validated
+        on it at once (unless a resumed run already was)."""
         gathered = [sample for part in self.comm.allgather(samples) for sample in part]
         gathered.sort(key=lambda sample: (sample.simulation_id, sample.time_step))  # the same order on every rank
         self.validation_set += self._share(gathered)
         if self.rank == 0:
             logger.info("held-out set: %d samples of the study's validation simulations", len(gathered))
-        if not self.summary.validation:  # a resumed run validated on them before
+        if not self.summary.held_out_validated:
+            self.summary.held_out_validated = True
             self.validate()
 
     def close(self) -> None:

@@ -219,31 +219,38 @@ def _check_refused(link: _Link, who: str) -> None:
         )
 
 
-def _next_simulation(environ: Mapping[str, str], comm: Comm | None) -> dict[str, str] | None:
-    """What this persistent worker runs next, on every rank of ``comm`` (rank 0 asks): its simulation's
-    environment, or None once the study is over; rank 0's error is raised on every rank. The other ranks wait
-    without spinning a core."""
+def _next_simulation(environ: Mapping[str, str], comm: Comm | None, last: str | None) -> dict[str, str] | None:
+    """What this persistent worker runs next, on every rank of ``comm`` (rank 0 asks, once every rank is done
+    with the last one, whose end its asking tells): its simulation's environment, or None once the study is over;
+    rank 0's error is raised on every rank. The other ranks wait without spinning a core."""
     if comm is None:
-        return _ask_next(environ)
+        return _ask_next(environ, last)
+    _polled_barrier(comm)
     answer: dict[str, str] | Exception | None = None
     if comm.Get_rank() == 0:
         try:
-            answer = _ask_next(environ)
+            answer = _ask_next(environ, last)
         except Exception as error:  # every rank raises it, rather than wait for an answer that will not come
             answer = error
-    arrived = comm.Ibarrier()
-    while not arrived.Test():
-        time.sleep(WORKER_POLL)
+    _polled_barrier(comm)
     answer = comm.bcast(answer)
     if isinstance(answer, Exception):
         raise answer
     return answer
 
 
-def _ask_next(environ: Mapping[str, str]) -> dict[str, str] | None:
-    """Ask rank 0's handshake service, until it hands this worker a simulation or says the study is over."""
+def _polled_barrier(comm: Comm) -> None:
+    """A barrier that sleeps between looks: MPI's own spins a core for as long as rank 0 waits for the server."""
+    arrived = comm.Ibarrier()
+    while not arrived.Test():
+        time.sleep(WORKER_POLL)
+
+
+def _ask_next(environ: Mapping[str, str], last: str | None) -> dict[str, str] | None:
+    """Ask rank 0's handshake service, until it hands this worker a simulation or says the study is over
+    (``last``: the simulation and attempt it was last told)."""
     worker = _require(environ, ENV_WORKER)
-    request = {"protocol": PROTOCOL_VERSION, "token": _require(environ, ENV_TOKEN), "worker": worker}
+    request = {"protocol": PROTOCOL_VERSION, "token": _require(environ, ENV_TOKEN), "worker": worker, "last": last}
     context = zmq.Context()
     link = _handshake_link(context, _require(environ, ENV_SERVER), environ)
     try:
@@ -491,8 +498,10 @@ class Client:
             with cls(fields, comm, environ=env) as client:
                 yield client
             return
-        while (assigned := _next_simulation(env, comm)) is not None:
+        last = None
+        while (assigned := _next_simulation(env, comm, last)) is not None:
             with cls(fields, comm, environ={**env, **assigned}) as client:
+                last = f"{client.simulation_id}:{client.attempt}"
                 yield client
 
     def __enter__(self) -> Client:

@@ -988,6 +988,8 @@ typedef struct {
 
 static struct {
     bool over;             /* the study is over: melissa_dl_next hands no more */
+    char last[64];         /* "simulation:attempt" it was last told ("": none yet), so that a question sent again
+                              after a lost answer gets that answer again rather than ending the simulation */
     saved_variable *saved; /* restored before each answer applies: a simulation's environment is the worker's with
                               its answer on top (an answer holds what differs from the worker's start) */
     size_t nsaved;
@@ -1025,6 +1027,11 @@ static int ask_next(const char *name, strbuf *packed, bool *over) {
     sb_json_string(&request, env.token);
     sb_printf(&request, ",\"worker\":");
     sb_json_string(&request, name);
+    sb_printf(&request, ",\"last\":");
+    if (worker.last[0] != '\0')
+        sb_json_string(&request, worker.last);
+    else
+        sb_printf(&request, "null");
     sb_printf(&request, "}");
     mdl_link link = {0};
     void *context = request.failed ? NULL : zmq_ctx_new();
@@ -1070,10 +1077,9 @@ static int ask_next(const char *name, strbuf *packed, bool *over) {
  * take part in (and drop). */
 enum { SHARE_BYTES = 1 << 16 };
 
-static int share(MPI_Comm comm, int rank, int code, strbuf *packed, bool *over) {
-    static char scratch[SHARE_BYTES];
-    const char *text = code == MELISSA_DL_OK ? packed->data : last_message;
-    long long shared[3] = {code, *over, code == MELISSA_DL_OK ? (long long)packed->size : (long long)strlen(text) + 1};
+/* A barrier whose waiting ranks sleep between looks: MPI's own would spin a core while rank 0 waits for the
+ * handshake service. */
+static int polled_barrier(MPI_Comm comm) {
     MPI_Request arrived;
     int done = 0;
     if (MPI_Ibarrier(comm, &arrived) != MPI_SUCCESS)
@@ -1084,6 +1090,16 @@ static int share(MPI_Comm comm, int rank, int code, strbuf *packed, bool *over) 
         if (!done)
             pause_for(WORKER_POLL);
     }
+    return MELISSA_DL_OK;
+}
+
+static int share(MPI_Comm comm, int rank, int code, strbuf *packed, bool *over) {
+    static char scratch[SHARE_BYTES];
+    const char *text = code == MELISSA_DL_OK ? packed->data : last_message;
+    long long shared[3] = {code, *over, code == MELISSA_DL_OK ? (long long)packed->size : (long long)strlen(text) + 1};
+    int barrier = polled_barrier(comm);
+    if (barrier != MELISSA_DL_OK)
+        return barrier;
     if (MPI_Bcast(shared, 3, MPI_LONG_LONG, 0, comm) != MPI_SUCCESS)
         return fail(MELISSA_DL_ERR_MPI, "melissa_dl_next: MPI_Bcast failed");
     size_t size = (size_t)shared[2];
@@ -1163,7 +1179,9 @@ int melissa_dl_next(MPI_Comm comm, int *more) {
     }
     strbuf packed = {0};
     bool over = false;
-    if (rank == 0)
+    if (comm != MPI_COMM_NULL) /* every rank is done with the last simulation before rank 0's asking ends it */
+        code = polled_barrier(comm);
+    if (code == MELISSA_DL_OK && rank == 0)
         code = ask_next(name, &packed, &over);
     if (comm != MPI_COMM_NULL)
         code = share(comm, rank, code, &packed, &over);
@@ -1174,6 +1192,10 @@ int melissa_dl_next(MPI_Comm comm, int *more) {
         return code;
     worker.over = over;
     *more = !over;
+    if (!over) {
+        const char *id = getenv("MELISSA_SIMULATION_ID"), *attempt = getenv("MELISSA_ATTEMPT");
+        snprintf(worker.last, sizeof worker.last, "%.30s:%.30s", id ? id : "", attempt ? attempt : "0");
+    }
     return MELISSA_DL_OK;
 }
 

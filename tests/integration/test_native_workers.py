@@ -135,12 +135,14 @@ def service() -> Iterator[tuple[dict[str, str], Any]]:
         yield {**environ, "MELISSA_WORKER": "0:0"}, handshake
 
 
-def scripted(answers: list[dict[str, Any]]) -> tuple[Callable[[str], dict[str, Any]], list[str]]:
-    """What the launcher's worker scheduler would answer, in order, and who asked."""
-    asked: list[str] = []
+def scripted(
+    answers: list[dict[str, Any]],
+) -> tuple[Callable[[str, str | None], dict[str, Any]], list[tuple[str, str | None]]]:
+    """What the launcher's worker scheduler would answer, in order, and who asked, saying what it was last told."""
+    asked: list[tuple[str, str | None]] = []
 
-    def next_for(worker: str) -> dict[str, Any]:
-        asked.append(worker)
+    def next_for(worker: str, last: str | None) -> dict[str, Any]:
+        asked.append((worker, last))
         return answers[len(asked) - 1]
 
     return next_for, asked
@@ -170,7 +172,8 @@ def test_the_c_worker_runs_what_the_service_hands_it_until_it_is_over(
     handshake.workers, asked = scripted(ANSWERS)
     done = run_worker(native, environ, mpi, "--show", "MELISSA_MARK")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert asked == ["0:0"] * 5  # rank 0 asked, until over; once over, melissa_dl_next asks no more
+    # rank 0 asked, until over, saying which simulation it was last told; once over, melissa_dl_next asks no more
+    assert asked == [("0:0", None), ("0:0", None), ("0:0", "5:0"), ("0:0", "5:0"), ("0:0", "3:1")]
     ranks = range(2 if mpi else 1)
     said = [line for line in done.stdout.splitlines() if not line.startswith("worker ")]
     expected = [

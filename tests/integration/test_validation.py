@@ -34,7 +34,10 @@ def assert_held_out_whole(output: Path, report: dict, log: str) -> None:
     assert sum(map(len, held)) == simulations * STEPS and len(set().union(*held)) == simulations * STEPS
     assert [p["parameters"] for p in report["per_simulation"][TRAINED:]] == [{"a": a, "b": b} for a, b in HELD_OUT]
     assert f"held-out set: {len(HELD_OUT) * STEPS} samples" in log
-    assert len(report["training"]["validation"]) >= 2
+    batches = report["training"]["batches"]
+    expected = sorted({*range(4, batches + 1, 4), batches})  # every nb_batches_update, and the last
+    assert [b for b, _ in report["training"]["validation"]][-len(expected) :] == expected
+    assert len(report["training"]["validation"]) == len(expected) + 1  # and one when the held-out set was whole
 
 
 def test_held_out_simulations_are_run_first_never_trained_on_and_validate_the_model(

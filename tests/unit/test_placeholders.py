@@ -62,3 +62,24 @@ def test_the_config_check_refuses_an_unknown_placeholder_in_one_line() -> None:
         parse_config(data, Path("/studies/x"))
     data["launcher"]["command"] = ["sim", "{a}", "--slot={slot}"]  # type: ignore[index]
     assert parse_config(data, Path("/studies/x")).launcher.placeholders().command == ["sim", "{a}", "--slot={slot}"]
+
+
+@pytest.mark.parametrize(
+    ("command", "names", "complaint"),
+    [
+        (["sim", "{a:d}"], ["a"], "'{a:d}': cannot be filled: ValueError: Unknown format code 'd'"),
+        (["sim", "{a.b}"], ["a.b"], "cannot be filled: KeyError: 'a' (a name with '.' or '[' can only be reached"),
+        (["sim", "{slot:s}"], ["a"], "cannot be filled: ValueError: Unknown format code 's'"),
+    ],
+)
+def test_a_placeholder_that_cannot_be_filled_is_refused_at_check_not_at_an_attempt_s_start(
+    command: list[str], names: list[str], complaint: str
+) -> None:
+    unknown = unknown_placeholder(command, {}, names)
+    assert unknown is not None and unknown[0] == "launcher.command[1]" and complaint in unknown[1], unknown
+
+
+def test_persistent_workers_take_only_slot() -> None:
+    unknown = unknown_placeholder(["w", "{a}"], {}, ["a"], persistent=True)
+    assert unknown is not None and "unknown placeholder {a}; known: {slot} (with launcher.persistent" in unknown[1]
+    assert unknown_placeholder(["w", "--gpu={slot:02d}"], {"DIR": "/s{slot}"}, ["a"], persistent=True) is None

@@ -65,16 +65,18 @@ def test_a_worker_is_told_its_next_simulation_once_and_asking_again_ends_it(tmp_
     assert (tmp_path / "simulation0.attempt0.log").readlink() == Path("worker0.start0.log")
     assert first.poll() is None
     assert workers.next_for("0:0") == {"env": {}}  # it started with simulation 0's environment
+    assert workers.next_for("0:0") == {"env": {}}  # asked again without saying it got it: the answer was lost
     assert first.poll() is None
-    assert [workers.next_for("0:0") for _ in range(8)] == [  # simulation 0 is over; nothing more yet: asked again
+    assert [workers.next_for("0:0", "0:0") for _ in range(8)] == [  # simulation 0 over, nothing more yet: asked again
         {"wait": wait}
         for wait in (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.2, 0.2)  # soon, then less and less often
     ]
     assert first.poll() == 0
     second = workers.start(1, 0, attempt_env(1), tmp_path / "simulation1.attempt0.log")
     assert len(inner.processes) == 1  # the same worker
-    assert workers.next_for("0:0") == {"env": {"MELISSA_SIMULATION_ID": "1"}}  # what differs from its own
-    workers.next_for("0:0")
+    assert workers.next_for("0:0", "0:0") == {"env": {"MELISSA_SIMULATION_ID": "1"}}  # what differs from its own
+    assert second.poll() is None
+    workers.next_for("0:0", "1:0")
     assert second.poll() == 0
 
 
@@ -115,7 +117,7 @@ def test_a_finished_attempt_killed_late_leaves_its_worker_alone(tmp_path: Path) 
     workers, inner = pool()
     handed = workers.start(0, 0, attempt_env(0), tmp_path / "a.log")
     workers.next_for("0:0")
-    workers.next_for("0:0")
+    workers.next_for("0:0", "0:0")
     handed.terminate()
     assert not inner.processes[0].terminated and handed.finish_kill(0.0)
 
