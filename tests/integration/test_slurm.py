@@ -112,7 +112,7 @@ def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(
     steps, simulations = 20, 4
     config = json.loads((EXAMPLE / "config_slurm.json").read_text())
     config["output_dir"] = str(output)
-    config["study"].update(simulations=simulations, time_steps=steps)
+    config["study"].update(simulations=simulations, time_steps=steps, validation={"simulations": 1, "seed": 1})
     config["server"].update(status_interval=1.0)
     config["buffer"].update(per_server_watermark=8)
     assert (config["launcher"]["scheduler"], config["launcher"]["client_ranks"]) == ("slurm", 2)
@@ -121,7 +121,7 @@ def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(
         job_limit=2,
     )
     config["training"]["module"] = str(EXAMPLE / "surrogate.py")
-    config["training"]["options"].update(nx=16, ny=16, steps=steps, hidden=32, depth=1, validation_simulations=1)
+    config["training"]["options"].update(nx=16, ny=16, steps=steps, hidden=32, depth=1)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     server = [sys.executable, "-m", "melissa_dl", str(path)]
@@ -137,8 +137,9 @@ def test_the_heat_study_runs_with_its_server_under_srun_in_an_allocation(
     log = (tmp_path / "job.out").read_text()
     assert code == 0, log
     result = report(output)
-    assert result["simulations"]["done"] == simulations
-    assert result["samples_received"] == simulations * steps == result["samples_expected"]
+    assert result["simulations"]["done"] == simulations + 1  # and the held-out one, run as a Slurm job too
+    assert result["held_out"] == {"simulations": 1, "samples": steps}
+    assert result["samples_received"] == (simulations + 1) * steps == result["samples_expected"]
     assert result["rejected"] == {}
     assert all(count > 0 for count in result["per_rank_samples"]) and len(result["per_rank_samples"]) == 2
     assert all(s["attempts"] == 1 for s in result["per_simulation"])  # and each was 2 ranks: hellos say so
