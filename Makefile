@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 RANKS ?= 2
 SOLVER ?= python
 
-.PHONY: demo test lint install install-test native clean
+.PHONY: demo test test-fast lint install install-test native clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ test: install-test lint
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 3 $(BIN)/python -m pytest tests/mpi
+
+# The edit loop's tier: the unit tests alone (no MPI job, no sockets, no Slurm), under a minute on 2 cores
+test-fast: install-test
+	$(BIN)/python -m pytest -q tests/unit
 
 # ruff's rules and format, and mypy on melissa_dl/ and launcher/ (pyproject.toml)
 lint: install-test

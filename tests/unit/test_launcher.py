@@ -371,9 +371,9 @@ def test_with_its_own_thread_a_job_reaped_but_not_reported_is_not_reported_once_
 
 
 def test_shutdown_kills_the_threads_jobs_with_their_grace_and_ends_the_thread(tmp_path: Path) -> None:
-    code = (
-        PRINT_PID + "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (print('term', "
-        "flush=True), sys.exit(0))); time.sleep(60)"
+    code = (  # the handler first: a SIGTERM between the pid's print and the handler would kill it silently
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (print('term', flush=True), "
+        "sys.exit(0))); " + PRINT_PID + "time.sleep(60)"
     )
     launcher = python_launcher(tmp_path, code, job_limit=2)
     launcher.start_thread()
