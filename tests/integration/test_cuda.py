@@ -69,7 +69,10 @@ def test_the_heat_surrogate_trains_online_on_cuda_and_its_loss_falls(tmp_path: P
     run = run_server(tmp_path, config, ranks=1, timeout=240)
     assert run.code == 0, run.log
     assert "rank 0 trains on cuda:0" in run.log
-    assert run.report is not None and run.report["samples_received"] == 8 * 100
+    assert run.report is not None
+    held_out = config["study"]["validation"]["simulations"]  # the example's held-out simulations run too
+    assert run.report["held_out"]["simulations"] == held_out
+    assert run.report["samples_received"] == run.report["samples_expected"] == (8 + held_out) * 100
     training = run.report["training"]
     assert training["batches"] >= 20, training
     assert training["last_validation_loss"] < training["first_validation_loss"] / 2, training
