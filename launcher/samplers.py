@@ -188,7 +188,7 @@ SPACE_FILLING: dict[str, type[Sampler]] = {
 
 @dataclass(frozen=True)
 class Breeding:
-    """The adaptive sampler's settings (``study.adaptive``; see the README's "Active sampling")."""
+    """The adaptive sampler's settings (``study.adaptive``; see docs/tutorials/active-sampling.md)."""
 
     population: int  # simulations per generation
     breed_after: int  # simulations drawn from the base before the first bred generation

@@ -26,7 +26,9 @@ from melissa_dl.study.progress import show_status
 from melissa_dl.train.module import check_options, load_module_class
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
+    """``melissa-server``'s options (also those of ``python -m melissa_dl``; the CLI reference is generated from
+    them)."""
     parser = argparse.ArgumentParser(
         prog="melissa-server", description="Online-learning server for simulation ensembles."
     )
@@ -71,6 +73,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="write model.pt from the latest checkpoint (on any number of ranks) and exit",
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = make_parser()
     args = parser.parse_args(argv)
     _numbers_and_config(parser, args)
     if [args.config, args.status, args.plot].count(None) != 2:

@@ -154,11 +154,17 @@ class Supervisor:
             self.process.send_signal(signum)
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """``melissa-launcher``'s options (the CLI reference is generated from them)."""
     parser = argparse.ArgumentParser(prog="melissa-launcher", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the study's JSON configuration")
     parser.add_argument("-n", "--ranks", type=int, default=1, help="server ranks (default 1)")
     parser.add_argument("--fresh", action="store_true", help="start over instead of resuming (first start only)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error("--ranks must be at least 1")

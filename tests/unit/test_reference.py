@@ -1,4 +1,5 @@
-"""The configuration reference (README table, config/schema.json) is generated from config.py's option docs."""
+"""The generated references are fresh: the configuration table (docs/reference/configuration.md) and config/schema.json
+from config.py's option docs, the command-line options (docs/reference/cli.md) from the argparse parsers."""
 
 from __future__ import annotations
 
@@ -17,9 +18,15 @@ STALE = "stale: run `python -m melissa_dl.reference`"
 EXAMPLES = sorted((reference.ROOT / "examples").glob("*/config*.json"))
 
 
-def test_the_readme_table_is_the_generated_one() -> None:
-    readme = reference.README.read_text()
-    assert reference.readme_with_table(readme) == readme, STALE
+def test_the_configuration_page_table_is_the_generated_one() -> None:
+    page = reference.CONFIGURATION.read_text()
+    assert reference.configuration_page(page) == page, STALE
+
+
+def test_the_cli_page_options_are_the_generated_ones() -> None:
+    page = reference.CLI.read_text()
+    assert reference.cli_page(page) == page, STALE
+    assert "`--try-simulation`" in page and "`-n, --ranks RANKS`" in page  # both commands' options
 
 
 def test_the_schema_file_is_the_generated_one() -> None:
