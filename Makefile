@@ -1,4 +1,4 @@
-# Quick start: `make demo` runs the heat-equation study, `make test` the suite.
+# Quick start: `make demo` runs the heat-equation study, `make test` the suite, `make docs` the docs site.
 # Both create .venv when it is missing. torch is pinned to the CPU build that
 # the machines of this project have on disk; any other version downloads a
 # multi-GB CUDA build.
@@ -8,8 +8,11 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 RANKS ?= 2
 SOLVER ?= python
+# pytest-xdist workers of `make test`: the integration tests mostly wait (on simulations, sockets, Slurm), so more
+# run at a time than there are cores; worksteal: an idle worker takes tests queued for a busy one
+TEST_WORKERS ?= 4
 
-.PHONY: demo test test-fast lint install install-test native clean
+.PHONY: demo test test-fast lint docs install install-test native clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +24,13 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml melissa_dl/__init__.py launcher
 	$(BIN)/pip install --quiet -e .
 	touch $@
 
+# the docs extra too: the suite builds the docs site (tests/integration/test_docs.py)
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,docs]'
+	touch $@
+
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[docs]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -39,7 +47,7 @@ demo: install $(if $(filter-out python,$(SOLVER)),native)
 # (failed under CI=true).
 test: install-test lint
 	-scripts/system-packages install native slurm
-	$(BIN)/python -m pytest tests/unit tests/integration
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests/unit tests/integration
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 3 $(BIN)/python -m pytest tests/mpi
@@ -47,6 +55,11 @@ test: install-test lint
 # The edit loop's tier: the unit tests alone (no MPI job, no sockets, no Slurm), under a minute on 2 cores
 test-fast: install-test
 	$(BIN)/python -m pytest -q tests/unit
+
+# The docs site (mkdocs.yml, docs/) into site/; --strict: a warning (a broken link or anchor) is an error.
+# NO_MKDOCS_2_WARNING: Material's notice of its end of life (2027), printed on every build, is no warning of ours
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # ruff's rules and format, and mypy on melissa_dl/ and launcher/ (pyproject.toml)
 lint: install-test
@@ -60,7 +73,7 @@ lint: install-test
 # Melissa's API) and persistent workers (C and Fortran) and the ingest and scale benches' C clients (through
 # pkg-config, as a user builds) and the tests' C client (statically). Debian's
 # MPICH (libmpich-dev): the mpich wheel has no Fortran bindings, and its mpirun
-# launches these programs (README, "C and Fortran").
+# launches these programs (docs/tutorials/your-simulation.md, "Which MPI here").
 NATIVE ?= build/native
 MPICC ?= mpicc.mpich
 MPIFC ?= mpifort.mpich

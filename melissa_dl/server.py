@@ -56,7 +56,6 @@ from melissa_dl.runtime.mpi import (
     launch_problem,
 )
 from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT, lock_output
-from melissa_dl.study.plots import draw
 from melissa_dl.study.progress import StatusBoard, earlier_runs_seconds
 from melissa_dl.study.report import final_report, write_report
 from melissa_dl.study.study import Study, simulation_environment
@@ -348,6 +347,8 @@ class Server:
             )
             write_report(report, self.config.output_path / "report.json")
             bookkeeping.beat()
+            from melissa_dl.study.plots import draw  # matplotlib: rank 0 only, once, not in every rank's start
+
             logger.info("plots: %s", ", ".join(str(path) for path in draw(self.config.output_path)))
             bookkeeping.beat()
             code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -20,6 +21,13 @@ BIN = Path(sys.executable).parent
 MPIRUN = str(BIN / "mpirun")
 TOY_SIM = str(HERE / "toy_sim.py")
 ROOT = HERE.parent.parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """These tests first, the unit tests after them: in a parallel run (``make test``'s workers) the long studies
+    start at once, and the many short unit tests fill the workers that are done early instead of leaving one
+    study running alone at the end."""
+    items.sort(key=lambda item: HERE not in item.path.parents)
 
 
 def skip_unless(ready: bool, reason: str) -> None:
@@ -112,15 +120,27 @@ def run_server(tmp_path: Path, config: dict[str, Any], ranks: int, timeout: floa
     return Run(done.returncode, done.stdout + done.stderr, report)
 
 
+def session_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This test session's temporary folder, the same for every worker of a parallel run (pytest-xdist's workers
+    each have a folder of their own inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def native(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`make native` into a fresh folder; returns the folder of the programs it built."""
+    """`make native` into a fresh folder, once per test session whatever the number of workers (the first builds
+    under a lock, the others wait for it); returns the folder of the programs it built."""
     require_system_packages("native")
-    prefix = tmp_path_factory.mktemp("native")
-    done = subprocess.run(
-        ["make", "-C", str(ROOT), "native", f"NATIVE={prefix}"], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    prefix = session_folder(tmp_path_factory) / "native"
+    with open(session_folder(tmp_path_factory) / "native.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (prefix / "built").exists():
+            done = subprocess.run(
+                ["make", "-C", str(ROOT), "native", f"NATIVE={prefix}"], capture_output=True, text=True, timeout=300
+            )
+            assert done.returncode == 0, done.stdout + done.stderr
+            (prefix / "built").touch()
     return prefix / "bin"
 
 

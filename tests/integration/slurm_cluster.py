@@ -4,8 +4,9 @@ On one node (this machine, over 127.0.0.1), or across the hosts of a
 ``hosts.Cluster``: slurmctld on the first host, one slurmd per other host,
 each node named after its host and reached at its address; clients then run
 on a host (``client``), since only the hosts share a network. Everything it
-writes (munge key and socket, slurm.conf, state, per-node spool, pid and
-log files through ``%n``) is in one folder; clients find it through
+writes (munge key and socket, slurm.conf, state, pid and
+log files through ``%n``) is in one folder, but for slurmd's spools (in a
+short folder under /tmp); clients find it through
 ``SLURM_CONF``. munged's socket is a file, which every host reaches. The
 daemons run as the current user, which must be root: slurmd starts jobs as
 their owner.
@@ -16,8 +17,10 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,6 +74,9 @@ class SlurmCluster:
         self.compute: list[Host] = hosts.hosts[1:] if hosts is not None else []
         self.nodes = [h.name for h in self.compute] or [socket.gethostname().split(".")[0]]
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        # slurmd's step sockets live in its spool folder, and a socket's path may not pass 108 bytes: a folder of
+        # its own under /tmp, whatever the depth of root (a parallel run's workers add one more level)
+        self.spool = Path(tempfile.mkdtemp(prefix="mdl-slurmd-"))
         self._daemons: list[subprocess.Popen[bytes]] = []
         self._controller_process: subprocess.Popen[bytes]
 
@@ -96,8 +102,9 @@ class SlurmCluster:
             f"--seed-file={munge / 'munged.seed'}",
         )
         self._wait(socket_path.exists, "munged's socket")
-        for folder in ("state", *(f"spool/{node}" for node in self.nodes)):
-            (self.root / folder).mkdir(parents=True)
+        (self.root / "state").mkdir()
+        for node in self.nodes:
+            (self.spool / node).mkdir()
         self.conf.write_text(self._slurm_conf(socket_path))
         self.start_controller()
         if self.hosts is None:
@@ -138,7 +145,7 @@ class SlurmCluster:
                 "CredType=cred/munge",
                 f"AuthInfo=socket={munge_socket}",
                 f"StateSaveLocation={root / 'state'}",
-                f"SlurmdSpoolDir={root / 'spool' / '%n'}",  # made by start(), one per node
+                f"SlurmdSpoolDir={self.spool / '%n'}",  # made by start(), one per node
                 f"SlurmctldPidFile={root / 'slurmctld.pid'}",
                 f"SlurmdPidFile={root / 'slurmd.%n.pid'}",
                 f"SlurmctldLogFile={root / 'slurmctld.log'}",
@@ -222,3 +229,4 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
+        shutil.rmtree(self.spool, ignore_errors=True)

@@ -232,19 +232,23 @@ def test_check_builds_the_examples_training_modules_without_mpi(tmp_path: Path, 
 
 
 def test_status_shows_a_running_study_from_another_shell_and_then_its_end(tmp_path: Path) -> None:
-    """``melissa-server --status OUTPUT_DIR`` reads what rank 0 rewrites every status interval (issue 13, item 3)."""
-    output = tmp_path / "out"
-    config = study_config(output, [sys.executable, TOY_SIM, "--step-delay", "0.3"], server={"status_interval": 0.5})
+    """``melissa-server --status OUTPUT_DIR`` reads what rank 0 rewrites every status interval (issue 13, item 3).
+    Simulation 0 runs at once, the others wait for the file ``go``, touched once a running status with a time
+    left was shown: the study cannot end first, however long each ``--status`` takes on a busy machine."""
+    output, go = tmp_path / "out", tmp_path / "go"
+    simulation = [sys.executable, TOY_SIM, "--step-delay", "0.3", "--go", str(go), "--go-now", "0"]
+    config = study_config(output, simulation, server={"status_interval": 0.5})
     status = [*SERVER, "--status", str(output)]
     early = subprocess.run(status, capture_output=True, text=True, timeout=60)
     assert early.returncode == 2 and "no status in" in early.stderr, early  # nothing started yet
     process = start([MPIRUN, "-n", "2", *SERVER, write(tmp_path, config)])
     try:
-        deadline, shown = time.monotonic() + 60, ""
+        deadline, shown = time.monotonic() + 120, ""
         while "running" not in shown.split("\n", 1)[0] or "left" not in shown:  # a time left needs some progress
             assert time.monotonic() < deadline and process.poll() is None, "no running status was shown"
             time.sleep(0.2)
             shown = subprocess.run(status, capture_output=True, text=True, timeout=60).stdout
+        go.touch()
         assert re.search(r"\d+% done, \d+ s elapsed, about \d+ s left", shown), shown
         assert re.search(r"simulations \d done, \d running, \d ending, \d queued, 0 failed of 4", shown), shown
         assert re.search(r"samples \d+ received of 40, \d+ consumed", shown), shown

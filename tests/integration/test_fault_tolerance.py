@@ -186,7 +186,9 @@ def processes_mentioning(text: str) -> list[int]:
 def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
     tmp_path: Path, output: Path, failure: str
 ) -> None:
-    config = paced_config(output, server_timeout=10.0, max_server_restarts=2)  # startup on a loaded machine: seconds
+    # server_timeout: how long a hang goes unseen, and the most a (re)start may take before its first beat: seconds
+    # on an idle machine, several times that on a busy one
+    config = paced_config(output, server_timeout=20.0, max_server_restarts=2)
     command = server_command(tmp_path, config, 2)
     supervisor = start([sys.executable, "-m", "melissa_dl.supervisor", command[-1], "-n", "2"])
     wait_for(lambda: committed(output), supervisor)
@@ -237,11 +239,12 @@ def test_a_simulation_done_just_before_a_kill_9_is_not_run_again(tmp_path: Path,
 
 
 def test_the_heartbeat_goes_on_while_the_buffers_drain_after_the_study(tmp_path: Path, output: Path) -> None:
-    """Simulations done in a second, training of their 72 samples ~14 s: longer than server_timeout, which must
-    also exceed the server's start-up before its first beat (2.5-3 s on an idle 2-core Xeon)."""
-    config = paced_config(output, server_timeout=8.0, max_server_restarts=1)
+    """Simulations done in a second, training of their 72 samples (18 batches of 1.2 s) ~22 s: longer than
+    server_timeout, which must also exceed the server's start-up before its first beat (2.5-3 s on an idle 2-core
+    Xeon; four times that leaves room for a busy machine)."""
+    config = paced_config(output, server_timeout=12.0, max_server_restarts=1)
     config["launcher"]["command"] = [sys.executable, TOY_SIM, "--steps", str(STEPS)]
-    config["training"]["options"] = {"step_delay": 0.8}
+    config["training"]["options"] = {"step_delay": 1.2}
     command = server_command(tmp_path, config, 1)
     done = subprocess.run(
         [sys.executable, "-m", "melissa_dl.supervisor", command[-1]],

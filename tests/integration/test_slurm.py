@@ -31,6 +31,7 @@ from conftest import (
     wait_for,
 )
 from slurm_cluster import BatchJob, SlurmCluster
+from test_example_configs import check
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -208,6 +209,12 @@ def test_a_simulation_that_always_fails_is_reported_with_its_exit_code_and_outpu
         "toy_sim: crashing on purpose at step 3"
     ), failed
     assert run.report["simulations"]["done"] == 3
+
+
+def test_the_example_slurm_config_passes_the_check_against_the_cluster(tmp_path: Path, slurm: SlurmCluster) -> None:
+    done = check(EXAMPLE / "config_slurm.json", tmp_path)  # sbatch --test-only of its job options included
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["launcher"]["scheduler"] == "slurm"
 
 
 @pytest.mark.parametrize(
