@@ -8,9 +8,11 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 RANKS ?= 2
 SOLVER ?= python
-# pytest-xdist workers of `make test`: the integration tests mostly wait (on simulations, sockets, Slurm), so more
-# run at a time than there are cores; worksteal: an idle worker takes tests queued for a busy one
-TEST_WORKERS ?= 4
+# pytest-xdist workers of `make test`: the integration tests mostly wait (on simulations, sockets), so more run at
+# a time than there are cores; worksteal: an idle worker takes tests queued for a busy one. The Slurm clusters'
+# tests (SERIAL) run after them, alone: under the load of parallel studies their jobs missed Slurm's timeouts
+TEST_WORKERS ?= 3
+SERIAL := tests/integration/test_slurm.py tests/integration/test_hosts.py
 
 .PHONY: demo test test-fast lint docs install install-test native clean
 
@@ -47,7 +49,8 @@ demo: install $(if $(filter-out python,$(SOLVER)),native)
 # (failed under CI=true).
 test: install-test lint
 	-scripts/system-packages install native slurm
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests/unit tests/integration
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests/unit tests/integration $(SERIAL:%=--ignore=%)
+	$(BIN)/python -m pytest $(SERIAL)
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 3 $(BIN)/python -m pytest tests/mpi

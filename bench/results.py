@@ -67,7 +67,7 @@ INTRO = """\
 <!-- Written by `python bench/results.py` from bench/history/ and bench/readings.md: edit those, not this page. -->
 
 The current figure of every `RESULT <name> ratio=<x> target=<t> ...` line that a `bench/*.py` script prints, a
-ratio against a baseline measured in the same run (DESIGN.md §11, in `../shared/DESIGN.md`).
+ratio against a baseline measured in the same run (what each measures: docs/explanation/performance.md).
 
 - **Current figure**: the median of the newest recorded session's runs, then every run's value in order.
 - **Target**: the line's `target=`, as `>=` or `<=`; **met**: the median against it, and how many runs met it

@@ -74,8 +74,14 @@ def rows(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, str, str, 
 
 def table() -> str:
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    lines += [f"| `{key}` | {kind} | {default} | {doc} |" for key, kind, default, doc in rows()]
+    lines += [f"| `{key}` | {kind} | {default} | {_linked(doc)} |" for key, kind, default, doc in rows()]
     return "\n".join(lines)
+
+
+def _linked(doc: str) -> str:
+    """A page named as ``docs/X.md`` in an option's text, as a link relative to ``docs/reference/`` (the table's
+    page); the schema keeps the plain text."""
+    return re.sub(r"\bdocs/([\w/-]+)\.md\b", r"[\1](../\1.md)", doc)
 
 
 def _schema_of(tp: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""``melissa-launcher config.json``: run the server under mpirun and restart it when it dies.
+"""``melissa-launcher config.json``: run the server under mpirun (srun inside a Slurm allocation) and restart
+it when it dies.
 
 The server (``mpirun -n K melissa-server config.json``) runs in its own
 session. It is restarted from its checkpoints, up to
@@ -156,7 +157,7 @@ class Supervisor:
 
 def make_parser() -> argparse.ArgumentParser:
     """``melissa-launcher``'s options (the CLI reference is generated from them)."""
-    parser = argparse.ArgumentParser(prog="melissa-launcher", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="melissa-launcher", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("config", help="the study's JSON configuration")
     parser.add_argument("-n", "--ranks", type=int, default=1, help="server ranks (default 1)")
     parser.add_argument("--fresh", action="store_true", help="start over instead of resuming (first start only)")

@@ -187,7 +187,7 @@ class Running(Protocol):
     def poll(self) -> int | None: ...
 
 
-def wait_for(condition: Callable[[], bool], process: Running, timeout: float = 60) -> None:
+def wait_for(condition: Callable[[], bool], process: Running, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert process.poll() is None, f"exited with {process.returncode} before the condition held"

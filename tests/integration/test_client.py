@@ -34,7 +34,7 @@ class Server:
     receiver: Receiver
     environ: dict[str, str]
 
-    def announced(self, simulation: int, timeout: float = 10.0) -> int | None:
+    def announced(self, simulation: int, timeout: float = 60.0) -> int | None:
         """The steps a simulation announced, once every client rank's finalize is in."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -44,7 +44,7 @@ class Server:
             time.sleep(0.05)
         return None
 
-    def drain(self, expected: int, timeout: float = 20.0) -> list[Sample]:
+    def drain(self, expected: int, timeout: float = 60.0) -> list[Sample]:
         samples: list[Sample] = []
         deadline = time.monotonic() + timeout
         while len(samples) < expected and time.monotonic() < deadline:
