@@ -24,10 +24,11 @@ ROOT = HERE.parent.parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """These tests first, the unit tests after them: in a parallel run (``make test``'s workers) the long studies
-    start at once, and the many short unit tests fill the workers that are done early instead of leaving one
-    study running alone at the end."""
-    items.sort(key=lambda item: HERE not in item.path.parents)
+    """In a parallel run (``make test TEST_WORKERS=3``), these tests first, the unit tests after them: the long
+    studies start at once, and the many short unit tests fill the workers that are done early instead of leaving
+    one study running alone at the end. A serial run keeps the files' order."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: HERE not in item.path.parents)
 
 
 def skip_unless(ready: bool, reason: str) -> None:
