@@ -20,7 +20,7 @@ from melissa_dl.config import Config, load_config
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.allocator import keep_freed_memory
 from melissa_dl.runtime.files import check_writable
-from melissa_dl.runtime.mpi import first_of_launch
+from melissa_dl.runtime.mpi import first_of_launch, keep_pmi_lines_short
 from melissa_dl.runtime.status import EXIT_CONFIG
 from melissa_dl.study.progress import show_status
 from melissa_dl.train.module import check_options, load_module_class
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.try_simulation:
         return try_one(config, args.parameters)
     keep_freed_memory()  # before MPI starts, so that an MPI library's own malloc options win
+    keep_pmi_lines_short()  # before MPI starts, which reads it
     from melissa_dl.server import serve  # only now: MPI and the training machinery
 
     return serve(config, fresh=args.fresh, export_model=args.export_model)

@@ -89,6 +89,27 @@ def launch_problem(size: int) -> str | None:
     return None
 
 
+def keep_pmi_lines_short() -> bool:
+    """Before MPI starts under ``srun --mpi=pmi2``: MPICH's OFI netmod instead of its default, UCX, unless the
+    user chose one (``MPIR_CVAR_CH4_NETMOD``). True where it chose.
+
+    MPICH publishes a rank's network address in PMI-1 ``put`` lines cut to
+    values of 1,022 characters; UCX's address takes nine of them, and a
+    line's header makes it up to about 1,080 bytes. Slurm's pmi2 plugin reads
+    each PMI-1 line with one 1,024-byte ``read`` (src/plugins/mpi/pmi2/pmi1.c,
+    "TODO: read until newline"): a line longer than that is taken as two
+    requests, neither valid, and every rank aborts in ``MPI_Init``. How long
+    the lines are depends on the address, so it happened now and then. OFI's
+    address fits one short line. Other MPI libraries ignore the variable.
+    """
+    if os.environ.get("SLURM_MPI_TYPE") != "pmi2" or "PMI_FD" not in os.environ:
+        return False
+    if "MPIR_CVAR_CH4_NETMOD" in os.environ or "MPICH_CH4_NETMOD" in os.environ:
+        return False
+    os.environ["MPIR_CVAR_CH4_NETMOD"] = "ofi"
+    return True
+
+
 class GracefulStop:
     """While installed, the first SIGTERM/SIGINT sets ``requested``; a second one exits at once."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from launcher.slurm import (
     job_environment,
     step_environment,
 )
-from melissa_dl.runtime.mpi import first_of_launch, launch_problem
+from melissa_dl.runtime.mpi import first_of_launch, keep_pmi_lines_short, launch_problem
 
 
 class FakeSlurm:
@@ -362,6 +363,29 @@ def test_srun_without_pmi2_is_named_as_the_problem(monkeypatch: pytest.MonkeyPat
     assert launch_problem(4) is None
     monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
     assert launch_problem(1) is None
+
+
+@pytest.mark.parametrize(
+    "environment, netmod",
+    [
+        ({"SLURM_MPI_TYPE": "pmi2", "PMI_FD": "11"}, "ofi"),  # srun --mpi=pmi2: UCX's PMI lines overflow Slurm's
+        ({"SLURM_MPI_TYPE": "pmi2", "PMI_FD": "11", "MPIR_CVAR_CH4_NETMOD": "ucx"}, "ucx"),  # the user's choice
+        ({"SLURM_MPI_TYPE": "pmi2", "PMI_FD": "11", "MPICH_CH4_NETMOD": "ucx"}, None),  # the same, by its alias
+        ({"SLURM_MPI_TYPE": "pmix", "PMI_FD": "11"}, None),  # another PMI plugin
+        ({"PMI_FD": "11"}, None),  # mpirun's hydra reads whole lines
+        ({"SLURM_MPI_TYPE": "pmi2"}, None),  # not a task of an MPI step
+    ],
+)
+def test_under_srun_pmi2_mpich_uses_ofi_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], netmod: str | None
+) -> None:
+    for name in ("SLURM_MPI_TYPE", "PMI_FD", "MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    chose = keep_pmi_lines_short()
+    assert os.environ.get("MPIR_CVAR_CH4_NETMOD") == netmod
+    assert chose == (netmod == "ofi" and "MPIR_CVAR_CH4_NETMOD" not in environment)
 
 
 @pytest.mark.parametrize(
