@@ -7,6 +7,7 @@ COPY scripts scripts
 COPY native native
 COPY melissa_dl melissa_dl
 COPY launcher launcher
+COPY melissa_api melissa_api
 COPY examples examples
 RUN scripts/system-packages install native \
  && make -C native install BUILD=/tmp/native PREFIX=/usr/local MPICC=mpicc.mpich MPIFC=mpifort.mpich \

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,11 @@ def test_functions_are_short() -> None:
                 if lines > LONGEST:
                     long.append(f"{name}.{node.name} ({lines} lines)")
     assert not long, f"functions over {LONGEST} lines: {', '.join(long)}"
+
+
+def test_the_dockerfile_copies_every_package_the_wheel_includes() -> None:
+    """``pip install .`` in the image installs what was copied; a package left out is missing without an error."""
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = {line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")}
+    assert {pattern.rstrip("*") for pattern in include} <= copied
+    assert set(PACKAGES) <= copied
