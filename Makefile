@@ -8,10 +8,10 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 RANKS ?= 2
 SOLVER ?= python
-# pytest-xdist workers of `make test` (0: none, one test at a time). With 3, the suite takes 15 min instead of 22
-# on 2 cores, but test_security's peer-without-credentials test has failed under that load (issue 36 is open for
-# it): CI keeps 0. worksteal: an idle worker takes tests queued for a busy one. The Slurm clusters' tests (SERIAL)
-# run after the others, alone: under the load of parallel studies their jobs missed Slurm's timeouts
+# pytest-xdist workers of `make test` (0: none, one test at a time; times in docs/how-to/run-the-tests.md). CI
+# keeps 0: it runs on a machine that is often busy. worksteal: an idle worker takes tests queued for a busy one.
+# The Slurm clusters' tests (SERIAL) run after the others, alone: under the load of parallel studies their jobs
+# missed Slurm's timeouts
 TEST_WORKERS ?= 0
 SERIAL := tests/integration/test_slurm.py tests/integration/test_hosts.py
 

@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return print_status(args.status)
     if args.plot is not None:
         return plot(args.plot)
+    keep_pmi_lines_short()  # before MPI_Init reads MPIR_CVAR_CH4_NETMOD (a training module may import mpi4py)
     try:
         config = load_config(args.config)
         check_study(config, build=args.check)
@@ -148,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.try_simulation:
         return try_one(config, args.parameters)
     keep_freed_memory()  # before MPI starts, so that an MPI library's own malloc options win
-    keep_pmi_lines_short()  # before MPI starts, which reads it
     from melissa_dl.server import serve  # only now: MPI and the training machinery
 
     return serve(config, fresh=args.fresh, export_model=args.export_model)

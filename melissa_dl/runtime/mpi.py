@@ -13,6 +13,7 @@ graceful stop instead: the ranks agree on a batch, checkpoint and exit
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import signal
@@ -84,14 +85,15 @@ def launch_problem(size: int) -> str | None:
     if size == 1 and tasks > 1:
         return (
             f"srun started {tasks} tasks but MPI sees one rank in each: start the server with "
-            f"`srun --mpi=pmi2 -n {tasks} melissa-server CONFIG` (the mpich wheel's MPI speaks PMI-2)"
+            f"`srun --mpi=pmi2 -n {tasks} melissa-server CONFIG` (the mpich wheel's MPI needs srun's pmi2 plugin)"
         )
     return None
 
 
 def keep_pmi_lines_short() -> bool:
-    """Before MPI starts under ``srun --mpi=pmi2``: MPICH's OFI netmod instead of its default, UCX, unless the
-    user chose one (``MPIR_CVAR_CH4_NETMOD``). True where it chose.
+    """Before MPI starts under ``srun --mpi=pmi2`` with the ``mpich`` wheel: its OFI netmod instead of its
+    default, UCX, unless the user chose one (``MPIR_CVAR_CH4_NETMOD`` or ``MPICH_CH4_NETMOD``). True where it
+    chose.
 
     MPICH publishes a rank's network address in PMI-1 ``put`` lines cut to
     values of 1,022 characters; UCX's address takes nine of them, and a
@@ -100,11 +102,16 @@ def keep_pmi_lines_short() -> bool:
     "TODO: read until newline"): a line longer than that is taken as two
     requests, neither valid, and every rank aborts in ``MPI_Init``. How long
     the lines are depends on the address, so it happened now and then. OFI's
-    address fits one short line. Other MPI libraries ignore the variable.
+    address fits one short line. Only with the wheel: a site's MPICH built
+    without OFI would refuse the name.
     """
     if os.environ.get("SLURM_MPI_TYPE") != "pmi2" or "PMI_FD" not in os.environ:
         return False
     if "MPIR_CVAR_CH4_NETMOD" in os.environ or "MPICH_CH4_NETMOD" in os.environ:
+        return False
+    try:
+        importlib.metadata.distribution("mpich")
+    except importlib.metadata.PackageNotFoundError:
         return False
     os.environ["MPIR_CVAR_CH4_NETMOD"] = "ofi"
     return True

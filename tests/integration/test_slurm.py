@@ -160,7 +160,7 @@ def test_srun_without_pmi2_is_refused_naming_the_fix(tmp_path: Path, output: Pat
     lines = [line for line in done.stderr.splitlines() if line.startswith("melissa-server:")]
     assert lines == [
         "melissa-server: srun started 2 tasks but MPI sees one rank in each: start the server with "
-        "`srun --mpi=pmi2 -n 2 melissa-server CONFIG` (the mpich wheel's MPI speaks PMI-2)"
+        "`srun --mpi=pmi2 -n 2 melissa-server CONFIG` (the mpich wheel's MPI needs srun's pmi2 plugin)"
     ], done.stderr
     assert not (output / "checkpoints").exists()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import time
@@ -376,16 +377,25 @@ def test_srun_without_pmi2_is_named_as_the_problem(monkeypatch: pytest.MonkeyPat
         ({"SLURM_MPI_TYPE": "pmi2"}, None),  # not a task of an MPI step
     ],
 )
-def test_under_srun_pmi2_mpich_uses_ofi_unless_the_user_chose(
+def test_under_srun_pmi2_the_mpich_wheel_uses_ofi_unless_the_user_chose(
     monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], netmod: str | None
 ) -> None:
-    for name in ("SLURM_MPI_TYPE", "PMI_FD", "MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in environment.items():
-        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(os, "environ", dict(environment))  # restored after the test, with what was set in it
     chose = keep_pmi_lines_short()
     assert os.environ.get("MPIR_CVAR_CH4_NETMOD") == netmod
-    assert chose == (netmod == "ofi" and "MPIR_CVAR_CH4_NETMOD" not in environment)
+    assert chose == (netmod == "ofi")
+
+
+def test_without_the_mpich_wheel_the_netmod_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A site's MPICH built without OFI would refuse the name in MPI_Init."""
+
+    def absent(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(os, "environ", {"SLURM_MPI_TYPE": "pmi2", "PMI_FD": "11"})
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    assert not keep_pmi_lines_short()
+    assert "MPIR_CVAR_CH4_NETMOD" not in os.environ
 
 
 @pytest.mark.parametrize(
