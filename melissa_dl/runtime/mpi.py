@@ -98,8 +98,8 @@ def keep_pmi_lines_short() -> bool:
     MPICH publishes a rank's network address in PMI-1 ``put`` lines cut to
     values of 1,022 characters; UCX's address takes nine of them, and a
     line's header makes it up to about 1,080 bytes. Slurm's pmi2 plugin reads
-    each PMI-1 line with one 1,024-byte ``read`` (src/plugins/mpi/pmi2/pmi1.c,
-    "TODO: read until newline"): a line longer than that is taken as two
+    each PMI-1 line with one 1,024-byte ``read`` (``handle_pmi1_cmd`` in
+    src/plugins/mpi/pmi2/pmi1.c, not yet reading up to the newline): a line longer than that is taken as two
     requests, neither valid, and every rank aborts in ``MPI_Init``. How long
     the lines are depends on the address, so it happened now and then. OFI's
     address fits one short line. Only with the wheel: a site's MPICH built

@@ -278,7 +278,7 @@ def status_megabytes(key: str) -> float:
 # Runs in a process of its own, so that its buffers are not counted in the server's RSS. argv: the client's
 # environment as JSON, the data endpoint.
 BIG_SENDER = r"""
-import json, sys, time, zmq
+import contextlib, json, sys, time, zmq
 from melissa_dl.wire.security import configure_client
 environ, endpoint = json.loads(sys.argv[1]), sys.argv[2]
 context = zmq.Context()
@@ -291,10 +291,8 @@ def connect(kind, address, credentials):
     sockets.append(socket)
     return socket
 big = bytearray(200 << 20)
-try:  # refused at the handshake, ZeroMQ may have dropped the connection already: nothing to queue the frames on
+with contextlib.suppress(zmq.Again):  # refused at the handshake, its connection may be gone already (offer)
     connect(zmq.PUSH, endpoint, False).send_multipart([b"x" * 67, big], zmq.NOBLOCK, copy=False)  # no credentials
-except zmq.Again:
-    pass
 connect(zmq.PUSH, endpoint, True).send_multipart([b"x" * 67, big], copy=False)    # credentials, over the cap
 hellos = [connect(zmq.REQ, environ["MELISSA_SERVER"], True) for _ in range(10)]
 for socket in hellos:
