@@ -13,11 +13,12 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HERE, TOY_SIM, run_server, server_command, start, study_config, wait_for
+from conftest import HERE, TOY_SIM, Run, run_server, server_command, start, study_config, wait_for
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from melissa_dl.checkpoint.serialization import loads
@@ -74,10 +75,27 @@ def drawn_in_checkpoint(output: Path) -> int:
     return 0 if version is None else loads(version.read(0, "study.pt"))["simulations"]["sampler"]["drawn"]
 
 
-def test_an_adaptive_study_breeds_where_the_loss_is_high_and_reports_it(tmp_path: Path) -> None:
-    output = tmp_path / "output"
-    run = run_server(tmp_path, adaptive_config(output), ranks=2)
-    assert run.code == 0, run.log
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[Run, Path]]:
+    """The adaptive study run in one go on K ranks, once per K for the module's tests that read or compare with
+    it (a study takes ~17 s): ``whole(K)`` gives its run and its output folder."""
+    runs: dict[int, tuple[Run, Path]] = {}
+
+    def on(ranks: int) -> tuple[Run, Path]:
+        if ranks not in runs:
+            folder = tmp_path_factory.mktemp(f"whole{ranks}")
+            run = run_server(folder, adaptive_config(folder / "output"), ranks=ranks)
+            assert run.code == 0 and run.report is not None, run.log
+            runs[ranks] = run, folder / "output"
+        return runs[ranks]
+
+    return on
+
+
+def test_an_adaptive_study_breeds_where_the_loss_is_high_and_reports_it(
+    whole: Callable[[int], tuple[Run, Path]],
+) -> None:
+    run, output = whole(2)
     assert run.report is not None and run.report["simulations"]["done"] == SIMULATIONS
     sims = run.report["per_simulation"]
     mismatched = [(s["id"], s["statistic"]) for s in sims if s["statistic"] != pytest.approx(s["parameters"]["a"] ** 2)]
@@ -104,12 +122,8 @@ def test_an_adaptive_study_breeds_where_the_loss_is_high_and_reports_it(tmp_path
 
 @pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1)])
 def test_an_adaptive_study_killed_and_resumed_on_another_k_draws_what_one_run_in_one_go_draws(
-    tmp_path: Path, before: int, after: int
+    tmp_path: Path, whole: Callable[[int], tuple[Run, Path]], before: int, after: int
 ) -> None:
-    (tmp_path / "whole").mkdir()
-    whole = run_server(tmp_path / "whole", adaptive_config(tmp_path / "whole" / "output"), ranks=before)
-    assert whole.code == 0 and whole.report is not None, whole.log
-
     output = tmp_path / "output"
     config = adaptive_config(output)
     server = start(server_command(tmp_path, config, before))
@@ -129,7 +143,7 @@ def test_an_adaptive_study_killed_and_resumed_on_another_k_draws_what_one_run_in
     assert resumed.code == 0, resumed.log
     assert "resuming from checkpoint" in resumed.log
     assert resumed.report is not None and resumed.report["simulations"]["done"] == SIMULATIONS
-    assert draws(resumed.report) == draws(whole.report)
+    assert draws(resumed.report) == draws(whole(before)[0].report)
 
 
 def test_the_burgers_example_breeds_toward_small_viscosities(tmp_path: Path) -> None:
@@ -157,18 +171,19 @@ def test_the_burgers_example_breeds_toward_small_viscosities(tmp_path: Path) -> 
     assert len(bred) >= 8 and sum(bred) / len(bred) > 2 * sum(base) / len(base)
 
 
-def test_an_adaptive_study_on_persistent_workers_draws_what_one_process_per_simulation_draws(tmp_path: Path) -> None:
+def test_an_adaptive_study_on_persistent_workers_draws_what_one_process_per_simulation_draws(
+    tmp_path: Path, whole: Callable[[int], tuple[Run, Path]]
+) -> None:
     """The sampler learns as with a process per simulation: workers change when simulations start, not what
     training makes of them."""
-    (tmp_path / "each").mkdir()
     (tmp_path / "workers").mkdir()
-    each = run_server(tmp_path / "each", adaptive_config(tmp_path / "each" / "output"), ranks=2)
+    each = whole(2)[0]
     config = adaptive_config(tmp_path / "workers" / "output")
     config["launcher"].update(
         persistent=True, command=[sys.executable, str(HERE / "toy_worker.py"), "--steps", "6", "--solve", "0.6"]
     )
     workers = run_server(tmp_path / "workers", config, ranks=2)
-    assert each.code == 0 and workers.code == 0, each.log + workers.log
+    assert workers.code == 0, workers.log
     assert each.report is not None and workers.report is not None
     assert workers.report["simulations"]["done"] == SIMULATIONS
     assert draws(workers.report) == draws(each.report)

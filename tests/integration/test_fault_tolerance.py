@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,22 @@ def stop_after_first_checkpoint(tmp_path: Path, config: dict, ranks: int) -> str
     status = Path(config["output_dir"]) / STATUS  # written if a status interval had passed
     assert not status.exists() or json.loads(status.read_text())["state"] == "stopped"
     return log
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of a paced study on 2 ranks stopped after its first checkpoint, made once for the tests
+    that damage a copy of it and resume (``resume_a_copy``)."""
+    folder = tmp_path_factory.mktemp("stopped")
+    stop_after_first_checkpoint(folder, paced_config(folder / "output"), ranks=2)
+    return folder / "output"
+
+
+def resume_a_copy(stopped: Path, output: Path) -> dict:
+    """``stopped`` copied to ``output``; the config that resumes it there (the output folder is no key that a
+    checkpoint fixes)."""
+    shutil.copytree(stopped, output, symlinks=True)
+    return paced_config(output)
 
 
 def test_sigterm_before_training_ends_every_rank_even_one_inside_a_collective(tmp_path: Path, output: Path) -> None:
@@ -280,32 +297,23 @@ def test_refusals_counted_before_a_restart_are_in_the_final_report(tmp_path: Pat
     assert run.report is not None and run.report["rejected"].get("handshake_auth", 0) >= 1, run.report["rejected"]
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        ("# a comment\n", ""),
-        (
-            "nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 32)",
-            "nn.Linear(3, hidden + 8), nn.Tanh(), nn.Linear(hidden + 8, 32)",
-        ),
-    ],
-    ids=["comment", "layer size"],
-)
-def test_a_changed_training_module_is_refused_on_resume(tmp_path: Path, output: Path, change: tuple[str, str]) -> None:
+def test_a_changed_training_module_is_refused_on_resume(tmp_path: Path, output: Path) -> None:
+    """Two changes in turn, each refused: a comment (the file's bytes) and a layer's size (its weights)."""
     module = tmp_path / "tiny_module.py"
     source = (HERE / "tiny_module.py").read_text()
     module.write_text(source)
     config = paced_config(output)
     config["training"]["module"] = str(module)
     stop_after_first_checkpoint(tmp_path, config, ranks=2)
-    old, new = change
-    module.write_text(old + source if not new else source.replace(old, new))
-    assert module.read_text() != source
-    run = run_server(tmp_path, config, ranks=2)
-    assert run.code == EXIT_CONFIG, run.log
-    assert "training.module:" in run.log and "changed since checkpoint" in run.log and "--fresh" in run.log
-    assert "Traceback" not in run.log
-    assert not (output / "model.pt").exists() and not (output / "report.json").exists()
+    layers = "nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 32)"
+    for changed in ("# a comment\n" + source, source.replace(layers, layers.replace("hidden", "hidden + 8"))):
+        assert changed != source
+        module.write_text(changed)
+        run = run_server(tmp_path, config, ranks=2)
+        assert run.code == EXIT_CONFIG, run.log
+        assert "training.module:" in run.log and "changed since checkpoint" in run.log and "--fresh" in run.log
+        assert "Traceback" not in run.log
+        assert not (output / "model.pt").exists() and not (output / "report.json").exists()
     module.write_text(source)  # put back, it resumes
     assert run_server(tmp_path, config, ranks=2).code == 0
 
@@ -362,10 +370,9 @@ def make_latest_a_directory(checkpoints: Path, newest: int) -> None:
     ],
 )
 def test_a_damaged_manifest_or_pointer_falls_back_to_the_newest_intact_version(
-    tmp_path: Path, output: Path, damage: Callable[[Path, int], None], warning: str
+    tmp_path: Path, output: Path, stopped: Path, damage: Callable[[Path, int], None], warning: str
 ) -> None:
-    config = paced_config(output)
-    stop_after_first_checkpoint(tmp_path, config, ranks=2)
+    config = resume_a_copy(stopped, output)
     versions = sorted(int(p.name[1:]) for p in (output / "checkpoints").glob("v*"))
     assert len(versions) >= 2, versions  # the first checkpoint and the one written on the stop
     damage(output / "checkpoints", versions[-1])
@@ -379,10 +386,9 @@ def test_a_damaged_manifest_or_pointer_falls_back_to_the_newest_intact_version(
 
 
 def test_with_every_version_damaged_and_no_pointer_the_server_refuses_to_start_over(
-    tmp_path: Path, output: Path
+    tmp_path: Path, output: Path, stopped: Path
 ) -> None:
-    config = paced_config(output)
-    stop_after_first_checkpoint(tmp_path, config, ranks=2)
+    config = resume_a_copy(stopped, output)
     checkpoints = output / "checkpoints"
     (checkpoints / "LATEST").unlink()
     for stream in checkpoints.glob("v*/rank1/stream.pt"):
