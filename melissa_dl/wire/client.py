@@ -149,12 +149,8 @@ class _Questions:
 
     def ask(self, question: bytes) -> None:
         """Send ``question`` unless one is open (a full queue: the rank is unreachable, which silence tells)."""
-        if self.asked is None:
-            try:
-                self.link.socket.send(question, zmq.NOBLOCK)
-                self.asked = time.monotonic()
-            except zmq.Again:
-                pass
+        if self.asked is None and _offer(self.link.socket, question):
+            self.asked = time.monotonic()
 
     def answer(self) -> dict[str, Any] | None:
         """The answer to the open question, if it came."""
@@ -182,19 +178,22 @@ def _handshake_link(context: zmq.Context, endpoint: str, environ: Mapping[str, s
 def _ask(link: _Link, request: dict[str, Any], timeout: float, who: str) -> dict[str, Any]:
     """Send ``request`` to the handshake service and return its answer; sent again when the connection that
     carried it, or its answer, was lost. ``HandshakeRefused`` if the service refuses it, ``ServerUnreachable``
-    without an answer for ``timeout`` seconds."""
-    link.socket.send(encode_json(request))
+    without an answer for ``timeout`` seconds.
+
+    Never a blocking send: a server that refuses the credentials in the ZeroMQ handshake leaves the socket
+    without a connection, and a send would then wait for ever. That refusal can come before the first send
+    (on a busy machine), so a send that finds no connection is tried again after the monitor's next event."""
+    message = encode_json(request)
     poller = zmq.Poller()
     poller.register(link.socket, zmq.POLLIN)
     poller.register(link.monitor, zmq.POLLIN)
     deadline = time.monotonic() + timeout
-    drops = link.drops
+    drops, sent = link.drops, False
     while True:
         link.update()
         _check_refused(link, who)
-        if link.drops > drops:
-            drops = link.drops
-            link.socket.send(encode_json(request))
+        if link.drops > drops or not sent:
+            drops, sent = link.drops, _offer(link.socket, message)
         left = deadline - time.monotonic()
         if left <= 0:
             hint = (
@@ -209,6 +208,15 @@ def _ask(link: _Link, request: dict[str, Any], timeout: float, who: str) -> dict
             if not reply.get("ok"):
                 raise HandshakeRefused(f"{who}: {reply.get('error')}")
             return reply
+
+
+def _offer(socket: zmq.Socket, message: bytes) -> bool:
+    """Whether ``message`` was queued: False when no connection can take it now."""
+    try:
+        socket.send(message, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
 
 
 def _check_refused(link: _Link, who: str) -> None:

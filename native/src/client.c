@@ -650,25 +650,28 @@ static int open_handshake(mdl_link *link, void *context, const environment *env)
 /* Send ``request`` to the handshake service on ``link`` and take its accepting answer, a JSON object, into
  * *reply (to free); the request is sent again whenever the connection that carried it, or its answer, is lost.
  * MELISSA_DL_ERR_REFUSED if the service refuses it (``who`` names the asker: "simulation 3", "worker 0:1"),
- * MELISSA_DL_ERR_UNREACHABLE without an answer for the timeout. */
+ * MELISSA_DL_ERR_UNREACHABLE without an answer for the timeout. Never a blocking send: a server that refuses
+ * the credentials in the ZeroMQ handshake leaves the socket without a connection, where a send would wait for
+ * ever, and that refusal can come before the first send (on a busy machine); a send that finds no connection
+ * is tried again after the monitor's next event. */
 static int ask(mdl_link *link, const environment *env, const char *who, const strbuf *request, json_value *reply) {
     *reply = (json_value){0};
-    if (zmq_send(link->socket, request->data, request->size, 0) < 0)
-        return fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", env->endpoint, zmq_strerror(errno));
     int code = MELISSA_DL_OK;
     zmq_msg_t message;
     zmq_msg_init(&message);
     double deadline = mdl_now() + env->timeout;
     unsigned drops = link->drops;
+    bool sent = false;
     for (;;) {
         mdl_link_update(link);
         if (link->refused) {
             code = refused(link, who, env);
             break;
         }
-        if (link->drops > drops) { /* the connection that carried the request, or its answer, was lost */
+        if (link->drops > drops || !sent) { /* not queued yet, or the connection that carried it was lost */
             drops = link->drops;
-            if (zmq_send(link->socket, request->data, request->size, 0) < 0) {
+            sent = zmq_send(link->socket, request->data, request->size, ZMQ_DONTWAIT) >= 0;
+            if (!sent && errno != EAGAIN) {
                 code = fail(MELISSA_DL_ERR_SYSTEM, "handshake with %s: %s", env->endpoint, zmq_strerror(errno));
                 break;
             }

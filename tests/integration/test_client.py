@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from melissa_dl.buffers.kinds import Buffer, make_buffer
 from melissa_dl.buffers.sample import Sample
@@ -20,7 +21,7 @@ from melissa_dl.errors import ClientError, HandshakeRefused, ReceiverDied, Serve
 from melissa_dl.ingest.assembly import StreamSpec
 from melissa_dl.ingest.handshake import HandshakeServer
 from melissa_dl.ingest.receiver import Receiver
-from melissa_dl.wire.client import Client
+from melissa_dl.wire.client import Client, _ask, _handshake_link
 from melissa_dl.wire.security import Security
 
 pytestmark = pytest.mark.timeout(60)
@@ -171,6 +172,22 @@ def test_misuse_raises_client_errors_naming_the_field(server: Server) -> None:
 def test_refused_handshakes_say_why(server: Server, change: dict[str, str], message: str) -> None:
     with pytest.raises(HandshakeRefused, match=message):
         Client({"a": ("float32", (3,)), "b": ("float32", (1,))}, environ={**server.environ, **change})
+
+
+@pytest.mark.timeout(30)
+def test_credentials_refused_before_the_hello_is_sent_are_an_error_not_a_hang(server: Server) -> None:
+    """On a busy machine the server's refusal can come between the client's connect and its send: ZeroMQ then
+    leaves the socket without a connection, where a blocking send waits for ever. Here the hello is sent once
+    the socket has dropped the refused connection (it takes no message any more)."""
+    environ = {**server.environ, "MELISSA_TOKEN": "00" * 32}
+    link = _handshake_link(zmq.Context.instance(), environ["MELISSA_SERVER"], environ)
+    try:
+        while link.socket.poll(0, zmq.POLLOUT):
+            time.sleep(0.01)
+        with pytest.raises(HandshakeRefused, match="credentials refused"):
+            _ask(link, {"hello": 1}, timeout=5.0, who="simulation 1")
+    finally:
+        link.close()
 
 
 def test_a_client_without_server_fails_after_its_timeout() -> None:

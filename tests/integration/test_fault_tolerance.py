@@ -298,7 +298,7 @@ def test_refusals_counted_before_a_restart_are_in_the_final_report(tmp_path: Pat
 
 
 def test_a_changed_training_module_is_refused_on_resume(tmp_path: Path, output: Path) -> None:
-    """Two changes in turn, each refused: a comment (the file's bytes) and a layer's size (its weights)."""
+    """Two changes in turn, each refused: a comment and a layer's size (the checkpoint holds the file's digest)."""
     module = tmp_path / "tiny_module.py"
     source = (HERE / "tiny_module.py").read_text()
     module.write_text(source)
