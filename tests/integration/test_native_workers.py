@@ -22,25 +22,27 @@ SIMULATIONS, STEPS, COUNT = 8, 10, 8
 SIMULATION_LINE = re.compile(r"^simulation (\d+) attempt (\d+) rank (\d+) parameters:(.*)$", re.MULTILINE)
 
 
-def worker_pids(output: Path) -> list[int]:
-    """The pid every worker process printed at its start ("worker PID"), in the workers' logs."""
-    logs = (output / "simulations").glob("worker*.start*.log")
-    return [int(pid) for log in logs for pid in re.findall(r"^worker (\d+)$", log.read_text(), re.MULTILINE)]
+def records(folder: Path) -> str:
+    """What every worker process wrote to its own file (``--record``): counted there, not in the workers' logs,
+    where mpirun forwards the ranks' stdout (a rank's line once never reached the log under load)."""
+    return "".join(record.read_text() for record in sorted(folder.glob("worker*.txt")))
 
 
-def handed(output: Path) -> Counter[tuple[int, int, int]]:
-    """How often each (simulation, attempt, rank) was handed to a worker, from the workers' logs."""
-    logs = (output / "simulations").glob("worker*.start*.log")
-    return Counter((int(s), int(a), int(r)) for log in logs for s, a, r, _ in SIMULATION_LINE.findall(log.read_text()))
+def worker_pids(folder: Path) -> list[int]:
+    """The pid every worker process recorded at its start ("worker PID")."""
+    return [int(pid) for pid in re.findall(r"^worker (\d+)$", records(folder), re.MULTILINE)]
 
 
-def parameters_handed(output: Path) -> dict[int, list[float]]:
-    """The parameters each simulation's rank 0 printed, from the workers' logs."""
-    logs = (output / "simulations").glob("worker*.start*.log")
+def handed(folder: Path) -> Counter[tuple[int, int, int]]:
+    """How often each (simulation, attempt, rank) was handed to a worker, from the workers' records."""
+    return Counter((int(s), int(a), int(r)) for s, a, r, _ in SIMULATION_LINE.findall(records(folder)))
+
+
+def parameters_handed(folder: Path) -> dict[int, list[float]]:
+    """The parameters each simulation's rank 0 recorded."""
     return {
         int(s): [float(v) for v in values.split()]
-        for log in logs
-        for s, _, r, values in SIMULATION_LINE.findall(log.read_text())
+        for s, _, r, values in SIMULATION_LINE.findall(records(folder))
         if r == "0"
     }
 
@@ -65,7 +67,10 @@ def test_c_workers_run_every_simulation_once_and_a_dead_one_is_replaced(
     """2 server ranks; a serial worker (MPI_COMM_NULL, no MPI_Init) or a 2-rank MPI worker; simulation 3's first
     attempt kills its worker: the study relaunches it, a new worker takes the slot."""
     ranks = 2 if scheduler == "mpirun" else 1
+    folder = tmp_path / "records"
+    folder.mkdir()
     command = [str(native / "c_worker"), "--steps", str(STEPS), "--count", str(COUNT), "--crash-simulation", "3"]
+    command += ["--record", str(folder)]
     config = persistent_config(output, command, scheduler, SIMULATIONS, STEPS)
     config["training"] = recording(tmp_path / "samples")
     run = run_server(tmp_path, config, ranks=2, timeout=180)
@@ -76,27 +81,28 @@ def test_c_workers_run_every_simulation_once_and_a_dead_one_is_replaced(
     assert "c_worker: crashing on purpose at step 3" in run.report["per_simulation"][3]["reason"]
     assert_samples(tmp_path / "samples", SIMULATIONS, STEPS, ranks, COUNT, np.float32)
     # job_limit 2 workers and the one that replaced the dead one, each on every rank: fewer than the simulations
-    pids = worker_pids(output)
+    pids = worker_pids(folder)
     assert len(pids) == len(set(pids)) == 3 * ranks
     attempts = [(s, 0) for s in range(SIMULATIONS)] + [(3, 1)]
-    assert handed(output) == Counter((s, a, r) for s, a in attempts for r in range(ranks))
+    assert handed(folder) == Counter((s, a, r) for s, a in attempts for r in range(ranks))
     sampled = {s["id"]: list(s["parameters"].values()) for s in run.report["per_simulation"]}
-    assert parameters_handed(output) == sampled  # MELISSA_PARAMETERS of each, applied with setenv
-    logs = "".join(log.read_text() for log in (output / "simulations").glob("worker*.start*.log"))
+    assert parameters_handed(folder) == sampled  # MELISSA_PARAMETERS of each, applied with setenv
     for s, _ in attempts:  # between init and finalize, melissa_dl_next refuses
         assert (
             f"next while declared: 3 melissa_dl_next: simulation {s} is declared and not finalized: "
             "call melissa_dl_finalize first more 0\n"
-        ) in logs
+        ) in records(folder)
     attempt_log = output / "simulations" / "simulation0.attempt0.log"
     assert attempt_log.is_symlink() and "simulation 0 attempt 0 rank 0" in attempt_log.read_text()
 
 
 def test_a_fortran_worker_runs_a_study(tmp_path: Path, output: Path, native: Path) -> None:
     simulations, steps = 4, 6
+    folder = tmp_path / "records"
+    folder.mkdir()
     config = study_config(
         output,
-        [str(native / "f_worker"), str(steps)],
+        [str(native / "f_worker"), str(steps), str(folder)],
         study={"simulations": simulations, "time_steps": steps},
         launcher={"persistent": True, "scheduler": "mpirun", "client_ranks": 2},
     )
@@ -106,11 +112,11 @@ def test_a_fortran_worker_runs_a_study(tmp_path: Path, output: Path, native: Pat
     assert run.report is not None
     assert [s["attempts"] for s in run.report["per_simulation"]] == [1] * simulations
     assert_samples(tmp_path / "samples", simulations, steps, 2, 6, np.float64)
-    pids = worker_pids(output)
+    pids = worker_pids(folder)
     assert len(pids) == len(set(pids)) == 2 * 2  # job_limit 2 workers of 2 ranks each
-    assert handed(output) == Counter((s, 0, r) for s in range(simulations) for r in range(2))
+    assert handed(folder) == Counter((s, 0, r) for s in range(simulations) for r in range(2))
     sampled = {s["id"]: list(s["parameters"].values()) for s in run.report["per_simulation"]}
-    assert parameters_handed(output) == sampled
+    assert parameters_handed(folder) == sampled
 
 
 def test_without_persistent_workers_the_c_worker_streams_its_one_simulation(
