@@ -594,6 +594,11 @@ class Config:
     training: TrainingConfig | None = option(None, doc="What to train; without it the server only receives and drains.")
     checkpoint: CheckpointConfig = option(CheckpointConfig, doc="When training's state is saved, and for how long.")
     output_dir: str = option("output", doc="Folder of logs, reports and checkpoints, relative to the config file.")
+    plots: bool = option(
+        True,
+        doc="Rank 0 draws the study's PNGs (loss, intake, buffers, simulations) into the output folder when it "
+        "ends, about a second of one core; `melissa-server --plot OUTPUT_DIR` draws them at any time.",
+    )
     base_dir: Path = field(default=Path("."), metadata={"internal": True})
 
     @property

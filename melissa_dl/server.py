@@ -347,10 +347,11 @@ class Server:
             )
             write_report(report, self.config.output_path / "report.json")
             bookkeeping.beat()
-            from melissa_dl.study.plots import draw  # matplotlib: rank 0 only, once, not in every rank's start
+            if self.config.plots:
+                from melissa_dl.study.plots import draw  # matplotlib: rank 0 only, once, not in every rank's start
 
-            logger.info("plots: %s", ", ".join(str(path) for path in draw(self.config.output_path)))
-            bookkeeping.beat()
+                logger.info("plots: %s", ", ".join(str(path) for path in draw(self.config.output_path)))
+                bookkeeping.beat()
             code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
         return self.comm.bcast(code)
 

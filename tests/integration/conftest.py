@@ -61,9 +61,11 @@ def clean_environment() -> dict[str, str]:
 
 
 def study_config(output: Path, command: list[str], **sections: dict[str, Any]) -> dict[str, Any]:
-    """A small valid study; ``sections`` override keys section by section."""
+    """A small valid study; ``sections`` override keys section by section. No PNGs at its end (``plots``): about
+    a second of rank 0 in each of the suite's studies; the tests that look at them turn them on."""
     config: dict[str, Any] = {
         "output_dir": str(output),
+        "plots": False,
         "study": {
             "fields": ["field"],
             "parameters": [{"name": "a", "low": 0.0, "high": 1.0}, {"name": "b", "low": 0.0, "high": 1.0}],

@@ -137,6 +137,7 @@ def test_every_buffer_kind_receives_and_drains_everything(tmp_path: Path, output
     assert run.report is not None
     assert run.report["samples_received"] == 100
     assert run.report["samples_consumed"] >= 100  # the reservoir may serve a sample more than once
+    assert not list(output.glob("*.png")) and "plots:" not in run.log  # "plots": false
 
 
 def test_bad_frames_and_handshakes_are_refused_counted_and_survived(tmp_path: Path, output: Path) -> None:

@@ -55,6 +55,7 @@ def test_training_logs_every_scalar_on_every_rank_and_saves_the_model(tmp_path: 
         buffer={"kind": "reservoir", "capacity_samples": 40, "per_server_watermark": 8},
     )
     config["training"] = training()
+    config["plots"] = True
     run = run_server(tmp_path, config, ranks=2)
     assert run.code == 0, run.log
     assert run.report is not None

@@ -75,7 +75,7 @@ def test_minimal_config_gets_the_documented_defaults() -> None:
     launcher = config.launcher
     assert (launcher.scheduler, launcher.client_ranks, launcher.job_limit, launcher.max_retries) == ("local", 1, 4, 2)
     assert (launcher.simulation_timeout, launcher.client_timeout, launcher.env) == (120.0, 60.0, {})
-    assert config.output_dir == "output"
+    assert config.output_dir == "output" and config.plots is True
     assert config.base_dir == BASE
     assert config.output_path == BASE / "output"
 
