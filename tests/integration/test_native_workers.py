@@ -87,11 +87,12 @@ def test_c_workers_run_every_simulation_once_and_a_dead_one_is_replaced(
     assert handed(folder) == Counter((s, a, r) for s, a in attempts for r in range(ranks))
     sampled = {s["id"]: list(s["parameters"].values()) for s in run.report["per_simulation"]}
     assert parameters_handed(folder) == sampled  # MELISSA_PARAMETERS of each, applied with setenv
+    recorded = records(folder)
     for s, _ in attempts:  # between init and finalize, melissa_dl_next refuses
         assert (
             f"next while declared: 3 melissa_dl_next: simulation {s} is declared and not finalized: "
             "call melissa_dl_finalize first more 0\n"
-        ) in records(folder)
+        ) in recorded
     attempt_log = output / "simulations" / "simulation0.attempt0.log"
     assert attempt_log.is_symlink() and "simulation 0 attempt 0 rank 0" in attempt_log.read_text()
 
