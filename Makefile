@@ -8,12 +8,11 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 RANKS ?= 2
 SOLVER ?= python
-# pytest-xdist workers of `make test` (0: none, one test at a time; times in docs/how-to/run-the-tests.md). CI
-# keeps 0: it runs on a machine that is often busy. worksteal: an idle worker takes tests queued for a busy one.
-# The Slurm clusters' tests (SERIAL) run after the others, alone: under the load of parallel studies their jobs
-# missed Slurm's timeouts
-TEST_WORKERS ?= 0
-SERIAL := tests/integration/test_slurm.py tests/integration/test_hosts.py
+# pytest-xdist workers of `make test` (0: one test at a time, in the files' order). Its studies mostly wait (on
+# simulations, sockets, Slurm), so more run at a time than there are cores. loadgroup: the tests of the Slurm and
+# host clusters (xdist_group "clusters") run one after another on one worker, started first; the rest spread over
+# the workers as they come free (times in docs/how-to/run-the-tests.md)
+TEST_WORKERS ?= 4
 
 .PHONY: demo test test-fast lint docs install install-test native clean
 
@@ -50,8 +49,7 @@ demo: install $(if $(filter-out python,$(SOLVER)),native)
 # (failed under CI=true).
 test: install-test lint
 	-scripts/system-packages install native slurm
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests/unit tests/integration $(SERIAL:%=--ignore=%)
-	$(BIN)/python -m pytest $(SERIAL)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests/unit tests/integration
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 3 $(BIN)/python -m pytest tests/mpi

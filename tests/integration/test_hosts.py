@@ -29,7 +29,8 @@ from hosts import Cluster, Host
 from slurm_cluster import BatchJob, SlurmCluster
 from test_fault_tolerance import assert_every_step_once
 
-pytestmark = pytest.mark.timeout(240)
+# xdist_group: the clusters' tests share one worker, one after another, which starts them before the other tests
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("clusters")]
 
 LISTEN = """
 import socket, sys

@@ -33,7 +33,8 @@ from conftest import (
 from slurm_cluster import BatchJob, SlurmCluster
 from test_example_configs import check
 
-pytestmark = pytest.mark.timeout(300)
+# xdist_group: the clusters' tests share one worker, one after another, which starts them before the other tests
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("clusters")]
 
 EXAMPLE = HERE.parent.parent / "examples" / "heat_pde"
 JOB = "melissa-output"  # the simulations' job names: melissa-<output folder name>-s<id>a<attempt>
