@@ -11,7 +11,8 @@ SOLVER ?= python
 # pytest-xdist workers of `make test` (0: one test at a time, in the files' order). Its studies mostly wait (on
 # simulations, sockets, Slurm), so more run at a time than there are cores. loadgroup: the tests of the Slurm and
 # host clusters (xdist_group "clusters") run one after another on one worker, started first; the rest spread over
-# the workers as they come free (times in docs/how-to/run-the-tests.md)
+# the workers as they come free. Then the tests marked alone (1-second heartbeats that the workers' load would
+# delay), one at a time (times in docs/how-to/run-the-tests.md)
 TEST_WORKERS ?= 4
 
 .PHONY: demo test test-fast lint docs install install-test native clean
@@ -49,7 +50,8 @@ demo: install $(if $(filter-out python,$(SOLVER)),native)
 # (failed under CI=true).
 test: install-test lint
 	-scripts/system-packages install native slurm
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests/unit tests/integration
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone" tests/unit tests/integration
+	$(BIN)/python -m pytest -m alone tests/integration
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 3 $(BIN)/python -m pytest tests/mpi

@@ -221,7 +221,9 @@ def test_a_full_buffer_blocks_the_client_and_loses_nothing() -> None:
 
     thread = threading.Thread(target=simulate)
     thread.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while len(buffer) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert len(buffer) == 2 and len(sent) < steps  # the client waits instead of data being dropped
     samples = server.drain(steps)
     thread.join(30)

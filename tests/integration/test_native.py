@@ -449,6 +449,7 @@ def test_c_and_fortran_clients_run_a_study_at_the_curve_level(tmp_path: Path, ou
 MIB = 1 << 20
 
 
+@pytest.mark.alone
 def test_the_c_client_waits_out_back_pressure_longer_than_its_timeout(native: Path) -> None:
     """The stub server holds its buffer full for 3.5 s; MELISSA_CLIENT_TIMEOUT is 1 s."""
     with stub_server("--timeout", "1", "--capacity", "2", "--hold", "3.5") as (process, environ):
@@ -459,6 +460,7 @@ def test_the_c_client_waits_out_back_pressure_longer_than_its_timeout(native: Pa
         assert_received_every_step(process, 24)
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("how, bound", [(signal.SIGKILL, 1.0), (signal.SIGSTOP, 1.5)])
 def test_a_blocked_c_client_of_a_dead_server_fails_within_its_timeout(
     native: Path, how: signal.Signals, bound: float

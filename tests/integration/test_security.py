@@ -328,6 +328,7 @@ def test_frames_and_hellos_over_zeromqs_cap_cost_the_rank_no_memory() -> None:
         assert [s.time_step for s in server.drain(1)] == [0]
 
 
+@pytest.mark.alone
 def test_back_pressure_three_times_longer_than_the_client_timeout_fails_nothing() -> None:
     """The buffer stays full for 3.5 s, client_timeout is 1 s: the client waits, in its sends or in the flush of
     its finalize, and every step arrives; with a send timeout (or a bounded linger) it failed after 1 s."""
@@ -389,6 +390,7 @@ def assert_received_every_step(process: subprocess.Popen[str], steps: int) -> No
     assert sorted(tally["steps"]) == list(range(steps)) and tally["announced"] == steps
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("how, bound", [(signal.SIGKILL, 1.0), (signal.SIGSTOP, 1.5)])
 def test_a_blocked_client_of_a_dead_server_fails_within_its_timeout(how: signal.Signals, bound: float) -> None:
     """Killed, the server's connections close at once; frozen, it stops its heartbeats (TTL: half the timeout)."""
@@ -423,6 +425,7 @@ def test_a_blocked_client_of_a_dead_server_fails_within_its_timeout(how: signal.
         assert process.wait(10) == -signal.SIGKILL
 
 
+@pytest.mark.alone
 def test_a_client_blocked_by_a_server_process_that_holds_its_buffer_loses_nothing() -> None:
     with stub_server("--timeout", "1", "--capacity", "2", "--hold", "3.5") as (process, environ):
         start = time.monotonic()
