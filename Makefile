@@ -8,12 +8,11 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 RANKS ?= 2
 SOLVER ?= python
-# pytest-xdist workers of `make test` (0: one test at a time, in the files' order). Its studies mostly wait (on
-# simulations, sockets, Slurm), so more run at a time than there are cores. loadgroup: the tests of the Slurm and
-# host clusters (xdist_group "clusters") run one after another on one worker, started first; the rest spread over
-# the workers as they come free. Then the tests marked alone (1-second heartbeats that the workers' load would
-# delay), one at a time (times in docs/how-to/run-the-tests.md)
-TEST_WORKERS ?= 4
+# pytest-xdist workers of `make test` (0: none, one test at a time, in the files' order; CI keeps 0). With 4, the
+# tests of the Slurm and host clusters (xdist_group "clusters") run one after another on one worker, started first,
+# and the rest spread over the others as they come free (loadgroup). Then the tests marked alone (1-second
+# heartbeats that parallel load would delay) run one at a time. Times in docs/how-to/run-the-tests.md
+TEST_WORKERS ?= 0
 
 .PHONY: demo test test-fast lint docs install install-test native clean
 

@@ -48,5 +48,8 @@ def test_a_failure_on_one_rank_aborts_every_rank_at_once(tmp_path: Path) -> None
     )  # rank 0 would wait 600 s in the barrier
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
-    assert "rank 1: test_fails.py::test_rank_one_fails_then_rank_zero_waits failed, aborting every rank" in output
+    assert "rank 1: test_fails.py::test_rank_one_fails_then_rank_zero_waits failed, aborting every rank" in output, (
+        done.returncode,
+        output,
+    )
     assert "rank 1 fails on purpose" in output
