@@ -24,10 +24,10 @@ ROOT = HERE.parent.parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """In a parallel run (``make test``), the clusters' tests first (one worker runs them one after another, mostly
-    waiting on Slurm and on hosts cut off), then these tests, the unit tests last: the long studies start at once,
-    and the many short unit tests fill the workers that are done early instead of leaving one study running alone
-    at the end. A serial run keeps the files' order."""
+    """In a parallel run (``make test TEST_WORKERS=4``), the clusters' tests first (one worker runs them one after
+    another, mostly waiting on Slurm and on hosts cut off), then these tests, the unit tests last: the long studies
+    start at once, and the many short unit tests fill the workers that are done early instead of leaving one study
+    running alone at the end. A serial run keeps the files' order."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: (item.get_closest_marker("xdist_group") is None, HERE not in item.path.parents))
 
