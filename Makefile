@@ -11,8 +11,10 @@ SOLVER ?= python
 # pytest-xdist workers of `make test` (0: none, one test at a time, in the files' order; CI keeps 0). With 4, the
 # tests of the Slurm and host clusters (xdist_group "clusters") run one after another on one worker, started first,
 # and the rest spread over the others as they come free (loadgroup). Then the tests marked alone (1-second
-# heartbeats that parallel load would delay) run one at a time. Times in docs/how-to/run-the-tests.md
+# heartbeats that parallel load would delay) run after them, one at a time; a serial run keeps them in place (a
+# second pytest would build the native programs again). Times in docs/how-to/run-the-tests.md
 TEST_WORKERS ?= 0
+ALONE = $(filter-out 0,$(TEST_WORKERS))
 
 .PHONY: demo test test-fast lint docs install install-test native clean
 
@@ -49,8 +51,8 @@ demo: install $(if $(filter-out python,$(SOLVER)),native)
 # (failed under CI=true).
 test: install-test lint
 	-scripts/system-packages install native slurm
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not alone" tests/unit tests/integration
-	$(BIN)/python -m pytest -m alone tests/integration
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(if $(ALONE),-m "not alone") tests/unit tests/integration
+	$(if $(ALONE),$(BIN)/python -m pytest -m alone tests/integration)
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 3 $(BIN)/python -m pytest tests/mpi

@@ -199,6 +199,16 @@ def wait_for(condition: Callable[[], bool], process: Running, timeout: float = 1
         time.sleep(0.05)
 
 
+def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> bool:
+    """Whether ``condition`` came true within ``timeout`` seconds: long, since only a failure waits it out."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def committed(output: Path) -> bool:
     return (output / "checkpoints" / "LATEST").exists()
 

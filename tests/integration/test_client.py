@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from conftest import wait_until
 
 from melissa_dl.buffers.kinds import Buffer, make_buffer
 from melissa_dl.buffers.sample import Sample
@@ -221,9 +222,7 @@ def test_a_full_buffer_blocks_the_client_and_loses_nothing() -> None:
 
     thread = threading.Thread(target=simulate)
     thread.start()
-    deadline = time.monotonic() + 60
-    while len(buffer) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert wait_until(lambda: len(buffer) == 2)
     assert len(buffer) == 2 and len(sent) < steps  # the client waits instead of data being dropped
     samples = server.drain(steps)
     thread.join(30)

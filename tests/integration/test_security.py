@@ -12,13 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
-from conftest import HERE, TOY_SIM, clean_environment, run_server, study_config
+from conftest import HERE, TOY_SIM, clean_environment, run_server, study_config, wait_until
 from test_client import Server, start_server
 from test_studies import assert_clean_study
 
@@ -34,16 +34,6 @@ pytestmark = pytest.mark.timeout(120)
 MIB = 1 << 20
 LEVELS = ["token", "curve"]
 FIELDS = {"a": ("float32", (3,)), "b": ("float32", (1,))}
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> bool:
-    """Whether ``condition`` came true within ``timeout`` seconds: long, since only a failure waits it out."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def count(log: RejectionLog, kind: str) -> int:
