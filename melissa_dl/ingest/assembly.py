@@ -35,7 +35,7 @@ import numpy as np
 
 from melissa_dl.buffers.sample import Sample
 from melissa_dl.errors import ProtocolError
-from melissa_dl.ingest.finite import all_finite
+from melissa_dl.ingest.finite import all_finite, prepare
 from melissa_dl.ingest.ledger import Ledger
 from melissa_dl.wire.protocol import (
     PART_BYTES,
@@ -231,6 +231,8 @@ class Assembler:
             if decl is None:
                 raise ProtocolError(f"simulation {sim}: field '{name}' not declared", "unknown_field")
             layouts[fid] = check_layout(f"simulation {sim}, field '{name}'", decl, self.spec.max_message_bytes)
+            if self.spec.reject_non_finite:
+                prepare(*layouts[fid])
         unknown = set(fields) - set(self.spec.fields)
         if unknown:
             raise ProtocolError(f"simulation {sim}: unknown field {quote(sorted(unknown)[0])}", "unknown_field")

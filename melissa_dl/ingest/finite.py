@@ -10,15 +10,17 @@ writes a mask and reads it again, takes 41-44 (8.7 against 17.5 in cache). It
 runs on the calling thread only (a BLAS reduction would start the BLAS
 library's threads beside training's). Fields under ``COMPILED_FROM`` bytes,
 and any where numba cannot compile the loop, get numpy's check, as fast on
-small fields. The receiver compiles the loop when it is built (0.3-0.5 s):
-compiled at the first large field instead, it would stall reception while the
-clients' messages queue up.
+small fields. The loop is compiled (0.3-0.5 s) when a simulation declares a
+field that will take it, before that field's data: compiled at its first
+step instead, it would stall reception while the clients' messages queue up;
+a study of small fields never loads numba.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +54,12 @@ def compiled_loop() -> Callable[[np.ndarray, Any], Any] | None:
         logger.warning("numba cannot compile the non-finite check; numpy's runs instead", exc_info=True)
         return None
     return largest_magnitude
+
+
+def prepare(dtype: str, shape: tuple[int, ...]) -> None:
+    """Compile the loop now if fields of this declared layout (a simulation's declaration) will take it."""
+    if np.dtype(dtype) in _BITS and np.dtype(dtype).itemsize * math.prod(shape) >= COMPILED_FROM:
+        compiled_loop()
 
 
 def all_finite(array: np.ndarray) -> bool:

@@ -24,7 +24,6 @@ from melissa_dl.errors import ProtocolError, ReceiverDied
 from melissa_dl.ingest.assembly import Assembler, Delivery, Progress, StreamSpec
 from melissa_dl.ingest.connections import POLL_MS, ConnectionGuard, ServerSocketThread
 from melissa_dl.ingest.delivery import DeliveryServer
-from melissa_dl.ingest.finite import compiled_loop
 from melissa_dl.ingest.ledger import Ledger
 from melissa_dl.wire.protocol import owner_rank
 from melissa_dl.wire.rejections import merge_rejections
@@ -82,8 +81,6 @@ class Receiver(ServerSocketThread):
         self._held_out: list[Sample] = []  # the held-out simulations' samples (``study.validation``): not buffered
         self._blocked = False
         self._last_scalars = (time.monotonic(), 0)  # time, bytes received
-        if spec.reject_non_finite:
-            compiled_loop()  # now: at the first large field, clients' messages would queue up behind the compiler
 
     @classmethod
     def from_config(

@@ -145,19 +145,19 @@ class _Questions:
     def __init__(self, link: _Link) -> None:
         self.link = link
         self.asked: float | None = None  # when the open question was sent
-        self.heard = time.monotonic()  # when the rank last answered (or the link was opened)
+        self.last_asked = time.monotonic()  # when the last question was sent (or the link was opened)
 
     def ask(self, question: bytes) -> None:
         """Send ``question`` unless one is open (a full queue: the rank is unreachable, which silence tells)."""
         if self.asked is None and _offer(self.link.socket, question):
-            self.asked = time.monotonic()
+            self.asked = self.last_asked = time.monotonic()
 
     def answer(self) -> dict[str, Any] | None:
         """The answer to the open question, if it came."""
         if not self.link.socket.poll(0):
             return None
         reply = json.loads(self.link.socket.recv())
-        self.asked, self.heard = None, time.monotonic()
+        self.asked = None
         return reply
 
     def silent_for(self) -> float:
@@ -369,10 +369,12 @@ class Client:
         )
 
     def _ping(self, rank: int) -> None:
-        """While a send is blocked: ask the rank whether it lives, every keepalive seconds."""
+        """While a send is blocked: ask the rank whether it lives, every keepalive seconds (counted from the last
+        question, not its answer: an answer is read at a wake, and a question at the next would leave a frozen rank
+        unnoticed for two wakes past the timeout)."""
         questions = self._questions[rank]
         questions.answer()
-        if time.monotonic() - questions.heard >= keepalive(self._timeout):
+        if time.monotonic() - questions.last_asked >= keepalive(self._timeout):
             questions.ask(self._question(rank, wait=False))
 
     def _header(

@@ -76,7 +76,7 @@ static const double MAX_KEEPALIVE = 5.0; /* melissa_dl.wire.protocol.MAX_KEEPALI
 typedef struct {
     mdl_link link; /* a DEALER socket */
     double asked;  /* when the open question was sent; 0: none open */
-    double heard;  /* when the rank last answered (or the link opened) */
+    double last_asked; /* when the last question was sent (or the link opened) */
 } questions;
 
 typedef struct {
@@ -441,7 +441,7 @@ static void ask_rank(size_t rank, bool wait) {
                         "\"key\":\"%s\",\"sent\":%llu,\"wait\":%s}", client.env.simulation_id, client.env.attempt,
                         client.rank, key, (unsigned long long)client.sent[rank], wait ? "true" : "false");
     if (zmq_send(q->link.socket, question, (size_t)size, ZMQ_DONTWAIT) == size)
-        q->asked = mdl_now(); /* else the queue is full: the rank is unreachable, which its silence tells */
+        q->asked = q->last_asked = mdl_now(); /* else the queue is full: the rank is unreachable, which its silence tells */
 }
 
 /* The answer to a rank's open question, if it came: 1 (read, finalized, ended set), 0 (none yet), or a negative
@@ -455,7 +455,6 @@ static int answer(size_t rank, uint64_t *read, bool *finalized, bool *ended) {
         return 0;
     }
     q->asked = 0;
-    q->heard = mdl_now();
     json_value reply = {0};
     const json_value *r = NULL, *f = NULL, *e = NULL;
     if (mdl_json_parse(zmq_msg_data(&message), zmq_msg_size(&message), &reply) && reply.type == JSON_OBJECT) {
@@ -477,14 +476,15 @@ static int answer(size_t rank, uint64_t *read, bool *finalized, bool *ended) {
     return code;
 }
 
-/* While a send is blocked: ask the rank whether it lives, every keepalive seconds. */
+/* While a send is blocked: ask the rank whether it lives, every keepalive seconds from the last question (ping in
+ * client.py says why). */
 static int ping(size_t rank) {
     uint64_t read;
     bool finalized, ended;
     int code = answer(rank, &read, &finalized, &ended);
     if (code < 0)
         return code;
-    if (mdl_now() - client.asks[rank].heard >= keepalive())
+    if (mdl_now() - client.asks[rank].last_asked >= keepalive())
         ask_rank(rank, false);
     return MELISSA_DL_OK;
 }
@@ -757,7 +757,7 @@ static int accept_reply(const json_value *reply) {
             return fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: cannot connect to the delivery endpoint '%s': %s",
                         client.env.simulation_id, acks->items[i].string, zmq_strerror(errno));
         }
-        client.asks[i].heard = mdl_now();
+        client.asks[i].last_asked = mdl_now();
         client.nlinks++;
     }
     return MELISSA_DL_OK;

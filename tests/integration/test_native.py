@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import HERE, ROOT, clean_environment, run_server, study_config
-from test_security import assert_received_every_step, stub_server, wait_until
+from test_security import assert_given_up_within_its_timeout, assert_received_every_step, stub_server, wait_until
 from test_studies import assert_clean_study, assert_every_step_once
 
 from melissa_dl.ingest.assembly import Delivery
@@ -461,10 +461,8 @@ def test_the_c_client_waits_out_back_pressure_longer_than_its_timeout(native: Pa
 
 
 @pytest.mark.alone
-@pytest.mark.parametrize("how, bound", [(signal.SIGKILL, 1.0), (signal.SIGSTOP, 1.5)])
-def test_a_blocked_c_client_of_a_dead_server_fails_within_its_timeout(
-    native: Path, how: signal.Signals, bound: float
-) -> None:
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_blocked_c_client_of_a_dead_server_fails_within_its_timeout(native: Path, how: signal.Signals) -> None:
     with stub_server("--timeout", "1", "--capacity", "1") as (process, environ):
         client = subprocess.Popen(
             [str(native / "c_client"), "--steps", "1000", "--count", str(MIB // 4)],
@@ -489,4 +487,4 @@ def test_a_blocked_c_client_of_a_dead_server_fails_within_its_timeout(
         r"been unreachable for 1 s \(no connection, no answer\)\n",
         stderr,
     )
-    assert bound - 0.2 < elapsed < bound + 1.5, elapsed
+    assert_given_up_within_its_timeout(elapsed)

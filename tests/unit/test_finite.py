@@ -60,3 +60,15 @@ def test_a_large_field_is_checked_by_the_compiled_loop(monkeypatch: pytest.Monke
     assert all_finite(field) and all_finite(field[:-1]) and calls == [1]  # the smaller one: numpy's check
     field[-1] = np.inf
     assert not all_finite(field) and calls == [1, 1]
+
+
+def test_a_declaration_compiles_the_loop_only_for_a_float_field_that_will_take_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+    monkeypatch.setattr(finite, "compiled_loop", lambda: calls.append(1))
+    finite.prepare("float32", (finite.COMPILED_FROM // 4 - 1,))  # a byte short: numpy's check
+    finite.prepare("int64", (finite.COMPILED_FROM,))
+    assert calls == []
+    finite.prepare("float64", (2, finite.COMPILED_FROM // 16))
+    assert calls == [1]
