@@ -80,8 +80,8 @@ def add_registry_line(path: Path, registry: str, line: str) -> None:
 
 def test_a_new_scheduler_and_a_torch_only_sparse_optimizer_are_one_file_and_one_line_each(tmp_path: Path) -> None:
     source = tmp_path / "source"
-    for package in ("melissa_dl", "launcher"):
-        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("melissa_dl", "launcher"):  # with __pycache__: numba's compiled row loops, valid for the copies
+        shutil.copytree(ROOT / package, source / package)
     (source / "launcher" / "toy.py").write_text(TOY_SCHEDULER)
     add_registry_line(source / "launcher" / "jobs.py", "SCHEDULERS", '"toy": "launcher.toy:ToyScheduler",')
     (source / "melissa_dl" / "embeddings" / "toy_sgd.py").write_text(TOY_OPTIMIZER)
