@@ -10,10 +10,11 @@ writes a mask and reads it again, takes 41-44 (8.7 against 17.5 in cache). It
 runs on the calling thread only (a BLAS reduction would start the BLAS
 library's threads beside training's). Fields under ``COMPILED_FROM`` bytes,
 and any where numba cannot compile the loop, get numpy's check, as fast on
-small fields. The loop is compiled (0.3-0.5 s) when a simulation declares a
-field that will take it, before that field's data: compiled at its first
-step instead, it would stall reception while the clients' messages queue up;
-a study of small fields never loads numba.
+small fields. The loop is compiled (0.3-0.5 s, once per rank) at the first
+declaration of a field that will take it, so that a study of small fields
+never loads numba; the compile holds up that rank's reception and its
+delivery service's answers once, well inside a client's timeout (60 s by
+default). The receiver used to compile it at its start, which every study paid.
 """
 
 from __future__ import annotations

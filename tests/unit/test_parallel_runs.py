@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +27,7 @@ def test_the_tests_of_a_group_run_on_one_worker(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-n", "3", "--dist", "loadgroup", "-p", "no:cacheprovider", "-v"],
         cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD")},
         capture_output=True,
         text=True,
         timeout=120,
