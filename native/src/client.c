@@ -74,8 +74,8 @@ static const double MAX_KEEPALIVE = 5.0; /* melissa_dl.wire.protocol.MAX_KEEPALI
 
 /* A server rank's delivery service, asked one question at a time (_Questions in client.py). */
 typedef struct {
-    mdl_link link; /* a DEALER socket */
-    double asked;  /* when the open question was sent; 0: none open */
+    mdl_link link;     /* a DEALER socket */
+    double asked;      /* when the open question was sent; 0: none open */
     double last_asked; /* when the last question was sent (or the link opened) */
 } questions;
 
@@ -440,8 +440,9 @@ static void ask_rank(size_t rank, bool wait) {
     int size = snprintf(question, sizeof question, "{\"simulation_id\":%u,\"attempt\":%u,\"client_rank\":%d,"
                         "\"key\":\"%s\",\"sent\":%llu,\"wait\":%s}", client.env.simulation_id, client.env.attempt,
                         client.rank, key, (unsigned long long)client.sent[rank], wait ? "true" : "false");
+    /* a full queue: the rank is unreachable, which its silence tells */
     if (zmq_send(q->link.socket, question, (size_t)size, ZMQ_DONTWAIT) == size)
-        q->asked = q->last_asked = mdl_now(); /* else the queue is full: the rank is unreachable, which its silence tells */
+        q->asked = q->last_asked = mdl_now();
 }
 
 /* The answer to a rank's open question, if it came: 1 (read, finalized, ended set), 0 (none yet), or a negative

@@ -191,14 +191,6 @@ class Running(Protocol):
     def poll(self) -> int | None: ...
 
 
-def wait_for(condition: Callable[[], bool], process: Running, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, f"exited with {process.returncode} before the condition held"
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> bool:
     """Whether ``condition`` came true within ``timeout`` seconds: long, since only a failure waits it out."""
     deadline = time.monotonic() + timeout
@@ -207,6 +199,18 @@ def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def wait_for(condition: Callable[[], bool], process: Running, timeout: float = 120) -> None:
+    """Wait until ``condition`` holds; fail at once if ``process`` exits before it does."""
+
+    def held() -> bool:
+        if condition():
+            return True
+        assert process.poll() is None, f"exited with {process.returncode} before the condition held"
+        return False
+
+    assert wait_until(held, timeout), "condition not met in time"
 
 
 def committed(output: Path) -> bool:

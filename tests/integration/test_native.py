@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from conftest import HERE, ROOT, clean_environment, run_server, study_config
-from test_security import assert_given_up_within_its_timeout, assert_received_every_step, stub_server, wait_until
+from conftest import HERE, ROOT, clean_environment, run_server, study_config, wait_until
+from test_security import assert_given_up_within_its_timeout, assert_received_every_step, stub_server
 from test_studies import assert_clean_study, assert_every_step_once
 
 from melissa_dl.ingest.assembly import Delivery
