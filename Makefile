@@ -8,12 +8,12 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 RANKS ?= 2
 SOLVER ?= python
-# pytest-xdist workers of `make test` (0: none, one test at a time, in the files' order; CI keeps 0). With 4, the
+# pytest-xdist workers of `make test` (0: none, one test at a time, in the files' order). With 4 (CI's too), the
 # tests of the Slurm and host clusters (xdist_group "clusters") run one after another on one worker, started first,
 # and the rest spread over the others as they come free (loadgroup). Then the tests marked alone (1-second
 # heartbeats that parallel load would delay) run after them, one at a time; a serial run keeps them in place (a
 # second pytest would build the native programs again). Times in docs/how-to/run-the-tests.md
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 4
 ALONE = $(filter-out 0,$(TEST_WORKERS))
 
 .PHONY: demo test test-fast lint docs install install-test native clean

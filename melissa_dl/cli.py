@@ -8,6 +8,7 @@ line and exit 2, not a traceback on K ranks that a supervisor restarts.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -130,7 +131,15 @@ def check_study(config: Config, build: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        return run(parse_args(argv))
+    finally:
+        # left to do: the interpreter's exit, whose collections would walk every object that torch made (about
+        # 1 CPU-s of each rank's end); frozen, they are skipped, and what our code writes is closed already
+        gc.freeze()
+
+
+def run(args: argparse.Namespace) -> int:
     if args.status is not None:
         return print_status(args.status)
     if args.plot is not None:

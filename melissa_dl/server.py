@@ -13,6 +13,7 @@ parts, restores them, and reports.
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -163,6 +164,9 @@ class Server:
             if self.rank == 0:
                 logger.error("%s", error)
             return EXIT_CONFIG
+        # what startup made (torch's ~300,000 objects, the model, the optimizer's torch._dynamo) lives as long as
+        # the rank: out of the collector's way, its full collections no longer walk it again and again
+        gc.freeze()
         endpoints = self.comm.gather(self._start_receiving())
         handshake = launcher = study = None
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -24,10 +25,10 @@ ROOT = HERE.parent.parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """In a parallel run (``make test TEST_WORKERS=4``), the clusters' tests first (one worker runs them one after
-    another, mostly waiting on Slurm and on hosts cut off), then these tests, the unit tests last: the long studies
-    start at once, and the many short unit tests fill the workers that are done early instead of leaving one study
-    running alone at the end. A serial run keeps the files' order."""
+    """In a parallel run (``make test``'s default, ``TEST_WORKERS=4``), the clusters' tests first (one worker runs
+    them one after another, mostly waiting on Slurm and on hosts cut off), then these tests, the unit tests last: the
+    long studies start at once, and the many short unit tests fill the workers that are done early instead of
+    leaving one study running alone at the end. A serial run keeps the files' order."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: (item.get_closest_marker("xdist_group") is None, HERE not in item.path.parents))
 
@@ -50,9 +51,18 @@ def require_system_packages(group: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port nothing is bound to, below the kernel's ephemeral range: a daemon that binds it seconds later (a
+    Slurm cluster's) still finds it free. A port of that range (``bind`` to 0) could meanwhile become any
+    connection's own end; a parallel run's other studies make thousands, and slurmd was once refused its port."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.SystemRandom().randrange(max(1024, ephemeral_low // 2), ephemeral_low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:  # taken
+                continue
+            return port
 
 
 def clean_environment() -> dict[str, str]:
