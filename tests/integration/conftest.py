@@ -55,14 +55,17 @@ def free_port() -> int:
     Slurm cluster's) still finds it free. A port of that range (``bind`` to 0) could meanwhile become any
     connection's own end; a parallel run's other studies make thousands, and slurmd was once refused its port."""
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    while True:
-        port = random.SystemRandom().randrange(max(1024, ephemeral_low // 2), ephemeral_low)
+    below = range(max(1024, ephemeral_low // 2), ephemeral_low)  # empty where that range starts at 1024
+    for _ in range(100 if len(below) >= 1000 else 0):
         with socket.socket() as probe:
             try:
-                probe.bind(("127.0.0.1", port))
+                probe.bind(("127.0.0.1", port := random.SystemRandom().choice(below)))
             except OSError:  # taken
                 continue
             return port
+    with socket.socket() as probe:  # no room below, or none of 100 tries free: the kernel's pick
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def clean_environment() -> dict[str, str]:
