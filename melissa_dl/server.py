@@ -164,11 +164,7 @@ class Server:
             if self.rank == 0:
                 logger.error("%s", error)
             return EXIT_CONFIG
-        # what startup made (torch's ~300,000 objects, the model, the optimizer's torch._dynamo) lives as long as
-        # the rank: out of the collector's way, its full collections no longer walk it again and again. Collected
-        # first (0.2 CPU-s), so that no garbage of the restore is frozen with it, never to be freed
-        gc.collect()
-        gc.freeze()
+        freeze_startup()
         endpoints = self.comm.gather(self._start_receiving())
         handshake = launcher = study = None
         try:
@@ -360,6 +356,14 @@ class Server:
                 bookkeeping.beat()
             code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
         return self.comm.bcast(code)
+
+
+def freeze_startup() -> None:
+    """What startup made (torch's ~300,000 objects, the model, the optimizer's ``torch._dynamo``) lives as long as
+    the rank: frozen out of the collector's way, its full collections no longer walk it again and again. Collected
+    first (0.2 CPU-s), so that no garbage of a restore is frozen with it, never to be freed."""
+    gc.collect()
+    gc.freeze()
 
 
 def serve(config: Config, fresh: bool, export_model: bool) -> int:
