@@ -56,10 +56,10 @@ def free_port() -> int:
     connection's own end; a parallel run's other studies make thousands, and slurmd was once refused its port."""
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     below = range(max(1024, ephemeral_low // 2), ephemeral_low)  # empty where that range starts at 1024
-    for _ in range(100 if len(below) >= 1000 else 0):
+    for port in random.SystemRandom().sample(below, min(100, len(below))):  # not the seeded generator: workers differ
         with socket.socket() as probe:
             try:
-                probe.bind(("127.0.0.1", port := random.SystemRandom().choice(below)))
+                probe.bind(("127.0.0.1", port))
             except OSError:  # taken
                 continue
             return port
