@@ -384,9 +384,10 @@ class Launcher:
             return {sid for sid, job in self._jobs.items() if job.started()} | {sid for sid, _ in self._ended}
 
     def queued(self) -> list[int]:
-        """Simulations waiting for a slot, in start order."""
+        """Simulations waiting for a slot, in start order, the one being started first: it is neither queued nor
+        running for those milliseconds, and a study counting what is ahead would draw one simulation too many."""
         with self._lock:
-            return list(self._queue)
+            return [*([] if self._starting is None else [self._starting]), *self._queue]
 
     def finish(self) -> None:
         """The study will submit nothing more: the scheduler may let go of what it keeps between attempts

@@ -119,7 +119,8 @@ class _SequenceSampler(Sampler):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._engine.reset()
-        self._engine.fast_forward(self.drawn)
+        if self.drawn:  # scipy's Sobol fast-forwards a fresh engine by n - 1: 0 would overflow
+            self._engine.fast_forward(self.drawn)
 
 
 class SobolSampler(_SequenceSampler):

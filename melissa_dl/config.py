@@ -30,17 +30,30 @@ from launcher.schedulers import JobTemplate
 from melissa_dl.buffers.kinds import BUFFER_KINDS, Buffer, make_buffer
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.logs import LEVELS
-from melissa_dl.wire.protocol import DTYPES, MAX_NDIM
+from melissa_dl.wire.protocol import (
+    CLIENT_TIMEOUT_RANGE,
+    DTYPES,
+    MAX_NDIM,
+    MAX_SIMULATION_ID,
+    SEND_QUEUE_BYTES_RANGE,
+)
 
 MiB = 1 << 20
 
 
 def option(
-    default: Any = dataclasses.MISSING, doc: str = "", *, minimum: int | None = None, positive: bool = False
+    default: Any = dataclasses.MISSING,
+    doc: str = "",
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    positive: bool = False,
 ) -> Any:
-    """A dataclass field with its documentation and bounds (checked on load, stated in the schema); a class or
-    a container as default becomes a factory so that no two configs share it."""
-    metadata = {"doc": doc, "minimum": minimum, "positive": positive}
+    """A dataclass field with its documentation and bounds (checked on load, stated in the schema; a ``maximum``
+    comes with a ``minimum``); a class or a container as default becomes a factory so that no two configs share
+    it."""
+    assert maximum is None or minimum is not None
+    metadata = {"doc": doc, "minimum": minimum, "maximum": maximum, "positive": positive}
     if isinstance(default, type):
         return field(default_factory=default, metadata=metadata)
     if isinstance(default, (list, dict)):
@@ -53,8 +66,10 @@ def _check_bounds(f: dataclasses.Field, value: Any, path: str) -> None:
         return
     if f.metadata.get("positive") and not value > 0:
         raise ConfigError(f"{path}: must be positive")
-    minimum = f.metadata.get("minimum")
-    if minimum is not None and value < minimum:
+    minimum, maximum = f.metadata.get("minimum"), f.metadata.get("maximum")
+    if maximum is not None and not minimum <= value <= maximum:  # NaN and the infinities too
+        raise ConfigError(f"{path}: must be between {minimum:g} and {maximum:g}")
+    if minimum is not None and not value >= minimum:
         raise ConfigError(f"{path}: " + ("must not be negative" if minimum == 0 else f"must be at least {minimum}"))
 
 
@@ -189,7 +204,10 @@ class StudyConfig:
         "another dtype or shape is refused and fails at once."
     )
     parameters: list[ParameterConfig] = option(doc="The swept parameters and their bounds.")
-    simulations: int = option(doc="Number of simulations (parameter sets) in the study.")
+    simulations: int = option(
+        doc="Number of simulations (parameter sets) in the study: at most 2**31 with the held-out ones (the ids "
+        "the clients accept)."
+    )
     sampler: Literal[SAMPLERS] = option(  # type: ignore[valid-type]
         "uniform",
         doc="How parameter sets are drawn: `uniform` random, scrambled `sobol` or `halton`, `lhs` (a Latin "
@@ -329,7 +347,13 @@ class StudyConfig:
             for bound in ("low", "high"):
                 _require(math.isfinite(getattr(p, bound)), f"study.parameters[{i}].{bound}", "must be finite")
             _require(p.low <= p.high, f"study.parameters[{i}].high", f"{p.high} is below low={p.low}")
-        _require(0 < self.simulations < 1 << 32, "study.simulations", "must be between 1 and 2**32 - 1")
+        ids = MAX_SIMULATION_ID + 1  # what the clients accept: ids 0 .. 2**31 - 1, the held-out ones last
+        _require(0 < self.simulations <= ids, "study.simulations", "must be between 1 and 2**31")
+        _require(
+            self.all_simulations <= ids,
+            "study.validation",
+            f"{self.validation.count} held-out simulations after {self.simulations} take simulation ids past 2**31 - 1",
+        )
         self._check_parameter_values()
         self._check_sampler(config)
         if self.time_steps is not None:
@@ -498,12 +522,18 @@ class LauncherConfig:
     max_retries: int = option(2, minimum=0, doc="Relaunches of a failed simulation before it is reported failed.")
     client_timeout: float = option(
         60.0,
-        positive=True,
+        minimum=CLIENT_TIMEOUT_RANGE[0],
+        maximum=CLIENT_TIMEOUT_RANGE[1],
         doc="Seconds a client waits for an unreachable server (no connection, no answer) before failing; "
-        "back-pressure is waited out however long.",
+        f"back-pressure is waited out however long. From {CLIENT_TIMEOUT_RANGE[0]:g} to {CLIENT_TIMEOUT_RANGE[1]:g}, "
+        "what the clients accept.",
     )
     send_queue_bytes: int = option(
-        64 * MiB, positive=True, doc="Memory ZeroMQ may queue in each client rank per server rank."
+        64 * MiB,
+        minimum=SEND_QUEUE_BYTES_RANGE[0],
+        maximum=SEND_QUEUE_BYTES_RANGE[1],
+        doc=f"Memory ZeroMQ may queue in each client rank per server rank (at most {SEND_QUEUE_BYTES_RANGE[1]:g}, "
+        "what the clients accept).",
     )
     env: dict[str, str] = option(
         {},
@@ -516,7 +546,10 @@ class LauncherConfig:
         doc="`melissa-launcher`: seconds without a heartbeat of the server before it is killed and restarted.",
     )
     max_server_restarts: int = option(
-        3, minimum=0, doc="`melissa-launcher`: restarts of a dead server before giving up."
+        3,
+        minimum=0,
+        doc="`melissa-launcher`: restarts of a dead server before giving up; it gives up at once when a restarted "
+        "server fails with the error of the run before (docs/tutorials/restart.md).",
     )
 
     def placeholders(self) -> Placeholders:

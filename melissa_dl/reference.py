@@ -102,8 +102,9 @@ def _schema_of(tp: Any) -> dict[str, Any]:
             properties[f.name] = {"description": f.metadata["doc"], **_schema_of(field_type)}
             if f.metadata.get("positive"):
                 properties[f.name]["exclusiveMinimum"] = 0
-            if f.metadata.get("minimum") is not None:
-                properties[f.name]["minimum"] = f.metadata["minimum"]
+            for bound in ("minimum", "maximum"):
+                if f.metadata.get(bound) is not None:
+                    properties[f.name][bound] = f.metadata[bound]
             default = _default(f)
             if default is dataclasses.MISSING:
                 required.append(f.name)

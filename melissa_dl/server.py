@@ -373,7 +373,7 @@ def serve(config: Config, fresh: bool, export_model: bool) -> int:
         if first_of_launch():  # one line, not K
             sys.stderr.write(f"melissa-server: {problem}\n")
         return EXIT_CONFIG
-    install_abort_on_error(comm)
+    install_abort_on_error(comm, config.output_path)
     setup_logging(comm.Get_rank(), config.output_path / "logs", config.server.log_level)
     raise_open_file_limit()
     try:

@@ -8,13 +8,17 @@ session. It is restarted from its checkpoints, up to
 for ``launcher.server_timeout`` seconds (a hung rank). Exit codes that a
 restart cannot change end the supervisor with the same code: 0 (done),
 2 (configuration, or an output folder that is full or not writable), 3
-(simulations failed), 75 (stopped by a signal).
+(simulations failed), 75 (stopped by a signal). So does a restarted server
+that fails with the same error as the run before (the cause its failing rank
+recorded, ``status.FAILURE``: type, message and the line that raised it), in
+one line naming it: the first restart is always made, for a transient failure.
 
 Before each restart every process of the dead run is killed: each run's
 processes (mpirun, the server ranks and the simulations they started, which
 inherit the server's environment) carry a marker variable, so none is left
 running and no two servers ever work on the same study. SIGTERM or SIGINT to
-the supervisor is passed on to the server, which checkpoints and stops.
+the supervisor is passed on to the server, which checkpoints and stops; one
+that comes while a server is being started reaches that server.
 """
 
 from __future__ import annotations
@@ -35,7 +39,15 @@ from launcher.schedulers import RUN_MARKER, die_with_parent, venv_mpirun
 from melissa_dl.config import load_config
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.files import check_writable
-from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT
+from melissa_dl.runtime.mpi import STOP_SIGNALS
+from melissa_dl.runtime.status import (
+    EXIT_CONFIG,
+    EXIT_FAILED_SIMULATIONS,
+    EXIT_STOPPED,
+    FAILURE,
+    HEARTBEAT,
+    read_failure,
+)
 
 logger = logging.getLogger("melissa-launcher")
 
@@ -80,12 +92,14 @@ class Supervisor:
         self.config_path = config_path
         self.ranks = ranks
         self.fresh = fresh
+        self.output = config.output_path
         self.heartbeat = config.output_path / HEARTBEAT
         self.timeout = config.launcher.server_timeout
         self.max_restarts = config.launcher.max_server_restarts
         self.scheduler = scheduler_class(config.launcher.scheduler)
         self.process: subprocess.Popen[bytes] | None = None
-        self.stopping = False
+        self.stop: int | None = None  # the stop signal received, if one was
+        self._stopped: subprocess.Popen[bytes] | None = None  # the last process a stop signal was passed to
 
     def command(self, fresh: bool) -> list[str]:
         """``mpirun -n K`` the server; inside a batch system's allocation, what that scheduler starts ranks with
@@ -95,14 +109,32 @@ class Supervisor:
         return [*launch, sys.executable, "-m", "melissa_dl", self.config_path, *(["--fresh"] if fresh else [])]
 
     def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._forward)
-        restarts = 0
+        restarts, cause = 0, None
         while True:
             marker = uuid.uuid4().hex
             code = self._run_once(marker, fresh=self.fresh and restarts == 0)
             self._end_run(marker)
-            if code in FINAL_CODES or self.stopping:
+            if code == EXIT_STOPPED or self.stop is not None:
+                logger.warning(
+                    "server stopped on request (exit code %d); run the same command again to resume from %s",
+                    code,
+                    self.output / "checkpoints",
+                )
+                return code
+            if code in FINAL_CODES:
+                return code
+            previous, cause = cause, read_failure(self.output)
+            if cause is not None and cause == previous:  # a restart would meet it again
+                logger.error(
+                    "server failed again (exit code %d) with the error of the run before, not restarting it: %s. "
+                    "Fix its cause, then run the same command to resume, or add --fresh to start over "
+                    "(tracebacks in %s)",
+                    code,
+                    cause,
+                    self.output / "logs",
+                )
                 return code
             if restarts == self.max_restarts:
                 logger.error("server failed (exit code %d) after %d restarts; giving up", code, restarts)
@@ -117,8 +149,9 @@ class Supervisor:
 
     def _run_once(self, marker: str, fresh: bool) -> int:
         started = time.time()
-        if self.stopping:  # a signal between two runs
+        if self.stop is not None:  # a signal between two runs
             return EXIT_STOPPED
+        (self.output / FAILURE).unlink(missing_ok=True)  # an earlier run's cause is not this one's
         # start_new_session: a terminal's Ctrl-C reaches the server once, through _forward;
         # die_with_parent: a supervisor killed outright stops its server (which checkpoints) too
         self.process = subprocess.Popen(
@@ -128,6 +161,7 @@ class Supervisor:
             preexec_fn=die_with_parent(signal.SIGTERM),
         )
         while (code := self.process.poll()) is None:
+            self._pass_on_stop()
             time.sleep(POLL)
             try:
                 beat = max(started, self.heartbeat.stat().st_mtime)
@@ -149,10 +183,22 @@ class Supervisor:
         kill_run(marker)
 
     def _forward(self, signum: int, frame: Any) -> None:
-        """Pass a stop request on to the server (it checkpoints and exits 75); no restart follows."""
-        self.stopping = True
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signum)
+        """Pass a stop request on to the server (it checkpoints and exits 75); no restart follows. Each signal
+        is passed on once, as it comes: a second one may mean "exit now"."""
+        self.stop = signum
+        process = self.process
+        if process is not None and process.poll() is None:
+            self._stopped = process
+            process.send_signal(signum)
+
+    def _pass_on_stop(self) -> None:
+        """Pass on a stop that came while the server was being started (in ``Popen``, when the handler saw only
+        the run before's, dead process) to the server that was passed none. A signal handled in between is passed
+        on by the handler as well: a second signal, sent as a second one."""
+        process = self.process
+        if self.stop is not None and process is not None and self._stopped is not process:
+            self._stopped = process
+            process.send_signal(self.stop)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -10,11 +10,13 @@ writes a mask and reads it again, takes 41-44 (8.7 against 17.5 in cache). It
 runs on the calling thread only (a BLAS reduction would start the BLAS
 library's threads beside training's). Fields under ``COMPILED_FROM`` bytes,
 and any where numba cannot compile the loop, get numpy's check, as fast on
-small fields. The loop is compiled (0.3-0.5 s, once per rank) at the first
-declaration of a field that will take it, so that a study of small fields
-never loads numba; the compile holds up that rank's reception and its
-delivery service's answers once, well inside a client's timeout (60 s by
-default). The receiver used to compile it at its start, which every study paid.
+small fields. The loop is compiled (0.3-0.5 s idle, once per rank) at the
+first declaration of a field that will take it, so that a study of small
+fields never loads numba, and in a thread of its own: numpy checks the fields
+until it is ready. Compiled in the receiver's thread, it held the receiver's
+lock, which the rank's delivery service also takes, so no client heard from
+the rank meanwhile; on a loaded machine that lasted longer than a 5-second
+``client_timeout``, and a blocked client gave up on a live server.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -57,16 +60,31 @@ def compiled_loop() -> Callable[[np.ndarray, Any], Any] | None:
     return largest_magnitude
 
 
+_compiling = threading.Lock()
+_compiler: threading.Thread | None = None  # the thread that compiles the loop, once started
+
+
 def prepare(dtype: str, shape: tuple[int, ...]) -> None:
-    """Compile the loop now if fields of this declared layout (a simulation's declaration) will take it."""
+    """Start compiling the loop if fields of this declared layout (a simulation's declaration) will take it."""
     if np.dtype(dtype) in _BITS and np.dtype(dtype).itemsize * math.prod(shape) >= COMPILED_FROM:
-        compiled_loop()
+        ready_loop()
+
+
+def ready_loop() -> Callable[[np.ndarray, Any], Any] | None:
+    """The compiled loop once its thread compiled it; None until then (the compile started if it was not) and
+    where numba fails."""
+    global _compiler
+    with _compiling:
+        if _compiler is None:
+            _compiler = threading.Thread(target=compiled_loop, name="finite-compile", daemon=True)
+            _compiler.start()
+    return None if _compiler.is_alive() else compiled_loop()
 
 
 def all_finite(array: np.ndarray) -> bool:
     """Whether no value of ``array`` (any shape, any dtype) is NaN or infinite."""
     found = _BITS.get(array.dtype)
-    if found is None or array.nbytes < COMPILED_FROM or (loop := compiled_loop()) is None:
+    if found is None or array.nbytes < COMPILED_FROM or (loop := ready_loop()) is None:
         return bool(np.isfinite(array).all())
     uint, magnitude, infinity = found
     return int(loop(np.ascontiguousarray(array).reshape(-1).view(uint), uint(magnitude))) < infinity

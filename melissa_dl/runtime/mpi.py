@@ -1,14 +1,16 @@
 """How a failure on one rank ends the whole MPI job instead of hanging it.
 
-An uncaught exception in any thread of any rank is logged with its traceback
-and followed by ``MPI_Abort``, which makes ``mpirun`` kill every rank and exit
-non-zero (1; 2 without a traceback for an output folder that is full or
-read-only, where a restart cannot help). SIGTERM is turned into ``SystemExit``
-so that ``finally`` blocks, which stop the simulation jobs, still run; then
-the job is aborted with 128 + 15 (``end_every_rank``). While training, the
-first SIGTERM or SIGINT (``mpirun`` forwards both to every rank) asks for a
-graceful stop instead: the ranks agree on a batch, checkpoint and exit
-(``GracefulStop``).
+An uncaught exception in any thread of any rank is logged with its traceback,
+its cause recorded in the output folder for ``melissa-launcher``, and followed
+by ``MPI_Abort``, which makes ``mpirun`` kill every rank and exit non-zero (1;
+2 without a traceback for an output folder that is full or read-only, where a
+restart cannot help). SIGTERM, SIGINT and SIGQUIT are turned into
+``SystemExit`` so that ``finally`` blocks, which stop the simulation jobs,
+still run; then the job is aborted with 128 + the signal (``exit_now``,
+``end_every_rank``), without a traceback. While training, SIGTERM or SIGINT
+(``mpirun`` forwards both to every rank) asks for a graceful stop instead: the
+ranks agree on a batch, checkpoint and exit 75; the copies of one stop sent to
+the whole job are that one stop (``GracefulStop``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeAlias
 
 from melissa_dl.runtime.files import unwritable
-from melissa_dl.runtime.status import EXIT_CONFIG
+from melissa_dl.runtime.status import EXIT_CONFIG, record_failure
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -37,13 +40,18 @@ logger = logging.getLogger(__name__)
 ABORT_GRACE = 0.5  # seconds
 
 
-def install_abort_on_error(comm: Comm) -> None:
-    """Abort ``comm`` on any uncaught exception (after ``finally`` blocks ran)."""
+def install_abort_on_error(comm: Comm, output: Path) -> None:
+    """Abort ``comm`` on any uncaught exception (after ``finally`` blocks ran), its cause recorded in the output
+    folder for the supervisor (``status.record_failure``)."""
 
     def abort(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
         reason = unwritable(error)
         if reason is None:
             logger.critical("fatal error, aborting the MPI job", exc_info=(kind, error, trace))
+            try:
+                record_failure(output, error, trace)
+            except Exception as problem:  # nothing may keep this rank from ending the job
+                logger.warning("could not record the error's cause in %s: %s", output, problem)
         else:  # a full or read-only output folder: one line, and a code the supervisor does not restart on
             logger.critical("%s", reason)
         logging.shutdown()
@@ -52,7 +60,20 @@ def install_abort_on_error(comm: Comm) -> None:
 
     sys.excepthook = abort
     threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)  # type: ignore[arg-type]
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    for sig in (*STOP_SIGNALS, signal.SIGQUIT):
+        signal.signal(sig, exit_now)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_now(signum: int, frame: Any) -> None:
+    """End this rank at once: ``SystemExit``, so that the ``finally`` blocks (which stop the simulations) run, then
+    ``end_every_rank``. The other copies of a job-wide stop signal, which follow within milliseconds, are ignored
+    from now on, so that none interrupts those blocks; SIGQUIT still does."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(128 + signum)
 
 
 def end_every_rank(comm: Comm, signalled: SystemExit) -> NoReturn:
@@ -63,7 +84,7 @@ def end_every_rank(comm: Comm, signalled: SystemExit) -> NoReturn:
     logging.shutdown()
     time.sleep(ABORT_GRACE)  # as abort() does: mpirun forwards that line before it tears the job down
     comm.Abort(code)
-    raise AssertionError("MPI_Abort returned")  # pragma: no cover
+    os._exit(code)  # MPI_Abort returns where the launcher is already tearing the job down: no traceback then
 
 
 def first_of_launch() -> bool:
@@ -118,17 +139,35 @@ def keep_pmi_lines_short() -> bool:
 
 
 class GracefulStop:
-    """While installed, the first SIGTERM/SIGINT sets ``requested``; a second one exits at once."""
+    """While installed (training), SIGTERM or SIGINT asks for a graceful stop: ``requested`` is set, and the ranks
+    checkpoint and exit.
+
+    A stop sent to the whole job (``scancel``, a Slurm time limit, ``kill -TERM -PGID``) reaches each rank
+    several times: directly, through ``mpiexec`` or ``srun``, through ``melissa-launcher``. So the same signal
+    again within ``REPEATS`` seconds of its first is that same stop; later (the stop has had its time), it means
+    exit now, as SIGQUIT does at any time. SIGINT's window is short, so that a second Ctrl-C from a terminal
+    exits at once.
+    """
+
+    REPEATS: ClassVar[dict[int, float]] = {signal.SIGTERM: 5.0, signal.SIGINT: 1.0}
 
     def __init__(self) -> None:
         self.requested = False
+        self._first: dict[int, float] = {}  # signal -> when it first came
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            sys.exit(128 + signum)
-        self.requested = True
-        logger.warning("signal %d: stopping after a checkpoint at the next batch (send it again to exit now)", signum)
+        now = time.monotonic()
+        if now - self._first.setdefault(signum, now) > self.REPEATS[signum]:
+            exit_now(signum, frame)
+        if not self.requested:
+            self.requested = True
+            logger.warning(
+                "signal %d: stopping after a checkpoint at the next batch (the same signal after %g s, or SIGQUIT, "
+                "exits at once)",
+                signum,
+                self.REPEATS[signum],
+            )

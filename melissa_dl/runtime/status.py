@@ -5,8 +5,11 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import tempfile
 import time
+import traceback
 from pathlib import Path
+from types import TracebackType
 from typing import IO, Any
 
 from melissa_dl.errors import ConfigError
@@ -21,6 +24,8 @@ STATUS = "status.json"  # rank 0's latest status, rewritten atomically (``meliss
 HISTORY = "progress.jsonl"  # every status so far, one JSON per line (what the plots draw over time)
 LOCK = "server.lock"  # in the output folder: held by the server working on it
 SILENT = 10.0  # seconds without a heartbeat after which a server whose lock is free is taken for gone
+FAILURE = "failure.json"  # in the output folder: the cause of the error that ended the server, for melissa-launcher
+CAUSE_CHARS = 500  # a cause's message is cut to this
 
 
 def lock_output(output: Path) -> IO[str]:
@@ -75,3 +80,24 @@ def runs(history: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
             grouped.append([])
         grouped[-1].append(status)
     return grouped
+
+
+def record_failure(output: Path, error: BaseException, trace: TracebackType | None) -> None:
+    """Write the cause of the error that ends the server, in one line (type, message, and the line that raised it),
+    into :data:`FAILURE`: how ``melissa-launcher`` tells a server that fails the same way at every restart. Whole
+    or not at all, under a temporary name of its own, since several ranks may fail at once."""
+    message = " ".join("".join(traceback.format_exception_only(type(error), error)).split())[:CAUSE_CHARS]
+    frames = traceback.extract_tb(trace)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    with tempfile.NamedTemporaryFile("w", dir=output, prefix=f".{FAILURE}.", suffix=".tmp", delete=False) as handle:
+        json.dump({"cause": message + where}, handle)
+    os.replace(handle.name, output / FAILURE)
+
+
+def read_failure(output: Path) -> str | None:
+    """The cause that :func:`record_failure` wrote, if a whole record is there."""
+    try:
+        cause = json.loads((output / FAILURE).read_text())["cause"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return cause if isinstance(cause, str) else None

@@ -22,7 +22,9 @@ client knows a rank lives from two sources: a socket monitor shows its
 connection (a server that exits or is killed closes it at once), and the rank's
 delivery service (:mod:`melissa_dl.ingest.delivery`), which a blocked send asks every
 :func:`~melissa_dl.wire.protocol.keepalive` seconds, answers however full the
-buffer is; a frozen process or a lost node answers nothing. No send timeout:
+buffer is; a frozen process or a lost node answers nothing (a question lost with
+its connection, or unanswered for 1.5 keepalives, is asked again: no simulation
+fails for a lost control message). No send timeout:
 back-pressure is not death (a blocked send wakes every ``WAKE_MS`` to look at
 its connection, so a refusal or ``client_timeout`` is noticed up to that much
 later).
@@ -54,8 +56,10 @@ import zmq
 from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
 from melissa_dl.runtime.mpi import Comm
 from melissa_dl.wire.protocol import (
+    CLIENT_TIMEOUT_RANGE,
     PART_BYTES,
     PROTOCOL_VERSION,
+    SEND_QUEUE_BYTES_RANGE,
     Header,
     Kind,
     encode_json,
@@ -80,6 +84,7 @@ ENV_WORKER = "MELISSA_WORKER"  # launcher.workers.ENV_WORKER: a persistent worke
 
 WAKE_MS = 1000  # a blocked send looks at its connection at least this often
 ANSWER_POLL_MS = 100  # how often a finalize waiting for the ranks' answers looks at its connections
+REASK = 1.5  # keepalives after which an unanswered question to a delivery service is asked again
 WORKER_POLL = 0.01  # seconds between two looks of a worker's other ranks at whether rank 0 has its next simulation
 
 
@@ -87,6 +92,22 @@ def _require(environ: Mapping[str, str], name: str) -> str:
     value = environ.get(name)
     if value is None:
         raise ClientError(f"{name} is not set: start this simulation through melissa-server's launcher")
+    return value
+
+
+def _number(
+    environ: Mapping[str, str], name: str, default: float, bounds: tuple[float, float], integer: bool = False
+) -> float:
+    """A number the launcher put in the environment, refused in one line outside what the clients accept (the
+    configuration checks the same ``bounds``; the C library's ``env_number``), rather than failing deep in ZeroMQ."""
+    text = environ.get(name)
+    try:
+        value = float(default if text is None else text)
+    except ValueError:
+        value = float("nan")
+    if not (bounds[0] <= value <= bounds[1] and (value.is_integer() or not integer)):
+        kind = "an integer" if integer else "a number"
+        raise ClientError(f"{name}={text!r} is not {kind} in [{bounds[0]:g}, {bounds[1]:g}]")
     return value
 
 
@@ -140,17 +161,34 @@ class _Link:
 
 
 class _Questions:
-    """A server rank's delivery service, asked over a DEALER link one question at a time."""
+    """A server rank's delivery service, asked over a DEALER link one question at a time.
 
-    def __init__(self, link: _Link) -> None:
+    A question is lost with the connection that carried it (the rank's answer goes to a peer that is gone) or, on
+    a live connection, when the rank's full queue made it drop the answer: it is asked again when the link's
+    drop count grew since it was sent, or when it has been silent for ``REASK`` keepalives (the service answers
+    every question within one). The rank answers a repeated question as the first. Silence is counted from the
+    first question still unanswered, so that a rank that answers nothing is still taken for dead at the timeout.
+    """
+
+    def __init__(self, link: _Link, keepalive: float) -> None:
         self.link = link
-        self.asked: float | None = None  # when the open question was sent
-        self.last_asked = time.monotonic()  # when the last question was sent (or the link was opened)
+        self.keepalive = keepalive
+        self.asked: float | None = None  # when the first question still unanswered was sent
+        self.last_asked = time.monotonic()  # when a question was last sent (or the link was opened)
+        self.drops = 0  # the link's drop count when a question was last sent
 
-    def ask(self, question: bytes) -> None:
-        """Send ``question`` unless one is open (a full queue: the rank is unreachable, which silence tells)."""
-        if self.asked is None and _offer(self.link.socket, question):
-            self.asked = self.last_asked = time.monotonic()
+    def ask(self, question: bytes, every: float = 0.0) -> None:
+        """Send ``question`` if none is open and ``every`` seconds have passed since the last one, or if the open
+        one was lost (a full queue: the rank is unreachable, which silence tells)."""
+        self.link.update()
+        since = time.monotonic() - self.last_asked
+        if self.asked is None:
+            due = since >= every
+        else:
+            due = self.link.drops > self.drops or since >= REASK * self.keepalive
+        if due and _offer(self.link.socket, question):
+            self.last_asked, self.drops = time.monotonic(), self.link.drops
+            self.asked = self.asked or self.last_asked
 
     def answer(self) -> dict[str, Any] | None:
         """The answer to the open question, if it came."""
@@ -161,7 +199,7 @@ class _Questions:
         return reply
 
     def silent_for(self) -> float:
-        """Seconds an open question has waited for its answer (0 if none is open)."""
+        """Seconds the first open question has waited for its answer (0 if none is open)."""
         return 0.0 if self.asked is None else time.monotonic() - self.asked
 
 
@@ -263,7 +301,9 @@ def _ask_next(environ: Mapping[str, str], last: str | None) -> dict[str, str] | 
     link = _handshake_link(context, _require(environ, ENV_SERVER), environ)
     try:
         while True:
-            reply = _ask(link, request, float(environ.get(ENV_CLIENT_TIMEOUT, "300")), f"worker {worker}")
+            reply = _ask(
+                link, request, _number(environ, ENV_CLIENT_TIMEOUT, 300, CLIENT_TIMEOUT_RANGE), f"worker {worker}"
+            )
             if "env" in reply:
                 return {str(name): str(value) for name, value in reply["env"].items()}
             if reply.get("over"):
@@ -291,8 +331,8 @@ class Client:
         names = json.loads(env.get(ENV_PARAMETER_NAMES, "[]"))
         self.named_parameters: dict[str, float] = dict(zip(names, self.parameters.tolist()))
         """The parameters by the names ``study.parameters`` gives them (``parameters`` in that order)."""
-        self._timeout = float(env.get(ENV_CLIENT_TIMEOUT, "300"))
-        queue_bytes = int(env.get(ENV_SEND_QUEUE_BYTES, str(64 << 20)))
+        self._timeout = _number(env, ENV_CLIENT_TIMEOUT, 300, CLIENT_TIMEOUT_RANGE)
+        queue_bytes = int(_number(env, ENV_SEND_QUEUE_BYTES, 64 << 20, SEND_QUEUE_BYTES_RANGE, integer=True))
         self.rank, self.size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
         self._layouts = {
             name: (np.dtype(dtype).name, tuple(int(n) for n in shape)) for name, (dtype, shape) in fields.items()
@@ -315,8 +355,9 @@ class Client:
                 link.socket.setsockopt(zmq.SNDTIMEO, WAKE_MS)  # a send blocked by a full queue wakes this often
                 link.socket.connect(endpoint)
             for endpoint in reply["acks"]:
-                self._questions.append(_Questions(_Link(self._context, zmq.DEALER, endpoint, self._environ)))
-                self._questions[-1].link.socket.connect(endpoint)
+                link = _Link(self._context, zmq.DEALER, endpoint, self._environ)
+                self._questions.append(_Questions(link, keepalive(self._timeout)))
+                link.socket.connect(endpoint)
             self._steps: list[set[int]] = [set() for _ in self._links]
             self._sent = [0] * len(self._links)  # messages sent to each rank, as its delivery service counts them
             declaration = encode_json({"fields": {n: [d, list(s)] for n, (d, s) in self._layouts.items()}})
@@ -374,8 +415,7 @@ class Client:
         unnoticed for two wakes past the timeout)."""
         questions = self._questions[rank]
         questions.answer()
-        if time.monotonic() - questions.last_asked >= keepalive(self._timeout):
-            questions.ask(self._question(rank, wait=False))
+        questions.ask(self._question(rank, wait=False), every=keepalive(self._timeout))
 
     def _header(
         self, kind: Kind, time_step: int, field_id: int, dtype: str, shape: tuple[int, ...], size: int, offset: int = 0
@@ -461,6 +501,7 @@ class Client:
             for rank in sorted(waiting):
                 answer = self._questions[rank].answer()
                 if answer is None:
+                    self._questions[rank].ask(self._question(rank, wait=True))  # if it was lost
                     self._check_alive(rank)
                     continue
                 read, finalized, ended = int(answer["read"]), bool(answer["finalized"]), bool(answer["ended"])

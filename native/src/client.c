@@ -18,7 +18,8 @@
  * As in Python, there is no send timeout: a full queue is waited out for as
  * long as the server lives, which the connection and the rank's delivery
  * service tell (melissa_dl/ingest/delivery.py: a DEALER socket per rank, asked every
- * keepalive seconds while a send is blocked), and a server rank unreachable
+ * keepalive seconds while a send is blocked; a question lost with its connection,
+ * or unanswered for 1.5 keepalives, is asked again), and a server rank unreachable
  * for MELISSA_CLIENT_TIMEOUT seconds breaks the connection. Finalize waits
  * until every rank's delivery service confirms it read every message sent to
  * it (sending the FINALIZE again if its connection broke meanwhile), then
@@ -71,12 +72,15 @@ typedef struct {
 
 enum { WAKE_MS = 1000, ANSWER_POLL_MS = 100 };
 static const double MAX_KEEPALIVE = 5.0; /* melissa_dl.wire.protocol.MAX_KEEPALIVE */
+static const double REASK = 1.5;         /* melissa_dl.wire.client.REASK */
 
-/* A server rank's delivery service, asked one question at a time (_Questions in client.py). */
+/* A server rank's delivery service, asked one question at a time (_Questions in client.py); a question lost with
+ * its connection, or unanswered for REASK keepalives, is asked again. */
 typedef struct {
     mdl_link link;     /* a DEALER socket */
-    double asked;      /* when the open question was sent; 0: none open */
-    double last_asked; /* when the last question was sent (or the link opened) */
+    double asked;      /* when the first question still unanswered was sent; 0: none open */
+    double last_asked; /* when a question was last sent (or the link opened) */
+    unsigned drops;    /* the link's drop count when a question was last sent */
 } questions;
 
 typedef struct {
@@ -189,7 +193,9 @@ static int require(const char *name, const char **value) {
 }
 
 /* A number variable, read as JSON (so in the C locale), within [low, high];
- * ``fallback`` when unset, or required if ``fallback`` is NAN. */
+ * ``fallback`` when unset, or required if ``fallback`` is NAN. The callers' bounds are
+ * melissa_dl/wire/protocol.py's CLIENT_TIMEOUT_RANGE, SEND_QUEUE_BYTES_RANGE and MAX_SIMULATION_ID,
+ * which the configuration checks at --check: change them together (tests/unit/test_config.py compares). */
 static int env_number(const char *name, double fallback, double low, double high, bool integer, double *out) {
     const char *text = getenv(name);
     if (text == NULL) {
@@ -427,11 +433,15 @@ static double keepalive(void) {
     return fmin(MAX_KEEPALIVE, client.env.timeout / 4);
 }
 
-/* Ask a rank's delivery service how much it read of us (``wait``: answer once all of it, or at the keepalive),
- * unless a question is open. */
-static void ask_rank(size_t rank, bool wait) {
+/* Ask a rank's delivery service how much it read of us (``wait``: answer once all of it, or at the keepalive) if
+ * no question is open and ``every`` seconds passed since the last, or if the open one was lost: its connection
+ * dropped, or it has been silent for REASK keepalives (the service answers within one). */
+static void ask_rank(size_t rank, bool wait, double every) {
     questions *q = &client.asks[rank];
-    if (q->asked > 0)
+    mdl_link_update(&q->link);
+    double since = mdl_now() - q->last_asked;
+    bool due = q->asked > 0 ? q->link.drops > q->drops || since >= REASK * keepalive() : since >= every;
+    if (!due)
         return;
     char question[512];
     char key[2 * KEY_BYTES + 1];
@@ -441,8 +451,12 @@ static void ask_rank(size_t rank, bool wait) {
                         "\"key\":\"%s\",\"sent\":%llu,\"wait\":%s}", client.env.simulation_id, client.env.attempt,
                         client.rank, key, (unsigned long long)client.sent[rank], wait ? "true" : "false");
     /* a full queue: the rank is unreachable, which its silence tells */
-    if (zmq_send(q->link.socket, question, (size_t)size, ZMQ_DONTWAIT) == size)
-        q->asked = q->last_asked = mdl_now();
+    if (zmq_send(q->link.socket, question, (size_t)size, ZMQ_DONTWAIT) == size) {
+        q->last_asked = mdl_now();
+        q->drops = q->link.drops;
+        if (q->asked == 0)
+            q->asked = q->last_asked;
+    }
 }
 
 /* The answer to a rank's open question, if it came: 1 (read, finalized, ended set), 0 (none yet), or a negative
@@ -485,8 +499,7 @@ static int ping(size_t rank) {
     int code = answer(rank, &read, &finalized, &ended);
     if (code < 0)
         return code;
-    if (mdl_now() - client.asks[rank].last_asked >= keepalive())
-        ask_rank(rank, false);
+    ask_rank(rank, false, keepalive());
     return MELISSA_DL_OK;
 }
 
@@ -571,7 +584,7 @@ static int await_delivery(const size_t *counts) {
         mdl_link_update(&client.links[r]);
         drops[r] = client.links[r].drops; /* when the FINALIZE was queued */
         items[r] = (zmq_pollitem_t){client.asks[r].link.socket, 0, ZMQ_POLLIN, 0};
-        ask_rank(r, true);
+        ask_rank(r, true, 0);
     }
     while (code == MELISSA_DL_OK && waiting > 0) {
         zmq_poll(items, (int)n, ANSWER_POLL_MS);
@@ -581,6 +594,8 @@ static int await_delivery(const size_t *counts) {
             uint64_t read;
             bool finalized, ended;
             int got = answer(r, &read, &finalized, &ended);
+            if (got == 0)
+                ask_rank(r, true, 0); /* if it was lost */
             if (got <= 0) {
                 code = got < 0 ? got : alive(r);
                 continue;
@@ -604,7 +619,7 @@ static int await_delivery(const size_t *counts) {
                 client.sent[r] = sent;
                 drops[r] = link->drops;
             }
-            ask_rank(r, true);
+            ask_rank(r, true, 0);
         }
     }
     free(done);

@@ -226,6 +226,28 @@ def wait_for(condition: Callable[[], bool], process: Running, timeout: float = 1
     assert wait_until(held, timeout), "condition not met in time"
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process descended from it (Linux /proc), parents first."""
+    tree = [pid]
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:  # gone
+        return tree
+    for child in children:
+        tree += process_tree(int(child))
+    return tree
+
+
+def signal_every_process(pid: int, sig: int) -> None:
+    """``sig`` to ``pid`` and each of its descendants, taken together first, as ``scancel`` or a batch system's time
+    limit signals every process of a job (not only the one at its top)."""
+    for each in process_tree(pid):
+        try:
+            os.kill(each, sig)
+        except ProcessLookupError:
+            pass
+
+
 def committed(output: Path) -> bool:
     return (output / "checkpoints" / "LATEST").exists()
 

@@ -218,6 +218,19 @@ def test_check_catches_what_a_run_would_meet_in_one_line_without_mpi(tmp_path: P
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("value", ["Infinity", "1e308", "0.0001"])
+def test_check_refuses_a_client_timeout_the_clients_would_refuse_in_one_line(tmp_path: Path, value: str) -> None:
+    """Every simulation would fail on it (the clients accept 0.001 to 1e6 seconds); ``Infinity``, which Python's
+    json module writes and reads, too."""
+    config = study_config(tmp_path / "out", [sys.executable, TOY_SIM], launcher={"client_timeout": float(value)})
+    done = check(tmp_path, config)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"melissa-server: {tmp_path / 'config.json'}: launcher.client_timeout: must be between 0.001 and 1e+06"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("example", ["heat_pde", "node_features"])
 def test_check_builds_the_examples_training_modules_without_mpi(tmp_path: Path, example: str) -> None:
     """node_features builds a ShardedEmbedding: on the meta device, with no MPI."""

@@ -31,10 +31,12 @@ from conftest import (
     paced_config,
     run_server,
     server_command,
+    signal_every_process,
     start,
     wait_for,
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_active_sampling import drawn_in_checkpoint
 from tiny_module import Tiny
 
 from melissa_dl.checkpoint.serialization import loads
@@ -199,6 +201,44 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def assert_stopped_after_a_final_checkpoint(log: str, output: Path) -> None:
+    """Every rank stopped gracefully on the signal, and a checkpoint was committed after it; no rank ended at once,
+    nothing printed a traceback."""
+    assert "ending every rank" not in log and "Traceback" not in log, log
+    rank0 = (output / "logs" / "rank0.log").read_text()
+    signalled = rank0.index("signal 15: stopping after a checkpoint")
+    assert re.search(r"checkpoint v\d+ committed", rank0[signalled:]), rank0
+    assert "stopped on request" in rank0[signalled:]
+    assert "signal 15: stopping after a checkpoint" in (output / "logs" / "rank1.log").read_text()
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_sigterm_to_every_process_of_a_supervised_study_is_one_graceful_stop(
+    tmp_path: Path, output: Path, times: int
+) -> None:
+    """As ``scancel`` or ``kill -TERM -PGID`` does: each rank gets its own SIGTERM, the one mpirun passes on and
+    the one the supervisor passes on, all one stop (twice: the same again 100 ms later). The supervised study exits
+    75 after a final checkpoint, and the same command resumes it to its end, every step once."""
+    config = paced_config(output, server_timeout=60.0, max_server_restarts=2)
+    supervise = [sys.executable, "-m", "melissa_dl.supervisor", server_command(tmp_path, config, 2)[-1], "-n", "2"]
+    supervisor = start(supervise)
+    wait_for(lambda: committed(output), supervisor)
+    for time_ in range(times):
+        time.sleep(0.1 * time_)
+        signal_every_process(supervisor.pid, signal.SIGTERM)
+    log, _ = supervisor.communicate(timeout=120)
+    assert supervisor.returncode == EXIT_STOPPED, log
+    assert "restarting" not in log
+    assert_stopped_after_a_final_checkpoint(log, output)
+    assert not (output / "report.json").exists()
+    done = subprocess.run(supervise, env=clean_environment(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resuming from checkpoint" in (output / "logs" / "rank0.log").read_text()
+    report = json.loads((output / "report.json").read_text())
+    assert report["simulations"]["done"] == SIMULATIONS and report["samples_received"] == SIMULATIONS * STEPS
+    assert_every_step_once(output, ranks=2)
+
+
 @pytest.mark.parametrize("failure", ["kill -9 rank 1", "rank 1 hangs"])
 def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
     tmp_path: Path, output: Path, failure: str
@@ -227,6 +267,87 @@ def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
     assert final is not None and final.manifest["batch"] == report["training"]["batches"]
     Tiny().load_state_dict(loads(final.read(0, "dense.pt"))["module"])
     assert processes_mentioning(str(tmp_path)) == [], "a process of the study outlived the supervisor"
+
+
+def test_a_server_that_fails_the_same_way_after_a_restart_is_reported_once_with_its_cause(
+    tmp_path: Path, output: Path
+) -> None:
+    """The user's ``training_step`` raises at the first batch of every run: the supervisor restarts the server
+    once (a failure may be transient), then gives up in one line naming the error and the line that raised it,
+    instead of restarting it into the same error up to ``max_server_restarts``."""
+    config = paced_config(output, max_server_restarts=3)
+    config["training"]["options"] = {"fail_rank": 0, "fail_after": 0}
+    supervisor = [sys.executable, "-m", "melissa_dl.supervisor", server_command(tmp_path, config, 1)[-1]]
+    done = subprocess.run(supervisor, env=clean_environment(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr
+    launcher = [line for line in done.stderr.splitlines() if " melissa-launcher " in line]
+    assert len(launcher) == 2, done.stderr
+    assert launcher[0].endswith("server died (exit code 1); restarting it from its checkpoints (restart 1 of 3)")
+    assert re.search(
+        r" melissa-launcher ERROR server failed again \(exit code 1\) with the error of the run before, not "
+        r"restarting it: ValueError: boom from the user's training_step \(\S+/tiny_module\.py:\d+, in "
+        r"training_step\)\. Fix its cause, then run the same command to resume, or add --fresh to start over "
+        rf"\(tracebacks in {re.escape(str(output / 'logs'))}\)$",
+        launcher[1],
+    ), launcher[1]
+    assert (output / "logs" / "rank0.log").read_text().count("fatal error, aborting the MPI job") == 2
+
+
+SAMPLERS = {
+    "uniform": {},
+    "sobol": {},
+    "halton": {},
+    "lhs": {},
+    "list": {"parameter_values": [[0.25, 0.5], [0.75, 0.5]]},
+    "adaptive": {},
+    "custom": {"custom_sampler": {"module": str(HERE / "custom_sampler.py"), "class_name": "Diagonal"}},
+}
+HELD_OUT = 4  # run first, one at a time: the study draws its own simulations only when the third one ends
+
+
+def newest_version(output: Path) -> int:
+    version = latest_valid(output / "checkpoints")
+    return 0 if version is None else version.number
+
+
+@pytest.mark.parametrize("kind", SAMPLERS)
+def test_every_sampler_resumes_from_checkpoints_taken_before_its_first_draw(
+    tmp_path: Path, output: Path, kind: str
+) -> None:
+    """2 simulations of the study's own and 4 held-out ones, which run first, one at a time, each once its file
+    ``go<id>`` exists. Killed -9 once the first held-out simulation's end is committed; resumed, and stopped with
+    SIGTERM once the second's is; resumed to the end. Both stops leave a checkpoint whose sampler has drawn
+    nothing (Sobol's restore at 0 once failed every resume), and the study completes, every step once."""
+    own = SIMULATIONS - HELD_OUT
+    config = paced_config(output)
+    config["study"].update(simulations=own, sampler=kind, validation={"simulations": HELD_OUT}, **SAMPLERS[kind])
+    config["launcher"].update(job_limit=1, command=[sys.executable, TOY_SIM, "--steps", str(STEPS)])
+    config["launcher"]["command"] += ["--go", str(tmp_path / "go{simulation}")]
+    config["training"]["class_name"] = "Hardness"  # a loss per sample, as the adaptive sampler learns from
+    config["checkpoint"] = {"interval": 0, "seconds": 0}  # a snapshot at each simulation's end
+    (tmp_path / f"go{own}").touch()
+    process = start(server_command(tmp_path, config, 1))
+    wait_for(lambda: committed(output), process)
+    for pid in processes_mentioning(str(tmp_path)):  # mpirun, the rank, the waiting held-out simulation
+        os.kill(pid, signal.SIGKILL)
+    process.communicate(timeout=30)
+    assert drawn_in_checkpoint(output) == 0
+    first = newest_version(output)
+    process = start(server_command(tmp_path, config, 1))
+    (tmp_path / f"go{own + 1}").touch()
+    wait_for(lambda: newest_version(output) > first, process)
+    process.send_signal(signal.SIGTERM)
+    log, _ = process.communicate(timeout=60)
+    assert process.returncode == EXIT_STOPPED, log
+    assert "resuming from checkpoint" in log and drawn_in_checkpoint(output) == 0
+    for simulation in range(SIMULATIONS):
+        (tmp_path / f"go{simulation}").touch()
+    run = run_server(tmp_path, config, 1)
+    assert run.code == 0 and run.report is not None, run.log
+    assert run.report["simulations"]["done"] == SIMULATIONS
+    assert run.report["held_out"] == {"simulations": HELD_OUT, "samples": HELD_OUT * STEPS}
+    assert run.report["samples_received"] == SIMULATIONS * STEPS == run.report["samples_expected"]
+    assert_every_step_once(output, ranks=1)
 
 
 def test_a_simulation_done_just_before_a_kill_9_is_not_run_again(tmp_path: Path, output: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -21,7 +22,10 @@ class Tiny(TrainingModule):
     test that a user's error ends the whole job; ``step_delay`` makes training
     slower than the simulations; ``hidden`` makes its checkpoints larger;
     ``stall_rank`` makes that rank's ``validation_samples`` (called before
-    training) create the file ``stall_marker`` and sleep for a minute.
+    training) create the file ``stall_marker`` and sleep for a minute;
+    ``hold_until`` holds the first training step until that file exists (the
+    buffers fill and the simulations block meanwhile). Only the first 32
+    values of a field are learnt, so that simulations may send large fields.
     """
 
     def __init__(
@@ -32,11 +36,13 @@ class Tiny(TrainingModule):
         hidden: int = 16,
         stall_rank: int = -1,
         stall_marker: str = "",
+        hold_until: str = "",
     ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(3, hidden), nn.Tanh(), nn.Linear(hidden, 32))
         self.fail_rank, self.fail_after, self.step_delay = fail_rank, fail_after, step_delay
         self.stall_rank, self.stall_marker = stall_rank, stall_marker
+        self.hold_until = hold_until
         self.steps = 0
         CHATTY.info("chatty_library: an INFO line the server's log should not show")
         CHATTY.warning("chatty_library: a WARNING it should")
@@ -46,13 +52,15 @@ class Tiny(TrainingModule):
 
     def process(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.tensor([*sample.parameters, sample.time_step / 10], dtype=torch.float32)
-        return x, torch.from_numpy(sample.fields["field"]).flatten() / 1000
+        return x, torch.from_numpy(sample.fields["field"]).flatten()[:32] / 1000
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         self.steps += 1
         if self.rank == self.fail_rank and self.steps > self.fail_after:
             raise ValueError("boom from the user's training_step")
         time.sleep(self.step_delay)
+        while self.hold_until and not os.path.exists(self.hold_until):
+            time.sleep(0.05)
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 

@@ -6,7 +6,8 @@ misbehave on its first ``--fail-attempts`` attempts, at step ``--fail-at``:
 ``crash`` exits 1, ``hang`` sleeps forever, ``no-finalize`` exits 0 without
 announcing its steps. ``--step-delay`` paces the steps, so that a test can
 interrupt the server in the middle of a study, and ``--go FILE`` holds the
-first step until FILE exists (of every simulation but ``--go-now``). Simulation ``--odd-simulation``
+first step until FILE exists (of every simulation but ``--go-now``; ``{simulation}``
+in FILE stands for the simulation's id, so that each may have a file of its own). Simulation ``--odd-simulation``
 declares and sends ``--odd-dtype`` and ``--odd-shape`` instead. ``--argv SIMULATION ATTEMPT PARAMETERS...``
 (from ``launcher.command`` placeholders) must say what the environment says, and the simulation prints
 ``slot TOY_SLOT``.
@@ -57,7 +58,8 @@ def main() -> None:
         print(f"slot {os.environ['TOY_SLOT']}", flush=True)
     failing = client.simulation_id == args.fail_simulation and client.attempt < args.fail_attempts
     rank = comm.Get_rank() if comm is not None else 0
-    while args.go is not None and client.simulation_id != args.go_now and not os.path.exists(args.go):
+    go = args.go.format(simulation=client.simulation_id) if args.go is not None else None
+    while go is not None and client.simulation_id != args.go_now and not os.path.exists(go):
         time.sleep(0.05)
     for t in range(args.steps):
         if failing and t == args.fail_at:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,16 @@ import numpy as np
 import pytest
 
 from melissa_dl.config import Config, MiB, ParameterConfig, load_config, parse_config
-from melissa_dl.errors import ConfigError
+from melissa_dl.errors import ClientError, ConfigError
+from melissa_dl.wire.client import (
+    ENV_CLIENT_TIMEOUT,
+    ENV_PARAMETERS,
+    ENV_SEND_QUEUE_BYTES,
+    ENV_SIMULATION_ID,
+    ENV_TOKEN,
+    Client,
+)
+from melissa_dl.wire.protocol import CLIENT_TIMEOUT_RANGE, MAX_SIMULATION_ID, SEND_QUEUE_BYTES_RANGE
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -219,8 +229,12 @@ def test_literal_violation_lists_the_allowed_values(path: tuple, value: str, exp
         ({("study", "parameters", 1, "high"): -1}, "study.parameters[1].high: -1.0 is below low=0.0"),
         ({("study", "parameters", 0, "low"): float("-inf")}, "study.parameters[0].low: must be finite"),
         ({("study", "parameters", 1, "high"): float("nan")}, "study.parameters[1].high: must be finite"),
-        ({("study", "simulations"): 0}, "study.simulations: must be between 1 and 2**32 - 1"),
-        ({("study", "simulations"): 1 << 32}, "study.simulations: must be between 1 and 2**32 - 1"),
+        ({("study", "simulations"): 0}, "study.simulations: must be between 1 and 2**31"),
+        ({("study", "simulations"): (1 << 31) + 1}, "study.simulations: must be between 1 and 2**31"),
+        (
+            {("study", "simulations"): 1 << 31, ("study", "validation", "simulations"): 1},
+            "study.validation: 1 held-out simulations after 2147483648 take simulation ids past 2**31 - 1",
+        ),
         ({("study", "sampler"): "list"}, "study.parameter_values: required by sampler 'list'"),
         ({("study", "parameter_values"): [[0, 0], [1, 1]]}, "study.parameter_values: only used with sampler 'list'"),
         (
@@ -266,8 +280,15 @@ def test_literal_violation_lists_the_allowed_values(path: tuple, value: str, exp
         ({("launcher", "job_limit"): 0}, "launcher.job_limit: must be at least 1"),
         ({("launcher", "simulation_timeout"): 0}, "launcher.simulation_timeout: must be positive"),
         ({("launcher", "max_retries"): -1}, "launcher.max_retries: must not be negative"),
-        ({("launcher", "client_timeout"): 0}, "launcher.client_timeout: must be positive"),
-        ({("launcher", "send_queue_bytes"): 0}, "launcher.send_queue_bytes: must be positive"),
+        *(
+            ({("launcher", "client_timeout"): value}, "launcher.client_timeout: must be between 0.001 and 1e+06")
+            for value in (0, 0.0001, 1000000.5, 1e308, float("inf"), float("nan"))
+        ),
+        *(
+            ({("launcher", "send_queue_bytes"): value}, "launcher.send_queue_bytes: must be between 1 and 1e+18")
+            for value in (0, 10**18 + 1)
+        ),
+        ({("checkpoint", "seconds"): float("nan")}, "checkpoint.seconds: must not be negative"),
     ],
 )
 def test_inconsistent_values_are_refused(changes: dict, expected: str) -> None:
@@ -287,6 +308,9 @@ def test_inconsistent_values_are_refused(changes: dict, expected: str) -> None:
         {("study", "sampler"): "list", ("study", "parameter_values"): [[0, 0], [1, 2]]},
         {("study", "parameters", 0, "high"): 0},  # low == high: a fixed parameter
         {("launcher", "max_retries"): 0, ("server", "handshake_port"): 65535, ("study", "time_steps"): (1 << 32) - 1},
+        {("launcher", "client_timeout"): 0.001, ("launcher", "send_queue_bytes"): 1},
+        {("launcher", "client_timeout"): 1e6, ("launcher", "send_queue_bytes"): 10**18},
+        {("study", "simulations"): (1 << 31) - 1, ("study", "validation", "simulations"): 1},
     ],
 )
 def test_boundary_values_are_accepted(changes: dict) -> None:
@@ -418,3 +442,39 @@ def test_a_new_sections_check_runs_and_names_its_key(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(SlurmOptions, "check", check, raising=False)
     refused(edited({("launcher", "slurm", "partition"): "nowhere"}), "launcher.slurm.partition: no such partition")
     assert parse_config(edited({("launcher", "slurm", "partition"): "short"}), BASE).launcher.scheduler == "local"
+
+
+def test_the_bounds_of_the_clients_environment_are_the_c_librarys() -> None:
+    """The configuration refuses what a client would: the C library's ``env_number`` calls state the bounds
+    that ``melissa_dl.wire.protocol`` holds for the configuration and the Python client."""
+    source = (Path(__file__).resolve().parents[2] / "native" / "src" / "client.c").read_text()
+    calls = re.findall(r'env_number\("(MELISSA_\w+)", [^,]+, ([^,]+), ([^,]+), (?:true|false),', source)
+    bounds = {name: (float(low), float(high.replace("INT32_MAX", str(2**31 - 1)))) for name, low, high in calls}
+    assert bounds == {
+        "MELISSA_SIMULATION_ID": (0, MAX_SIMULATION_ID),
+        "MELISSA_ATTEMPT": (0, MAX_SIMULATION_ID),
+        "MELISSA_CLIENT_TIMEOUT": CLIENT_TIMEOUT_RANGE,
+        "MELISSA_SEND_QUEUE_BYTES": SEND_QUEUE_BYTES_RANGE,
+    }
+
+
+@pytest.mark.parametrize(
+    "name, value, expected",
+    [
+        (ENV_CLIENT_TIMEOUT, "inf", "a number in [0.001, 1e+06]"),
+        (ENV_CLIENT_TIMEOUT, "1e308", "a number in [0.001, 1e+06]"),
+        (ENV_CLIENT_TIMEOUT, "0.0001", "a number in [0.001, 1e+06]"),
+        (ENV_CLIENT_TIMEOUT, "soon", "a number in [0.001, 1e+06]"),
+        (ENV_SEND_QUEUE_BYTES, "0", "an integer in [1, 1e+18]"),
+        (ENV_SEND_QUEUE_BYTES, "1.5", "an integer in [1, 1e+18]"),
+    ],
+)
+def test_the_python_client_refuses_what_the_configuration_refuses_in_one_line(
+    name: str, value: str, expected: str
+) -> None:
+    """A client started by hand with a bad environment: a ``ClientError`` before any socket, as the C library's
+    ``MELISSA_DL_ERR_ENVIRONMENT``, not an ``OverflowError`` deep in ZeroMQ."""
+    environ = {ENV_SIMULATION_ID: "0", ENV_PARAMETERS: "[0.5]", ENV_TOKEN: "00", name: value}
+    with pytest.raises(ClientError) as info:
+        Client({"u": ("float32", (4,))}, environ=environ)
+    assert str(info.value) == f"{name}={value!r} is not {expected}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -18,9 +20,10 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     """Both paths, on fields of any size: the compiled loop, and numpy's check (small fields, or numba failing)."""
     monkeypatch.setattr(finite, "COMPILED_FROM", 0)
     if request.param == "numpy":
-        monkeypatch.setattr(finite, "compiled_loop", lambda: None)
+        monkeypatch.setattr(finite, "ready_loop", lambda: None)
     else:
         assert finite.compiled_loop() is not None
+        monkeypatch.setattr(finite, "ready_loop", finite.compiled_loop)
     return request.param
 
 
@@ -55,18 +58,40 @@ def test_a_large_field_is_checked_by_the_compiled_loop(monkeypatch: pytest.Monke
     calls = []
     loop = finite.compiled_loop()
     assert loop is not None
-    monkeypatch.setattr(finite, "compiled_loop", lambda: calls.append(1) or loop)
+    monkeypatch.setattr(finite, "ready_loop", lambda: calls.append(1) or loop)
     field = np.zeros(finite.COMPILED_FROM // 4, np.float32)
     assert all_finite(field) and all_finite(field[:-1]) and calls == [1]  # the smaller one: numpy's check
     field[-1] = np.inf
     assert not all_finite(field) and calls == [1, 1]
 
 
+def test_the_loop_compiles_in_a_thread_of_its_own_while_numpy_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile that takes long holds up no field: numpy checks them until the loop is ready, then the loop."""
+    loop = finite.compiled_loop()
+    assert loop is not None
+    go, used = threading.Event(), []
+
+    def slow_compile() -> object:
+        go.wait(30)
+        return lambda array, magnitude: used.append(1) or loop(array, magnitude)
+
+    monkeypatch.setattr(finite, "compiled_loop", slow_compile)
+    monkeypatch.setattr(finite, "_compiler", None)
+    field = np.zeros(finite.COMPILED_FROM // 4, np.float32)
+    field[7] = np.nan
+    assert not all_finite(field) and finite.ready_loop() is None and used == []  # compiling: numpy's check
+    compiler = finite._compiler
+    assert compiler is not None and compiler.name == "finite-compile"
+    go.set()
+    compiler.join(30)
+    assert not all_finite(field) and used == [1] and finite._compiler is compiler  # compiled once
+
+
 def test_a_declaration_compiles_the_loop_only_for_a_float_field_that_will_take_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = []
-    monkeypatch.setattr(finite, "compiled_loop", lambda: calls.append(1))
+    monkeypatch.setattr(finite, "ready_loop", lambda: calls.append(1))
     finite.prepare("float32", (finite.COMPILED_FROM // 4 - 1,))  # a byte short: numpy's check
     finite.prepare("int64", (finite.COMPILED_FROM,))
     assert calls == []
