@@ -268,6 +268,9 @@ class Scheduler(ABC):
     def close(self) -> None:  # noqa: B027 (a scheduler's jobs are all the launcher's: it killed them)
         """The launcher shuts down: its running attempts are killed already."""
 
+    server_stop_signal: ClassVar[signal.Signals | None] = None
+    """The signal that passes a stop on to what ``server_launch`` starts (None: the one received)."""
+
     @classmethod
     def server_launch(cls, ranks: int) -> list[str] | None:
         """The command prefix that starts the server's ``ranks`` ranks when this process runs inside one of this

@@ -29,7 +29,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from signal import SIGTERM
+from signal import SIGTERM, SIGUSR1
 
 from launcher.schedulers import (
     RUN_MARKER,
@@ -166,6 +166,8 @@ class SlurmScheduler(Scheduler):
     summary = "one `sbatch` job per simulation attempt, running `srun --mpi=pmi2 -n client_ranks command`"
     runs_mpi = True
     Options = SlurmOptions
+    server_stop_signal = SIGUSR1  # srun answers SIGTERM (and a second SIGINT within a second) with SIGKILL to its
+    # tasks, and passes SIGUSR1 on to them as it comes (src/srun/srun_job.c, _srun_signal_mgr)
 
     def __init__(self, command: list[str], cwd: Path, ranks: int, sbatch_options: list[str], study_name: str) -> None:
         self._command = list(command)
@@ -403,13 +405,13 @@ class SrunScheduler(MpirunScheduler):
     ``--exclusive`` keeps two steps off the same CPUs. ``srun`` is the
     attempt's process: its exit code is the attempt's (the largest of its
     tasks'), and SIGTERM to it, as the launcher sends at a timeout or a cancel,
-    is passed to the tasks, which Slurm kills after ``KillWait``; hence SIGTERM,
-    not SIGKILL, when the server dies. Outside an allocation each step would get
-    one of its own.
+    makes srun kill its tasks; hence SIGTERM, not SIGKILL, when the server dies.
+    Outside an allocation each step would get one of its own.
     """
 
     summary = "one `srun --exclusive` job step per simulation attempt, in the server's own allocation"
     Options = SrunOptions
+    server_stop_signal = SlurmScheduler.server_stop_signal  # the same server launch
 
     @classmethod
     def from_job(cls, job: JobTemplate) -> Scheduler:

@@ -53,6 +53,7 @@ from melissa_dl.runtime.mpi import (
     GracefulStop,
     end_every_rank,
     first_of_launch,
+    ignore_stops,
     install_abort_on_error,
     launch_problem,
 )
@@ -305,6 +306,7 @@ class Server:
         )
         if loop.train(trainer, dataset.next_batch) is Outcome.ENDED:
             return True
+        self.stop.done()
         self.receiver.stop()
         if bookkeeping.status is not None:  # rank 0
             bookkeeping.status.stopped()
@@ -377,6 +379,8 @@ def serve(config: Config, fresh: bool, export_model: bool) -> int:
     setup_logging(comm.Get_rank(), config.output_path / "logs", config.server.log_level)
     raise_open_file_limit()
     try:
-        return Server(config, comm, fresh=fresh, export_model=export_model).run()
-    except SystemExit as signalled:  # a SIGTERM outside training (or a second one), after the finally blocks ran
+        code = Server(config, comm, fresh=fresh, export_model=export_model).run()
+    except SystemExit as signalled:  # a stop before training, or an exit asked for, after the finally blocks ran
         end_every_rank(comm, signalled)
+    ignore_stops()
+    return code

@@ -17,8 +17,12 @@ Before each restart every process of the dead run is killed: each run's
 processes (mpirun, the server ranks and the simulations they started, which
 inherit the server's environment) carry a marker variable, so none is left
 running and no two servers ever work on the same study. SIGTERM or SIGINT to
-the supervisor is passed on to the server, which checkpoints and stops; one
-that comes while a server is being started reaches that server.
+the supervisor is passed on to the server, which checkpoints and stops (as
+SIGUSR1 through ``srun``, which kills its tasks on SIGTERM); one that comes
+while a server is being started reaches that server. After a stop
+the supervisor exits 75, whatever the code of a server stopped before its ranks
+could checkpoint (mpirun's own, 128 + the signal), unless the study had ended
+(0, 2, 3).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from melissa_dl.runtime.status import (
 
 logger = logging.getLogger("melissa-launcher")
 
-FINAL_CODES = frozenset({0, EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED})
+ENDED_CODES = frozenset({0, EXIT_CONFIG, EXIT_FAILED_SIMULATIONS})  # neither a restart nor a stop changes them
 POLL = 0.5  # seconds between two looks at the server
 
 
@@ -99,13 +103,19 @@ class Supervisor:
         self.scheduler = scheduler_class(config.launcher.scheduler)
         self.process: subprocess.Popen[bytes] | None = None
         self.stop: int | None = None  # the stop signal received, if one was
+        self.stop_as: signal.Signals | None = None  # how a stop reaches the server's launcher (None: as it came)
         self._stopped: subprocess.Popen[bytes] | None = None  # the last process a stop signal was passed to
 
     def command(self, fresh: bool) -> list[str]:
         """``mpirun -n K`` the server; inside a batch system's allocation, what that scheduler starts ranks with
-        (``Scheduler.server_launch``: Slurm's ``srun``, on the allocation's nodes)."""
-        inside = (scheduler_class(kind).server_launch(self.ranks) for kind in SCHEDULERS)
-        launch = next((command for command in inside if command is not None), [venv_mpirun(), "-n", str(self.ranks)])
+        (``Scheduler.server_launch``: Slurm's ``srun``, on the allocation's nodes), and the signal that passes a
+        stop on to it (``stop_as``)."""
+        launch, self.stop_as = [venv_mpirun(), "-n", str(self.ranks)], None
+        for kind in SCHEDULERS:
+            scheduler = scheduler_class(kind)
+            if (inside := scheduler.server_launch(self.ranks)) is not None:
+                launch, self.stop_as = inside, scheduler.server_stop_signal
+                break
         return [*launch, sys.executable, "-m", "melissa_dl", self.config_path, *(["--fresh"] if fresh else [])]
 
     def run(self) -> int:
@@ -116,15 +126,15 @@ class Supervisor:
             marker = uuid.uuid4().hex
             code = self._run_once(marker, fresh=self.fresh and restarts == 0)
             self._end_run(marker)
-            if code == EXIT_STOPPED or self.stop is not None:
+            if code in ENDED_CODES:
+                return code
+            if code == EXIT_STOPPED or self.stop is not None:  # whatever the server's code: 128 + n stopped early
                 logger.warning(
-                    "server stopped on request (exit code %d); run the same command again to resume from %s",
+                    "server stopped on request (its exit code %d); run the same command again to resume from %s",
                     code,
                     self.output / "checkpoints",
                 )
-                return code
-            if code in FINAL_CODES:
-                return code
+                return EXIT_STOPPED
             previous, cause = cause, read_failure(self.output)
             if cause is not None and cause == previous:  # a restart would meet it again
                 logger.error(
@@ -152,13 +162,14 @@ class Supervisor:
         if self.stop is not None:  # a signal between two runs
             return EXIT_STOPPED
         (self.output / FAILURE).unlink(missing_ok=True)  # an earlier run's cause is not this one's
+        command = self.command(fresh)  # and stop_as, the signal of a stop for it
         # start_new_session: a terminal's Ctrl-C reaches the server once, through _forward;
         # die_with_parent: a supervisor killed outright stops its server (which checkpoints) too
         self.process = subprocess.Popen(
-            self.command(fresh),
+            command,
             env={**os.environ, RUN_MARKER: marker},
             start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGTERM),
+            preexec_fn=die_with_parent(self.stop_as or signal.SIGTERM),
         )
         while (code := self.process.poll()) is None:
             self._pass_on_stop()
@@ -189,7 +200,7 @@ class Supervisor:
         process = self.process
         if process is not None and process.poll() is None:
             self._stopped = process
-            process.send_signal(signum)
+            process.send_signal(self.stop_as or signum)
 
     def _pass_on_stop(self) -> None:
         """Pass on a stop that came while the server was being started (in ``Popen``, when the handler saw only
@@ -198,7 +209,7 @@ class Supervisor:
         process = self.process
         if self.stop is not None and process is not None and self._stopped is not process:
             self._stopped = process
-            process.send_signal(self.stop)
+            process.send_signal(self.stop_as or self.stop)
 
 
 def make_parser() -> argparse.ArgumentParser:

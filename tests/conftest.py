@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import types
 
 import pytest
 
@@ -12,3 +13,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     collector's way, its full collections, during the tests and at the process's exit, no longer walk it (about
     2 s of a ``tests/mpi`` run on 3 ranks), as ``melissa-server``'s ranks do once their trainer is built."""
     gc.freeze()
+
+
+class Clock:
+    """A monotonic clock that a test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """A clock the test moves by hand, as the ``time`` of the modules its test module names in ``CLOCKED`` (theirs
+    only: the process's own clock runs on)."""
+    clock = Clock()
+    for module in request.module.CLOCKED:
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    return clock

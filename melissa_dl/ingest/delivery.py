@@ -19,8 +19,10 @@ whether its FINALIZE was one of them, and whether the simulation has ended
 deliver. A request with ``"wait": false`` is a liveness ping, answered at
 once; with ``"wait": true`` the answer waits until ``read >= sent`` and the
 FINALIZE is in, or the simulation ended, or :func:`~melissa_dl.wire.protocol.keepalive`
-seconds passed (so that a client behind a slow server still hears from it). A client that hears
-nothing for ``client_timeout`` seconds takes the rank for dead. Bad requests
+seconds passed (so that a client behind a slow server still hears from it). A client asks a question again
+when its connection dropped or its answer is overdue; a ``wait`` question asked again on the same connection is
+held from when it was first asked, so that the answer a keepalive promises is never put off by the asking. A
+client that hears nothing for ``client_timeout`` seconds takes the rank for dead. Bad requests
 are refused and counted as ``ack_<kind>``; what waiting requests hold is
 bounded by the connections the socket accepts.
 """
@@ -31,7 +33,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zmq
@@ -91,6 +93,9 @@ class DeliveryServer(ServerSocketThread):
         except ProtocolError as error:
             self.rejections.reject(f"ack_{error.kind}", str(error))
             return
+        held = self._waiting.get(peer)
+        if held is not None and held.wait and request.wait:  # asked again: held since the first, not from now
+            request = replace(request, since=held.since)
         self._waiting[peer] = request
         self.answer_due(socket, only=peer)
 

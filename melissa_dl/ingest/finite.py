@@ -74,10 +74,11 @@ def ready_loop() -> Callable[[np.ndarray, Any], Any] | None:
     """The compiled loop once its thread compiled it; None until then (the compile started if it was not) and
     where numba fails."""
     global _compiler
-    with _compiling:
-        if _compiler is None:
-            _compiler = threading.Thread(target=compiled_loop, name="finite-compile", daemon=True)
-            _compiler.start()
+    if _compiler is None:  # the lock only until the compile is under way, not for every field after
+        with _compiling:
+            if _compiler is None:
+                _compiler = threading.Thread(target=compiled_loop, name="finite-compile", daemon=True)
+                _compiler.start()
     return None if _compiler.is_alive() else compiled_loop()
 
 

@@ -4,11 +4,13 @@ An uncaught exception in any thread of any rank is logged with its traceback,
 its cause recorded in the output folder for ``melissa-launcher``, and followed
 by ``MPI_Abort``, which makes ``mpirun`` kill every rank and exit non-zero (1;
 2 without a traceback for an output folder that is full or read-only, where a
-restart cannot help). SIGTERM, SIGINT and SIGQUIT are turned into
-``SystemExit`` so that ``finally`` blocks, which stop the simulation jobs,
-still run; then the job is aborted with 128 + the signal (``exit_now``,
-``end_every_rank``), without a traceback. While training, SIGTERM or SIGINT
-(``mpirun`` forwards both to every rank) asks for a graceful stop instead: the
+restart cannot help). Signals are turned into ``SystemExit`` so that
+``finally`` blocks, which stop the simulation jobs, still run; then the job is
+aborted, without a traceback (``end_every_rank``): with 75 for a stop signal
+(SIGTERM, SIGINT, SIGUSR1) before training, when there is nothing to checkpoint
+(``stop_now``), with 128 + the signal for SIGQUIT (``exit_now``). While
+training, a stop signal (``mpirun`` forwards them to every rank, ``srun``
+SIGUSR1 only) asks for a graceful stop instead: the
 ranks agree on a batch, checkpoint and exit 75; the copies of one stop sent to
 the whole job are that one stop (``GracefulStop``).
 """
@@ -27,7 +29,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeAlias
 
 from melissa_dl.runtime.files import unwritable
-from melissa_dl.runtime.status import EXIT_CONFIG, record_failure
+from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_STOPPED, record_failure
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -60,27 +62,62 @@ def install_abort_on_error(comm: Comm, output: Path) -> None:
 
     sys.excepthook = abort
     threading.excepthook = lambda args: abort(args.exc_type, args.exc_value, args.exc_traceback)  # type: ignore[arg-type]
-    for sig in (*STOP_SIGNALS, signal.SIGQUIT):
-        signal.signal(sig, exit_now)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop_now)
+    signal.signal(signal.SIGQUIT, exit_now)
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""A graceful stop; SIGUSR1 is the one ``srun`` passes on to the ranks as it comes (it kills them on SIGTERM)."""
+
+
+class Signalled(SystemExit):
+    """A signal that ends this rank; ``end_every_rank`` then ends the job with ``code``."""
+
+    def __init__(self, signum: int, code: int) -> None:
+        super().__init__(code)
+        self.signum = signum
+
+
+def stop_now(signum: int, frame: Any) -> None:
+    """A stop before training (restore, start-up): nothing is trained since the last checkpoint, so the job ends at
+    once with 75, and the same command resumes exactly."""
+    _end(signum, EXIT_STOPPED)
 
 
 def exit_now(signum: int, frame: Any) -> None:
-    """End this rank at once: ``SystemExit``, so that the ``finally`` blocks (which stop the simulations) run, then
-    ``end_every_rank``. The other copies of a job-wide stop signal, which follow within milliseconds, are ignored
-    from now on, so that none interrupts those blocks; SIGQUIT still does."""
+    """An exit asked for (SIGQUIT, or a stop signal again once a graceful stop has had its time): 128 + signal."""
+    _end(signum, 128 + signum)
+
+
+def _end(signum: int, code: int) -> None:
+    """``Signalled``, so that the ``finally`` blocks (which stop the simulations) run, then ``end_every_rank``. The
+    other copies of a job-wide stop, which follow within milliseconds, do nothing from now on, so that none
+    interrupts those blocks (a handler that does nothing, not SIG_IGN, which the simulations started meanwhile would
+    inherit); SIGQUIT still ends it."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _ignore)
+    raise Signalled(signum, code)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """A signal that changes nothing any more."""
+
+
+def ignore_stops() -> None:
+    """Before the interpreter's exit, which puts the default handlers back: a late copy of a stop (srun terminates
+    the step once a rank exited 75, with ``--kill-on-bad-exit``) would then kill the rank and change its exit code.
+    Ignored signals stay ignored; no simulation is started any more to inherit that."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    sys.exit(128 + signum)
 
 
 def end_every_rank(comm: Comm, signalled: SystemExit) -> NoReturn:
     """End the job on a signal's ``SystemExit``: the other ranks may wait inside a collective, where Python
     runs no signal handler, so a plain exit of this rank would leave them (and ``mpirun``) hanging."""
     code = signalled.code if isinstance(signalled.code, int) else 1
-    logger.warning("signal %d: ending every rank", code - 128)
+    cause = f"signal {signalled.signum}" if isinstance(signalled, Signalled) else "exit"
+    logger.warning("%s: ending every rank (exit code %d)", cause, code)
     logging.shutdown()
     time.sleep(ABORT_GRACE)  # as abort() does: mpirun forwards that line before it tears the job down
     comm.Abort(code)
@@ -139,17 +176,17 @@ def keep_pmi_lines_short() -> bool:
 
 
 class GracefulStop:
-    """While installed (training), SIGTERM or SIGINT asks for a graceful stop: ``requested`` is set, and the ranks
-    checkpoint and exit.
+    """While installed (training), SIGTERM, SIGINT or SIGUSR1 asks for a graceful stop: ``requested`` is set, and the
+    ranks checkpoint and exit.
 
     A stop sent to the whole job (``scancel``, a Slurm time limit, ``kill -TERM -PGID``) reaches each rank
     several times: directly, through ``mpiexec`` or ``srun``, through ``melissa-launcher``. So the same signal
     again within ``REPEATS`` seconds of its first is that same stop; later (the stop has had its time), it means
-    exit now, as SIGQUIT does at any time. SIGINT's window is short, so that a second Ctrl-C from a terminal
-    exits at once.
+    exit now, as SIGQUIT does at any time. SIGINT's window is short, so that a second Ctrl-C from a terminal, a
+    second or more after the first, exits at once.
     """
 
-    REPEATS: ClassVar[dict[int, float]] = {signal.SIGTERM: 5.0, signal.SIGINT: 1.0}
+    REPEATS: ClassVar[dict[int, float]] = {signal.SIGTERM: 5.0, signal.SIGINT: 1.0, signal.SIGUSR1: 5.0}
 
     def __init__(self) -> None:
         self.requested = False
@@ -158,6 +195,12 @@ class GracefulStop:
     def install(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+
+    def done(self) -> None:
+        """The stop is made (its checkpoint committed, or given up on): a late copy of it, such as srun's
+        termination of the ranks slower to end than the first, changes nothing."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _ignore)
 
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()

@@ -403,13 +403,17 @@ class Study:
         self._launcher.kill(sim.id)
         self._failed(sim, reason, retry=False)
 
-    def tick(self, reports: Sequence[ReceiverReport], now: float | None = None) -> None:
-        """Merge the ranks' reports, reap jobs and decide each running simulation's fate."""
+    def tick(self, reports: Sequence[ReceiverReport], now: float | None = None, stopping: bool = False) -> None:
+        """Merge the ranks' reports, reap jobs and decide each running simulation's fate.
+
+        ``stopping``: the server was asked to stop. A stop sent to the whole job (``scancel``) reaches the
+        simulations too, so an attempt that ends now is no failure: the checkpoint to come holds it unfinished, and
+        the resumed study runs it again. Nothing new is launched either, only to be killed."""
         now = time.monotonic() if now is None else now
-        for sid in self._sent:  # every rank knows their parameters since the last round
+        for sid in [] if stopping else self._sent:  # every rank knows their parameters since the last round
             if self.simulations[sid].state is State.QUEUED:  # not given up on meanwhile
                 self._launch(self.simulations[sid])
-        self._sent = []
+        self._sent = self._sent if stopping else []
         backpressure = self._merge(reports, now)
         ended = self._launcher.poll()
         for sid, code in ended:
@@ -432,23 +436,28 @@ class Study:
                 sim.last_activity = now
                 logger.info("simulation %d done (%d steps, attempt %d)", sim.id, sim.received, sim.attempts - 1)
                 continue
-            if sim.state is State.QUEUED:
-                if sim.id not in running and sim.exit_code is None:
-                    continue  # still waiting for a job slot (a job that could not start has an exit code)
-                self._set_state(sim, State.RUNNING)
-                sim.last_activity = now  # the timeout clock starts with the job
-            if backpressure:
-                sim.last_activity = now  # a stalled server is not the simulation's fault
-            if sim.exit_code not in (None, 0):
-                self._failed(sim, f"exit code {sim.exit_code}", retry=sim.exit_code not in NOT_RUNNABLE)
-            elif sim.exit_code == 0 and sim.announced:
-                self._failed(sim, "exited with steps missing")
-            elif sim.exit_code == 0 and now - sim.last_activity > EXIT_GRACE:  # type: ignore[operator]
-                self._failed(sim, "exited 0 without finalize")
-            elif now - sim.last_activity > self._timeout:  # type: ignore[operator]
-                self._launcher.kill(sim.id)
-                self._failed(sim, f"no data for {self._timeout:g} s")
+            if not stopping:
+                self._judge(sim, sim.id in running, now, backpressure)
         self._look_ahead(now)
+
+    def _judge(self, sim: Simulation, running: bool, now: float, backpressure: bool) -> None:
+        """An attempt not complete: started now, or failed by its exit or its silence."""
+        if sim.state is State.QUEUED:
+            if not running and sim.exit_code is None:
+                return  # still waiting for a job slot (a job that could not start has an exit code)
+            self._set_state(sim, State.RUNNING)
+            sim.last_activity = now  # the timeout clock starts with the job
+        if backpressure:
+            sim.last_activity = now  # a stalled server is not the simulation's fault
+        if sim.exit_code not in (None, 0):
+            self._failed(sim, f"exit code {sim.exit_code}", retry=sim.exit_code not in NOT_RUNNABLE)
+        elif sim.exit_code == 0 and sim.announced:
+            self._failed(sim, "exited with steps missing")
+        elif sim.exit_code == 0 and now - sim.last_activity > EXIT_GRACE:  # type: ignore[operator]
+            self._failed(sim, "exited 0 without finalize")
+        elif now - sim.last_activity > self._timeout:  # type: ignore[operator]
+            self._launcher.kill(sim.id)
+            self._failed(sim, f"no data for {self._timeout:g} s")
 
     def _look_ahead(self, now: float) -> None:
         """After a round: the sampler told what training learnt, the next simulations drawn, the study given up

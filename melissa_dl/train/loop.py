@@ -148,10 +148,11 @@ class Bookkeeping:
         """Also after the study is over: draining the buffers still commits checkpoints and beats the heart."""
         return time.monotonic() >= self.next_sync
 
-    def sync(self, consumer: Consumer) -> None:
-        """Collective: rank 0 learns what every rank received and its ``consumer`` consumed, advances the study,
-        shows where it and training stand, and tells the ranks which attempts are current, which simulations
-        finished, and whether the study is over."""
+    def sync(self, consumer: Consumer, stopping: bool = False) -> None:
+        """Collective: rank 0 learns what every rank received and its ``consumer`` consumed, advances the study
+        (``stopping``: without failing or launching simulations, see ``Study.tick``), shows where it and training
+        stand, and tells the ranks which attempts are current, which simulations finished, and whether the study is
+        over."""
         self.receiver.check()
         reports = self.gather(consumer)
         total = self.comm.reduce(consumer.consumed())  # rank 0's; None elsewhere
@@ -163,7 +164,7 @@ class Bookkeeping:
                 raise self.handshake.error
             for sim, reason in self.handshake.take_failures():
                 self.study.fail(sim, reason)
-            self.study.tick(reports)
+            self.study.tick(reports, stopping=stopping)
             for generation in self.study.take_generations():
                 generation.write(self.metrics)
             self.status.update(time.monotonic(), self.study, reports, total, consumer.status())
@@ -304,7 +305,7 @@ class Loop:
                 self._wait(self._exchange(flags, pending))
             ready, ahead = pending is not None and pending is not END, False
             if flags[DUE]:
-                self.bookkeeping.sync(consumer)
+                self.bookkeeping.sync(consumer, stopping=bool(flags[STOP]) or self.stop.requested)
                 if self.checkpoints is not None:
                     self.checkpoints.sync(ended=self.bookkeeping.take_ended())
             if flags[ENDED] >= (1 if synchronous else self.size):

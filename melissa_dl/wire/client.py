@@ -179,7 +179,7 @@ class _Questions:
 
     def ask(self, question: bytes, every: float = 0.0) -> None:
         """Send ``question`` if none is open and ``every`` seconds have passed since the last one, or if the open
-        one was lost (a full queue: the rank is unreachable, which silence tells)."""
+        one was lost. Not sent if the link's queue is full: the rank is then unreachable, which silence tells."""
         self.link.update()
         since = time.monotonic() - self.last_asked
         if self.asked is None:

@@ -572,6 +572,19 @@ static int send_finalize(size_t rank, const size_t *counts) {
     return code;
 }
 
+/* The FINALIZE to a rank sent again if its link reconnected since ``*drops`` (it may be lost with the connection),
+ * not counted: it stands for the lost one. */
+static int resend_finalize(size_t rank, const size_t *counts, unsigned *drops) {
+    mdl_link *link = &client.links[rank];
+    if (!link->up || link->drops <= *drops)
+        return MELISSA_DL_OK;
+    uint64_t sent = client.sent[rank];
+    int code = send_finalize(rank, counts);
+    client.sent[rank] = sent;
+    *drops = link->drops;
+    return code;
+}
+
 /* Wait until every rank confirms it read every message sent to it (or its simulation ended), for as long as the
  * ranks live; a FINALIZE lost with a broken connection is sent again (not counted: it stands for the lost one). */
 static int await_delivery(const size_t *counts) {
@@ -595,7 +608,7 @@ static int await_delivery(const size_t *counts) {
             bool finalized, ended;
             int got = answer(r, &read, &finalized, &ended);
             if (got == 0)
-                ask_rank(r, true, 0); /* if it was lost */
+                ask_rank(r, true, 0); /* again, if it was lost */
             if (got <= 0) {
                 code = got < 0 ? got : alive(r);
                 continue;
@@ -612,13 +625,7 @@ static int await_delivery(const size_t *counts) {
                             (unsigned long long)(client.sent[r] - read));
                 continue;
             }
-            mdl_link *link = &client.links[r];
-            if (link->up && link->drops > drops[r]) { /* reconnected since: the FINALIZE may be lost */
-                uint64_t sent = client.sent[r];
-                code = send_finalize(r, counts);
-                client.sent[r] = sent;
-                drops[r] = link->drops;
-            }
+            code = resend_finalize(r, counts, &drops[r]);
             ask_rank(r, true, 0);
         }
     }

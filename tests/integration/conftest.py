@@ -227,14 +227,16 @@ def wait_for(condition: Callable[[], bool], process: Running, timeout: float = 1
 
 
 def process_tree(pid: int) -> list[int]:
-    """``pid`` and every process descended from it (Linux /proc), parents first."""
+    """``pid`` and every process descended from it (Linux /proc), parents first: the children of each of its threads
+    (rank 0's launcher thread starts the simulations)."""
     tree = [pid]
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:  # gone
-        return tree
-    for child in children:
-        tree += process_tree(int(child))
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:  # gone
+            continue
+        for child in children:
+            tree += process_tree(int(child))
     return tree
 
 

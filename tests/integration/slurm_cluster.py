@@ -163,8 +163,7 @@ class SlurmCluster:
                 # MPICH names its shared memory after the job id: a rank killed by a test leaves its segment in
                 # /dev/shm, which the same job id on the next test cluster would attach to and fail in MPI_Init
                 f"FirstJobId={random.SystemRandom().randrange(1000, 60_000_000)}",
-                # Slurm's default: what a cancelled server's graceful stop (a batch, a checkpoint) has before SIGKILL
-                "KillWait=30",
+                "KillWait=5",
                 # across hosts, a node that does not answer is down within seconds, as the tests of its loss need
                 *([f"SlurmdTimeout={NODE_TIMEOUT}", "MessageTimeout=3"] if self.hosts is not None else []),
                 *self._nodes(),

@@ -77,9 +77,12 @@ def resume_a_copy(stopped: Path, output: Path) -> dict:
     return paced_config(output)
 
 
-def test_sigterm_before_training_ends_every_rank_even_one_inside_a_collective(tmp_path: Path, output: Path) -> None:
-    """Before training, SIGTERM is an exit: rank 0, still building its held-out set, exits, while rank 1
-    waits for it inside a collective, where Python sees no signal. The job must end all the same."""
+def test_sigterm_before_training_ends_every_rank_with_75_even_one_inside_a_collective(
+    tmp_path: Path, output: Path
+) -> None:
+    """Before training, SIGTERM ends the job at once with 75 (nothing to checkpoint: the same command resumes):
+    rank 0, still building its held-out set, exits, while rank 1 waits for it inside a collective, where Python
+    sees no signal. The job must end all the same."""
     marker = tmp_path / "stalled"
     config = paced_config(output)
     config["training"]["options"] = {"stall_rank": 0, "stall_marker": str(marker)}
@@ -88,8 +91,8 @@ def test_sigterm_before_training_ends_every_rank_even_one_inside_a_collective(tm
     time.sleep(1)  # rank 1 reaches its collective
     process.send_signal(signal.SIGTERM)
     log, _ = process.communicate(timeout=30)
-    assert process.returncode == 128 + signal.SIGTERM, log
-    assert "signal 15: ending every rank" in log
+    assert process.returncode == EXIT_STOPPED, log
+    assert "signal 15: ending every rank (exit code 75)" in log and "Traceback" not in log
 
 
 def final_ledgers(output: Path) -> list[Ledger]:
@@ -201,15 +204,15 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def assert_stopped_after_a_final_checkpoint(log: str, output: Path) -> None:
-    """Every rank stopped gracefully on the signal, and a checkpoint was committed after it; no rank ended at once,
+def assert_stopped_after_a_final_checkpoint(log: str, output: Path, sig: int = signal.SIGTERM) -> None:
+    """Every rank stopped gracefully on ``sig``, and a checkpoint was committed after it; no rank ended at once,
     nothing printed a traceback."""
     assert "ending every rank" not in log and "Traceback" not in log, log
-    rank0 = (output / "logs" / "rank0.log").read_text()
-    signalled = rank0.index("signal 15: stopping after a checkpoint")
+    rank0, said = (output / "logs" / "rank0.log").read_text(), f"signal {sig}: stopping after a checkpoint"
+    signalled = rank0.index(said)
     assert re.search(r"checkpoint v\d+ committed", rank0[signalled:]), rank0
     assert "stopped on request" in rank0[signalled:]
-    assert "signal 15: stopping after a checkpoint" in (output / "logs" / "rank1.log").read_text()
+    assert said in (output / "logs" / "rank1.log").read_text()
 
 
 @pytest.mark.parametrize("times", [1, 2])
@@ -217,8 +220,9 @@ def test_sigterm_to_every_process_of_a_supervised_study_is_one_graceful_stop(
     tmp_path: Path, output: Path, times: int
 ) -> None:
     """As ``scancel`` or ``kill -TERM -PGID`` does: each rank gets its own SIGTERM, the one mpirun passes on and
-    the one the supervisor passes on, all one stop (twice: the same again 100 ms later). The supervised study exits
-    75 after a final checkpoint, and the same command resumes it to its end, every step once."""
+    the one the supervisor passes on, all one stop (twice: the same again 100 ms later), and the simulations die of
+    theirs. The supervised study exits 75 after a final checkpoint, and the same command resumes it to its end, every
+    step once, no simulation counted as failed."""
     config = paced_config(output, server_timeout=60.0, max_server_restarts=2)
     supervise = [sys.executable, "-m", "melissa_dl.supervisor", server_command(tmp_path, config, 2)[-1], "-n", "2"]
     supervisor = start(supervise)
@@ -236,6 +240,7 @@ def test_sigterm_to_every_process_of_a_supervised_study_is_one_graceful_stop(
     assert "resuming from checkpoint" in (output / "logs" / "rank0.log").read_text()
     report = json.loads((output / "report.json").read_text())
     assert report["simulations"]["done"] == SIMULATIONS and report["samples_received"] == SIMULATIONS * STEPS
+    assert [s["reason"] for s in report["per_simulation"]] == [""] * SIMULATIONS  # the stop failed none
     assert_every_step_once(output, ranks=2)
 
 
@@ -331,6 +336,7 @@ def test_every_sampler_resumes_from_checkpoints_taken_before_its_first_draw(
     for pid in processes_mentioning(str(tmp_path)):  # mpirun, the rank, the waiting held-out simulation
         os.kill(pid, signal.SIGKILL)
     process.communicate(timeout=30)
+    assert process.returncode != 0
     assert drawn_in_checkpoint(output) == 0
     first = newest_version(output)
     process = start(server_command(tmp_path, config, 1))

@@ -35,6 +35,8 @@ from slurm_cluster import BatchJob, SlurmCluster
 from test_example_configs import check
 from test_fault_tolerance import assert_every_step_once, assert_stopped_after_a_final_checkpoint
 
+from melissa_dl.runtime.status import EXIT_STOPPED
+
 # xdist_group: the clusters' tests share one worker, one after another, which starts them before the other tests
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("clusters")]
 
@@ -264,25 +266,32 @@ def test_the_example_batch_script_restarts_a_server_rank_killed_with_kill_9(
     assert slurm.run("squeue", "--noheader").strip() == "", "a job of the study outlived it"
 
 
-@pytest.mark.parametrize("times", [1, 2])
-def test_scancel_of_the_example_batch_job_stops_the_study_after_a_checkpoint_and_it_resumes(
-    tmp_path: Path, output: Path, slurm: SlurmCluster, times: int
+@pytest.mark.parametrize("how", ["every rank", "every rank, twice", "the batch script"])
+def test_a_stop_of_the_example_batch_job_checkpoints_and_the_study_resumes(
+    tmp_path: Path, output: Path, slurm: SlurmCluster, how: str
 ) -> None:
-    """examples/heat_pde/study.sbatch, cancelled (twice: again 100 ms later): Slurm signals every process of the
-    job, the supervisor, srun and the server ranks alike. One graceful stop: the supervisor exits 75 after a final
-    checkpoint; submitted again, the study resumes to its end, every step once."""
+    """examples/heat_pde/study.sbatch stopped with SIGTERM from ``scancel``: on every server rank at once (its
+    steps' tasks; twice: again 100 ms later), or on the batch script alone, as ``#SBATCH --signal=B:TERM@120`` does
+    before a time limit (the supervisor passes it on through srun as SIGUSR1: srun answers SIGTERM by killing its
+    tasks). One graceful stop: the job exits 75 after a final checkpoint; submitted again, the study resumes to its
+    end, every step once."""
     config = paced_config(output, server_timeout=30.0, max_server_restarts=2, scheduler="slurm")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     job = sbatch(slurm, tmp_path, str(EXAMPLE / "study.sbatch"), str(path), env=venv_environment())
     wait_for(lambda: committed(output), job, timeout=120)
-    for time_ in range(times):
-        time.sleep(0.1 * time_)
-        slurm.run("scancel", job.id)
-    job.wait(timeout=120)
+    scancel = ["scancel", "--signal=TERM", *(["--batch"] if how == "the batch script" else []), job.id]
+    slurm.run(*scancel)
+    if how.endswith("twice"):
+        time.sleep(0.1)
+        slurm.run(*scancel)
+    code = job.wait(timeout=120)
     log = (tmp_path / "job.out").read_text()
-    assert_stopped_after_a_final_checkpoint(log, output)
-    assert "server stopped on request (exit code 75)" in log, log
+    assert code == EXIT_STOPPED, log
+    assert_stopped_after_a_final_checkpoint(
+        log, output, signal.SIGUSR1 if how == "the batch script" else signal.SIGTERM
+    )
+    assert "server stopped on request (its exit code 75)" in log, log
     assert not (output / "report.json").exists()
     job = sbatch(slurm, tmp_path, str(EXAMPLE / "study.sbatch"), str(path), env=venv_environment())
     assert job.wait(timeout=240) == 0, (tmp_path / "job.out").read_text()

@@ -399,6 +399,22 @@ def test_a_restored_study_relaunches_only_what_was_not_finished() -> None:
     assert restored.state(1) is State.FAILED  # the failure before the restart still counts
 
 
+def test_simulations_that_a_job_wide_stop_ends_are_no_failures_and_run_again_on_resume() -> None:
+    """``scancel`` signals the simulations with the server: while the server stops, an attempt that ends is left
+    unfinished, not failed (none retry is spent, even with none to spend), and nothing new is launched."""
+    h = Harness(simulations=3, max_retries=0, job_limit=1)  # 0 and 1 launched (one wave ahead), 2 drawn later
+    h.running(0.0, 0, 1)
+    h.launcher.exit(0, -15)
+    h.launcher.exit(1, 143)
+    h.study.tick([ReceiverReport()] * RANKS, now=1.0, stopping=True)
+    h.study.tick([ReceiverReport()] * RANKS, now=2.0, stopping=True)
+    assert [h.state(s) for s in range(3)] == [State.RUNNING, State.RUNNING, State.QUEUED]
+    assert [sim.failures for sim in h.study.simulations] == [0, 0, 0]
+    assert [(sim, attempt) for sim, attempt, _ in h.launcher.submitted] == [(0, 0), (1, 0)]  # 2 not launched
+    restored = Harness(simulations=3, max_retries=0, job_limit=1, restored=h.study.state_dict())
+    assert sorted((sim, attempt) for sim, attempt, _ in restored.launcher.submitted) == [(0, 1), (1, 1), (2, 0)]
+
+
 def test_a_deterministic_refusal_fails_the_simulation_at_once_without_retry(h: Harness) -> None:
     h.running(0.0, 0, 1)
     h.study.take_news()

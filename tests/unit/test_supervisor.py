@@ -28,15 +28,18 @@ FAILING = (
     "import sys; from pathlib import Path; from melissa_dl.runtime.status import record_failure; "
     "sys.argv[2:] and record_failure(Path(sys.argv[1]), ValueError(sys.argv[2]), None); sys.exit(1)"
 )
-# A server that says it is ready (its handler installed), then exits 75 after exactly one SIGTERM (1 after none
-# within 20 s, or more than one: a stop passed on twice).
+# A server that says it is ready (its handlers installed), then exits 75 after exactly one signal argv[2] (1 after
+# none within 20 s, more than one: a stop passed on twice, or another signal).
 STOPPABLE = (
     "import signal, sys, time; from pathlib import Path; got = []; "
-    "signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum)); Path(sys.argv[1]).touch(); "
-    "deadline = time.monotonic() + 20\n"
+    "[signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGTERM, signal.SIGUSR1)]; "
+    "Path(sys.argv[1]).touch(); deadline = time.monotonic() + 20\n"
     "while not got and time.monotonic() < deadline: time.sleep(0.01)\n"
-    "time.sleep(0.3); sys.exit(75 if got == [signal.SIGTERM] else 1)"
+    "time.sleep(0.3); sys.exit(75 if got == [int(sys.argv[2])] else 1)"
 )
+
+# A server killed by the stop before its ranks could checkpoint (mpirun's start, a rank's start-up): it dies of it.
+DYING = "import sys, time; from pathlib import Path; Path(sys.argv[1]).touch(); time.sleep(20); sys.exit(1)"
 
 
 @pytest.fixture
@@ -89,15 +92,29 @@ def signalled_during_start(ready: Path, skipped: int) -> type[subprocess.Popen[b
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["first start", "restart"])
+@pytest.mark.parametrize("stop_as", [None, signal.SIGUSR1], ids=["mpirun", "srun"])
 def test_a_stop_that_comes_while_a_server_starts_reaches_it_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_signals: None, restart: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_signals: None, restart: bool, stop_as: signal.Signals | None
+) -> None:
+    """Through srun a stop is passed on as SIGUSR1 (srun answers SIGTERM by killing its tasks)."""
+    ready = tmp_path / "ready"
+    stoppable = [sys.executable, "-c", STOPPABLE, str(ready), str(int(stop_as or signal.SIGTERM))]
+    made = supervisor(tmp_path, monkeypatch, [failing(tmp_path, None), stoppable] if restart else [stoppable])
+    made.stop_as = stop_as  # what the launching scheduler says (``command``, replaced here, sets it)
+    monkeypatch.setattr(supervisor_module.subprocess, "Popen", signalled_during_start(ready, int(restart)))
+    assert made.run() == EXIT_STOPPED  # the stand-in got exactly one stop, the right one, and nothing was restarted
+    assert made.stop == signal.SIGTERM and ready.exists()
+
+
+def test_a_server_that_a_stop_ended_before_it_could_checkpoint_makes_the_supervisor_exit_75(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, own_signals: None
 ) -> None:
     ready = tmp_path / "ready"
-    stoppable = [sys.executable, "-c", STOPPABLE, str(ready)]
-    made = supervisor(tmp_path, monkeypatch, [failing(tmp_path, None), stoppable] if restart else [stoppable])
-    monkeypatch.setattr(supervisor_module.subprocess, "Popen", signalled_during_start(ready, int(restart)))
-    assert made.run() == EXIT_STOPPED  # the stand-in got exactly one SIGTERM, and nothing was restarted
-    assert made.stop == signal.SIGTERM and ready.exists()
+    made = supervisor(tmp_path, monkeypatch, [[sys.executable, "-c", DYING, str(ready)]])
+    monkeypatch.setattr(supervisor_module.subprocess, "Popen", signalled_during_start(ready, 0))
+    with caplog.at_level(logging.INFO, logger="melissa-launcher"):
+        assert made.run() == EXIT_STOPPED  # not restarted, and the code that says "resume"
+    assert [r.getMessage().split(";")[0] for r in caplog.records] == ["server stopped on request (its exit code -15)"]
 
 
 @pytest.mark.parametrize(
