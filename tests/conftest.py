@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import sys
 import types
+from collections.abc import Iterator
 
 import pytest
 
@@ -13,6 +15,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     collector's way, its full collections, during the tests and at the process's exit, no longer walk it (about
     2 s of a ``tests/mpi`` run on 3 ranks), as ``melissa-server``'s ranks do once their trainer is built."""
     gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def finite_compile_ends_with_its_test() -> Iterator[None]:
+    """The non-finite check's loop compiles in a thread of its own (``ingest/finite.py``), adding ~120 MB to the
+    process: one that a test started must end with that test, not grow the next one's memory (a measure of it)."""
+    yield
+    finite = sys.modules.get("melissa_dl.ingest.finite")
+    if finite is not None and finite._compiler is not None:
+        finite._compiler.join()
 
 
 class Clock:

@@ -220,10 +220,10 @@ def wait_for(condition: Callable[[], bool], process: Running, timeout: float = 1
     def held() -> bool:
         if condition():
             return True
-        assert process.poll() is None, f"exited with {process.returncode} before the condition held"
+        assert process.poll() is None, f"exited with {process.returncode} before the condition held: {process}"
         return False
 
-    assert wait_until(held, timeout), "condition not met in time"
+    assert wait_until(held, timeout), f"condition not met in {timeout:.0f} s: {process}"
 
 
 def process_tree(pid: int) -> list[int]:

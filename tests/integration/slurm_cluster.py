@@ -54,11 +54,22 @@ class BatchJob:
             self.returncode = 128 + int(code.group(2)) if int(code.group(2)) else int(code.group(1))
         return self.returncode
 
+    def __str__(self) -> str:
+        """The job as scontrol shows it, the end of its output and the daemons' logs: for a failure message."""
+        try:
+            shown = self._cluster.run("scontrol", "--oneliner", "show", "job", self.id)
+        except subprocess.CalledProcessError as error:
+            return f"Slurm job {self.id}: {error}\n{self._cluster.logs()}"
+        output = re.search(r"\bStdOut=(\S+)", shown)
+        path = Path(output.group(1)) if output is not None else None
+        tail = path.read_text(errors="replace").splitlines()[-60:] if path is not None and path.exists() else []
+        return "\n".join([shown.strip(), f"--- {path}", *tail, self._cluster.logs()])
+
     def wait(self, timeout: float = 240) -> int:
         deadline = time.monotonic() + timeout
         while (code := self.poll()) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"Slurm job {self.id} still not ended after {timeout:.0f} s\n{self._cluster.logs()}")
+                raise TimeoutError(f"still not ended after {timeout:.0f} s: {self}")
             time.sleep(0.3)
         return code
 

@@ -251,7 +251,7 @@ def test_the_example_batch_script_restarts_a_server_rank_killed_with_kill_9(
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     job = sbatch(slurm, tmp_path, str(EXAMPLE / "study.sbatch"), str(path), env=venv_environment())
-    wait_for(lambda: committed(output), job, timeout=120)
+    wait_for(lambda: committed(output), job, timeout=240)
     pid = int(re.search(r"server rank 1 of 2, pid (\d+)", (output / "logs" / "rank1.log").read_text()).group(1))
     os.kill(pid, signal.SIGKILL)
     code = job.wait(timeout=240)
@@ -279,7 +279,7 @@ def test_a_stop_of_the_example_batch_job_checkpoints_and_the_study_resumes(
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     job = sbatch(slurm, tmp_path, str(EXAMPLE / "study.sbatch"), str(path), env=venv_environment())
-    wait_for(lambda: committed(output), job, timeout=120)
+    wait_for(lambda: committed(output), job, timeout=240)
     scancel = ["scancel", "--signal=TERM", *(["--batch"] if how == "the batch script" else []), job.id]
     slurm.run(*scancel)
     if how.endswith("twice"):  # the stop's copy: one stop still
