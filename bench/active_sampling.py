@@ -1,4 +1,5 @@
-"""Active sampling against blind sampling, at the same number of simulations (DESIGN.md §11).
+"""Active sampling against blind sampling, at the same number of simulations
+(docs/explanation/performance.md#what-the-targets-are).
 
 Runs the Burgers example (``examples/burgers``: ``c`` and ``nu`` swept, the
 difficulty concentrated in the thin slab of small viscosities where shocks

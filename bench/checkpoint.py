@@ -1,4 +1,5 @@
-"""Checkpoint write speed and training stall (DESIGN.md §11, row "checkpoint write").
+"""Checkpoint write speed and training stall
+(docs/explanation/performance.md#what-the-targets-are, row "checkpoint write").
 
 Two figures, each against a baseline measured in the same run (median of ``--repeat``):
 

@@ -1,4 +1,5 @@
-"""Ingest throughput of one server rank against raw pyzmq PUSH/PULL (DESIGN.md §11).
+"""Ingest throughput of one server rank against raw pyzmq PUSH/PULL
+(docs/explanation/performance.md#what-the-targets-are).
 
 All sides move the same bytes in the same run: ``--clients`` processes each
 send ``--steps`` messages of ``--mib`` MiB of float32. The baseline is a bare

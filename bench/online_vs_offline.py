@@ -1,4 +1,5 @@
-"""Online against offline training, in a comparison that only honesty can win (DESIGN.md §11, last row).
+"""Online against offline training, in a comparison that only honesty can win
+(docs/explanation/performance.md#what-the-targets-are, row "online vs offline").
 
 Both sides train the example's ``HeatSurrogate`` (same architecture, fused
 Adam, lr, seed) on the heat equation with six parameters (five temperatures

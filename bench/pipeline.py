@@ -1,4 +1,5 @@
-"""Buffer -> batch pipeline against iterating pre-stacked tensors (DESIGN.md §11).
+"""Buffer -> batch pipeline against iterating pre-stacked tensors
+(docs/explanation/performance.md#what-the-targets-are).
 
 The pipeline side is the real path: a buffer from ``make_buffer(kind, ...)``
 holding ``Sample``s of numpy arrays (as the receiver builds them), pre-filled
@@ -41,8 +42,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from melissa_dl.buffers.kinds import BUFFER_KINDS, Buffer, make_buffer
+from melissa_dl.buffers.kinds import Buffer, make_buffer
 from melissa_dl.buffers.sample import Sample
+from melissa_dl.config.registry import BUFFERS
 from melissa_dl.train.dataset import END, StreamDataset, collate
 
 TARGET = 0.8
@@ -148,7 +150,7 @@ def main() -> None:
         nbytes = samples[0].nbytes
         if size == "small":
             profile(samples, args.batch)
-        for kind, deterministic in itertools.product(BUFFER_KINDS, (True, False)):
+        for kind, deterministic in itertools.product(BUFFERS, (True, False)):
             indices = batch_indices(kind, n, args.batch, gen)
             pipe, base = [], []
             for _ in range(args.repeat):  # interleaved, so drifts hit both sides

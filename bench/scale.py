@@ -1,4 +1,5 @@
-"""Ten thousand simulations, a thousand at once, on one node (DESIGN.md §11, issue 31).
+"""Ten thousand simulations, a thousand at once, on one node
+(docs/explanation/performance.md#what-the-targets-are, issue 31).
 
 Runs ``mpirun -n 2 melissa-server`` on a study of ``--simulations`` C clients
 (``scale_client`` from ``make native``: one 8x8 float32 field, 5 steps, each

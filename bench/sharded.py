@@ -1,4 +1,5 @@
-"""Sharded embedding lookup + update on K ranks against one rank doing all the work (DESIGN.md §11).
+"""Sharded embedding lookup + update on K ranks against one rank doing all the work
+(docs/explanation/performance.md#what-the-targets-are).
 
 Run under ``mpirun -n 2``. Every step, each of the K ranks draws a batch of
 ``--batch`` uniform ids from a ``--rows x --dim`` table and runs forward, a

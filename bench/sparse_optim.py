@@ -1,4 +1,5 @@
-"""Sparse optimizer rows/s against ``nn.Embedding(sparse=True)`` + ``SparseAdam`` (DESIGN.md §11).
+"""Sparse optimizer rows/s against ``nn.Embedding(sparse=True)`` + ``SparseAdam``
+(docs/explanation/performance.md#what-the-targets-are).
 
 A 1,000,000 x 64 float32 table, batches of 4096 ids from two distributions:
 uniform, and Zipf (numpy ``zipf(a=1.2)``, folded into the table and sent

@@ -1,4 +1,5 @@
-"""Per-step cost of the server's lockstep loop against a plain training loop (issue 14, DESIGN.md §11).
+"""Per-step cost of the server's lockstep loop against a plain training loop
+(issue 14, docs/explanation/performance.md#what-the-targets-are).
 
 Run under ``mpirun -n K`` (K >= 2). Both sides train the same model (an MLP
 from 5 parameters to a ``--side`` x ``--side`` field, Adam, MSE) on the same
@@ -51,11 +52,12 @@ from melissa_dl import Sample, TrainingModule
 from melissa_dl.buffers.kinds import make_buffer
 from melissa_dl.checkpoint.manager import CheckpointManager
 from melissa_dl.checkpoint.snapshots import BackgroundCopies
-from melissa_dl.config import Config, parse_config
+from melissa_dl.config.sections import Config, parse_config
 from melissa_dl.ingest.assembly import StreamSpec
 from melissa_dl.ingest.receiver import Receiver
 from melissa_dl.runtime.metrics import Metrics
 from melissa_dl.runtime.mpi import GracefulStop
+from melissa_dl.study.sampling import parameter_table
 from melissa_dl.train.dataset import StreamDataset
 from melissa_dl.train.loop import Bookkeeping, Loop
 from melissa_dl.train.trainer import Trainer
@@ -155,7 +157,7 @@ def server_side(
     rank, size = comm.Get_rank(), comm.Get_size()
     training = config.training
     buffer = make_buffer("fifo", capacity_samples=None, capacity_bytes=None, watermark=0, seed=rank)
-    spec = StreamSpec.from_config(config.server, config.study, config.study.parameter_table(), b"x" * 32, rank, size)
+    spec = StreamSpec.from_config(config.server, config.study, parameter_table(config.study), b"x" * 32, rank, size)
     receiver = Receiver(spec, buffer, "127.0.0.1", config.server.receive_queue_bytes)
     receiver.start_and_bind()
     checkpoints = CheckpointManager(config, comm)
@@ -173,7 +175,7 @@ def server_side(
     step = trainer.step
     trainer.step = lambda batch: (step(batch), stamps.append(time.perf_counter()))  # type: ignore[method-assign]
     comm.Barrier()
-    loop.train(trainer, dataset.next_batch)
+    loop.train(trainer, dataset.next_batch, training.stall_timeout)
     receiver.stop()
     assert len(stamps) == steps, f"rank {rank} trained {len(stamps)} of {steps} batches"
     return comm.allreduce(per_step(stamps, warmup), op=MPI.MAX)

@@ -6,8 +6,8 @@ The server decides what runs, retries and states; this package only runs process
 
 from __future__ import annotations
 
-from launcher.jobs import NOT_RUNNABLE, SCHEDULERS, START_FAILED, Launcher, make_scheduler, scheduler_class
-from launcher.samplers import SAMPLERS, Breeding, Sampler, make_sampler
+from launcher.jobs import NOT_RUNNABLE, START_FAILED, Launcher
+from launcher.samplers import Breeding, Sampler
 from launcher.schedulers import (
     KILL_GRACE,
     Job,
@@ -21,8 +21,6 @@ from launcher.schedulers import (
 __all__ = [
     "Breeding",
     "KILL_GRACE",
-    "SAMPLERS",
-    "SCHEDULERS",
     "START_FAILED",
     "Job",
     "JobTemplate",
@@ -33,7 +31,4 @@ __all__ = [
     "Sampler",
     "Scheduler",
     "child_environment",
-    "make_sampler",
-    "make_scheduler",
-    "scheduler_class",
 ]

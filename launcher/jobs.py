@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import heapq
-import importlib
 import logging
 import math
 import select
@@ -26,9 +25,7 @@ from pathlib import Path
 from launcher.placeholders import Placeholders
 from launcher.schedulers import (
     KILL_GRACE,
-    JobTemplate,
     RunningJob,
-    Scheduler,
     SchedulerUnavailable,
     Starter,
     open_log,
@@ -53,28 +50,6 @@ UNAVAILABLE_LIMIT = 1800.0
 """Seconds in a row a scheduler may be unavailable before an attempt it cannot take fails (counted, as any start
 that failed): a controller restarted or failed over is back well within them; one that is not, a study cannot
 wait for."""
-
-
-SCHEDULERS = {
-    "local": "launcher.schedulers:LocalScheduler",
-    "mpirun": "launcher.schedulers:MpirunScheduler",
-    "slurm": "launcher.slurm:SlurmScheduler",
-    "srun": "launcher.slurm:SrunScheduler",
-}
-"""The schedulers by the name ``launcher.scheduler`` gives, as ``module:class`` (the config's choices and its
-sections ``launcher.<name>`` come from here)."""
-
-
-def scheduler_class(kind: str) -> type[Scheduler]:
-    """The class of the scheduler ``kind`` (a name of ``SCHEDULERS``)."""
-    module, _, name = SCHEDULERS[kind].partition(":")
-    found: type[Scheduler] = getattr(importlib.import_module(module), name)
-    return found
-
-
-def make_scheduler(kind: str, job: JobTemplate) -> Scheduler:
-    """The scheduler ``kind`` (a name of ``SCHEDULERS``) running ``job``'s command."""
-    return scheduler_class(kind).from_job(job)
 
 
 class Slots:

@@ -5,7 +5,7 @@ order, shortly before it launches them, and tells it what training learnt of
 each finished one (its loss statistic, :mod:`melissa_dl.study.learning`). Every
 sampler's answers depend only on its seed and on what it was told, never on
 timing, and its state (``state_dict``) is part of every checkpoint, so a
-resumed study asks on exactly where it stopped. Kinds (``SAMPLERS``):
+resumed study asks on exactly where it stopped. Kinds (``melissa_dl/config/registry.py``'s ``SAMPLERS``):
 
 - ``uniform``: i.i.d. in ``[low, high]``;
 - ``sobol``, ``halton``: scrambled low-discrepancy sequences
@@ -181,12 +181,6 @@ class ListSampler(TableSampler):
         super().__init__(low, high, seed, simulations, np.array(values, dtype=np.float64))
 
 
-SPACE_FILLING: dict[str, type[Sampler]] = {
-    cls.kind: cls for cls in (UniformSampler, SobolSampler, HaltonSampler, LhsSampler)
-}
-"""The kinds that need nothing but bounds, a seed and a count: also the adaptive sampler's base."""
-
-
 @dataclass(frozen=True)
 class Breeding:
     """The adaptive sampler's settings (``study.adaptive``; see docs/tutorials/active-sampling.md)."""
@@ -199,7 +193,6 @@ class Breeding:
     start: float  # bred fraction of the first bred generation
     end: float  # bred fraction from generation ``breakpoint`` on
     breakpoint: int
-    base: str = "halton"  # the space-filling kind of the rest
 
 
 MUTATION_TRIES = 8  # halvings of sigma before an out-of-bounds child is clipped
@@ -227,11 +220,17 @@ class AdaptiveSampler(Sampler):
     learns = True
 
     def __init__(
-        self, low: Sequence[float], high: Sequence[float], seed: int, simulations: int, breeding: Breeding
+        self,
+        low: Sequence[float],
+        high: Sequence[float],
+        seed: int,
+        simulations: int,
+        breeding: Breeding,
+        base: type[Sampler],
     ) -> None:
         super().__init__(low, high, seed, simulations)
         self.breeding = breeding
-        self._base = SPACE_FILLING[breeding.base](low, high, seed, simulations)
+        self._base = base(low, high, seed, simulations)  # a space-filling kind: the simulations not bred
         self._rng = np.random.default_rng([seed, 1])  # its own stream, apart from the base's
         self._rows = np.full((simulations, self.low.size), np.nan)
         self._statistics: dict[int, float | None] = {}
@@ -334,33 +333,3 @@ class AdaptiveSampler(Sampler):
         self._statistics, self._parents = dict(state["statistics"]), dict(state["parents"])
         self._fractions = dict(state["fractions"])
         self._base.load_state_dict(state["base"])
-
-
-SAMPLERS = (*SPACE_FILLING, "list", "adaptive", "custom")
-"""The names ``study.sampler`` takes (the config's choices come from here); ``custom`` is the user's class."""
-
-
-def make_sampler(
-    kind: str,
-    low: Sequence[float],
-    high: Sequence[float],
-    seed: int,
-    simulations: int,
-    *,
-    values: Sequence[Sequence[float]] | None = None,
-    breeding: Breeding | None = None,
-    custom: type[Sampler] | None = None,
-    options: dict[str, Any] | None = None,
-) -> Sampler:
-    """The sampler ``kind`` names, from a checked ``study`` section's values (``custom``: the user's class,
-    built with ``options`` as keyword arguments)."""
-    if kind == "list":
-        assert values is not None
-        return ListSampler(low, high, seed, simulations, values)
-    if kind == "adaptive":
-        assert breeding is not None
-        return AdaptiveSampler(low, high, seed, simulations, breeding)
-    if kind == "custom":
-        assert custom is not None
-        return custom(low, high, seed, simulations, **(options or {}))
-    return SPACE_FILLING[kind](low, high, seed, simulations)

@@ -241,7 +241,7 @@ class Scheduler(ABC):
     """Starts one simulation attempt as a :class:`Job`.
 
     A new scheduler is one module with a subclass of this and one line in
-    ``launcher.jobs.SCHEDULERS``; its options, if it has any, are its own
+    ``melissa_dl/config/registry.py``'s ``SCHEDULERS``; its options, if it has any, are its own
     section of the config, ``launcher.<name>``.
     """
 

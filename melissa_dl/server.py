@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from launcher import Launcher, Sampler, make_scheduler
-from launcher.workers import WorkerScheduler
+from launcher import Launcher, Sampler
+from melissa_dl.buffers.kinds import Buffer
 from melissa_dl.checkpoint.manager import CheckpointManager
 from melissa_dl.checkpoint.recovery import (
     DENSE,
@@ -39,7 +39,7 @@ from melissa_dl.checkpoint.recovery import (
     Part,
 )
 from melissa_dl.checkpoint.versions import Version
-from melissa_dl.config import Config
+from melissa_dl.config.sections import Config
 from melissa_dl.errors import ConfigError
 from melissa_dl.ingest.assembly import StreamSpec
 from melissa_dl.ingest.connections import raise_open_file_limit
@@ -58,8 +58,10 @@ from melissa_dl.runtime.mpi import (
     launch_problem,
 )
 from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT, lock_output
+from melissa_dl.study.jobs import launcher_from_config
 from melissa_dl.study.progress import StatusBoard, earlier_runs_seconds
 from melissa_dl.study.report import final_report, write_report
+from melissa_dl.study.sampling import sampler_from_config
 from melissa_dl.study.study import Study, simulation_environment
 from melissa_dl.train.dataset import StreamDataset
 from melissa_dl.train.loop import Bookkeeping, Consumer, Drain, Loop, Outcome
@@ -97,18 +99,6 @@ def interface_address(name: str) -> str | None:
 SIOCGIFADDR = 0x8915  # linux/sockios.h
 
 
-def make_launcher(config: Config, handshake: HandshakeServer) -> Launcher:
-    """The launcher of the study's attempts: one process each, or (``launcher.persistent``) persistent workers,
-    which ask ``handshake`` what to run next."""
-    scheduler = make_scheduler(config.launcher.scheduler, config.simulation_job())
-    log_dir, job_limit = config.output_path / "simulations", config.launcher.job_limit
-    if not config.launcher.persistent:
-        return Launcher(scheduler, job_limit, log_dir, config.launcher.placeholders())
-    workers = WorkerScheduler(scheduler, config.launcher.placeholders())
-    handshake.workers = workers.next_for
-    return Launcher(workers, job_limit, log_dir)
-
-
 class Server:
     """One rank's receiver, buffer and consumer; on rank 0 also the study."""
 
@@ -135,10 +125,14 @@ class Server:
             if self.rank == 0
             else None
         )
-        self.buffer = config.buffer.make_buffer(self.rank)
+        self.buffer = Buffer.from_config(config.buffer, self.rank)
         spec = StreamSpec.from_config(config.server, study, self.parameters, self.token, self.rank, self.size)
         self.bind_address, self.host = addresses(config.server.interface)
         self.receiver = Receiver.from_config(config.server, spec, self.buffer, self.bind_address, self.security)
+        # the rank's TensorBoard writer (none without training), which the trainer, the study and the stream write
+        # through; closed when the run ends, whichever way
+        tensorboard = config.output_path / "tensorboard" / f"rank{self.rank}" if config.training is not None else None
+        self.metrics = Metrics(tensorboard, [self.receiver.scalars])
         self.checkpoints = CheckpointManager(config, comm)
 
     def run(self) -> int:
@@ -152,7 +146,7 @@ class Server:
             if self.export_model and version is None:
                 raise ConfigError(f"--export-model: no checkpoint in {self.checkpoints.root}")
             # every rank: a sampler that learns makes every trainer record its losses per sample
-            sampler = self.config.study.make_sampler(self.config.base_dir, self.config.launcher.job_limit)
+            sampler = sampler_from_config(self.config.study, self.config.launcher.job_limit, self.config.base_dir)
             trainer = self._make_trainer(sampler.learns)
             if version is not None:
                 assert trainer is not None
@@ -181,10 +175,11 @@ class Server:
                 study,
                 handshake,
                 status,
-                trainer.metrics if trainer is not None else None,
+                self.metrics,
             )
             return self._consume(start, trainer, bookkeeping)
         finally:
+            self.metrics.close()  # the curves so far, whatever ended the run
             if launcher is not None:
                 launcher.shutdown()
             if handshake is not None:
@@ -230,9 +225,8 @@ class Server:
         """The trainer of the ``training`` section (none without one), restored from the checkpoint opened."""
         if self.config.training is None:
             return None
-        metrics = Metrics(self.config.output_path / "tensorboard" / f"rank{self.rank}", [self.receiver.scalars])
         trainer = Trainer(
-            self.config.training, self.config.base_dir, self.comm, self.checkpoints.copies, metrics, learning
+            self.config.training, self.config.base_dir, self.comm, self.checkpoints.copies, self.metrics, learning
         )
         self.checkpoints.add(Part(DENSE, trainer.dense, shared=True), Part(TRAINER, trainer))
         return trainer
@@ -257,8 +251,16 @@ class Server:
     ) -> tuple[HandshakeServer, Launcher, Study]:
         """Rank 0: the handshake socket, the launcher and the study, restored from the checkpoint opened."""
         config = self.config
+        launcher, next_work = launcher_from_config(config)
         handshake = HandshakeServer.from_config(
-            config.server, config.study, config.launcher, self.token, endpoints, self.bind_address, self.security
+            config.server,
+            config.study,
+            config.launcher,
+            self.token,
+            endpoints,
+            self.bind_address,
+            self.security,
+            next_work,
         )
         server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
         logger.info(
@@ -267,7 +269,6 @@ class Server:
             server_endpoint,
             self.size,
         )
-        launcher = make_launcher(self.config, handshake)
         study = Study.from_config(
             self.config.study,
             self.config.launcher,
@@ -304,7 +305,7 @@ class Server:
             trainer.module.deterministic_process,
             pin_memory=trainer.device.type == "cuda",
         )
-        if loop.train(trainer, dataset.next_batch) is Outcome.ENDED:
+        if loop.train(trainer, dataset.next_batch, self.config.training.stall_timeout) is Outcome.ENDED:
             return True
         self.stop.done()
         self.receiver.stop()

@@ -38,9 +38,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from launcher.jobs import SCHEDULERS, scheduler_class
 from launcher.schedulers import RUN_MARKER, die_with_parent, venv_mpirun
-from melissa_dl.config import load_config
+from melissa_dl.config.registry import SCHEDULERS, load
+from melissa_dl.config.sections import load_config
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.files import check_writable
 from melissa_dl.runtime.mpi import STOP_SIGNALS
@@ -100,7 +100,7 @@ class Supervisor:
         self.heartbeat = config.output_path / HEARTBEAT
         self.timeout = config.launcher.server_timeout
         self.max_restarts = config.launcher.max_server_restarts
-        self.scheduler = scheduler_class(config.launcher.scheduler)
+        self.scheduler = load(SCHEDULERS, config.launcher.scheduler, "launcher.scheduler")
         self.process: subprocess.Popen[bytes] | None = None
         self.stop: int | None = None  # the stop signal received, if one was
         self.stop_as: signal.Signals | None = None  # how a stop reaches the server's launcher (None: as it came)
@@ -112,7 +112,11 @@ class Supervisor:
         stop on to it (``stop_as``)."""
         launch, self.stop_as = [venv_mpirun(), "-n", str(self.ranks)], None
         for kind in SCHEDULERS:
-            scheduler = scheduler_class(kind)
+            try:
+                scheduler = load(SCHEDULERS, kind, "launcher.scheduler")
+            except ConfigError as error:  # not the study's scheduler (that one loaded): said, and passed over
+                logger.warning("%s", error)
+                continue
             if (inside := scheduler.server_launch(self.ranks)) is not None:
                 launch, self.stop_as = inside, scheduler.server_stop_signal
                 break

@@ -1,4 +1,5 @@
-"""What the pytest of every tier (unit, integration, the ranks of tests/mpi) shares."""
+"""What the pytest of every tier (unit, integration, the ranks of tests/mpi) shares: hooks and fixtures only (the
+class the ``clock`` fixture returns is in ``clocks.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import types
 from collections.abc import Iterator
 
 import pytest
+from clocks import Clock
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -25,16 +27,6 @@ def finite_compile_ends_with_its_test() -> Iterator[None]:
     finite = sys.modules.get("melissa_dl.ingest.finite")
     if finite is not None and finite._compiler is not None:
         finite._compiler.join()
-
-
-class Clock:
-    """A monotonic clock that a test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
 """The heat-equation study done the classic way: simulate to disk, then train.
 
 This is the baseline that online training is measured against
-(``bench/online_vs_offline.py``, DESIGN §11). It reads the same config as the
-server and trains the same ``TrainingModule`` with the same options, seed,
+(``bench/online_vs_offline.py``, docs/explanation/online-vs-offline.md#the-two-experiments).
+It reads the same config as the server and trains the same ``TrainingModule`` with the same options, seed,
 batch size and validation schedule, in two phases:
 
 1. **Generate**: draw the study's parameter sets exactly as the server does
-   (``StudyConfig.parameter_table``) and run the simulation program,
+   (``melissa_dl.study.sampling.parameter_table``) and run the simulation program,
    ``heat.py``, once for each, with the grid and step count of
    ``launcher.command`` (``--nx``, ``--ny``, ``--steps``, ``--dt``,
    ``--refine``), ``launcher.env`` in its environment and
@@ -78,7 +78,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 
 from launcher.placeholders import placeholders_in  # noqa: E402
 from melissa_dl import Sample, TrainingModule  # noqa: E402
-from melissa_dl.config import Config, TrainingConfig, load_config  # noqa: E402
+from melissa_dl.config.sections import Config, TrainingConfig, load_config  # noqa: E402
+from melissa_dl.study.sampling import held_out_table, parameter_table  # noqa: E402
 from melissa_dl.train.module import load_module_class  # noqa: E402
 
 FIELD = "temperature"
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if max_batches is None and args.seconds is None and args.total_seconds is None:
         max_batches = DEFAULT_BATCHES
 
-    parameters = config.study.parameter_table(config.base_dir)
+    parameters = parameter_table(config.study, config.base_dir)
     if args.generation_cpus:
         os.sched_setaffinity(0, args.generation_cpus)
     t0 = time.monotonic()
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("offline.py: launcher.env has placeholders ({slot}, ...): offline runs have no slots; remove them")
     environment = {**os.environ, **config.launcher.env}
     generate(parameters, grid, output, config.launcher.job_limit, environment)
-    held_out_parameters = config.study.validation.table(config.study)  # the study's held-out simulations
+    held_out_parameters = held_out_table(config.study)  # the study's held-out simulations
     if len(held_out_parameters):
         generate(held_out_parameters, grid, output / "held_out", config.launcher.job_limit, environment)
     generation_s = time.monotonic() - t0

@@ -34,11 +34,15 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from melissa_dl.buffers.rows import Rows
 from melissa_dl.buffers.sample import Sample
+from melissa_dl.config.registry import BUFFERS, load
 from melissa_dl.errors import BufferClosed, ConfigError
+
+if TYPE_CHECKING:
+    from melissa_dl.config.sections import BufferConfig
 
 T = TypeVar("T")
 
@@ -58,6 +62,9 @@ class Buffer(ABC):
     """Common machinery; subclasses only choose what to serve and what to drop."""
 
     kind: str = ""
+    Options: ClassVar[type | None] = None
+    """A dataclass of the kind's own options (its section ``buffer.<kind>``; each field documented in
+    ``metadata["doc"]``), or None; the section read is ``self.options``."""
 
     def __init__(
         self,
@@ -67,7 +74,9 @@ class Buffer(ABC):
         watermark: int,
         seed: int,
         pseudo_epochs: int = 1,
+        options: Any = None,
     ) -> None:
+        self.options = options
         self._cap_samples = capacity_samples
         self._cap_bytes = capacity_bytes
         self._watermark = watermark
@@ -84,6 +93,19 @@ class Buffer(ABC):
         self._get_wait = 0.0
         self._closed = False
         self._rows: Rows | None = None
+
+    @staticmethod
+    def from_config(section: BufferConfig, rank: int) -> Buffer:
+        """Rank ``rank``'s buffer, of the kind the section chooses (each rank draws from its own seed)."""
+        return make_buffer(
+            section.kind,
+            capacity_samples=section.capacity_samples,
+            capacity_bytes=section.capacity_bytes,
+            watermark=section.per_server_watermark,
+            seed=section.seed + rank,
+            pseudo_epochs=section.pseudo_epochs,
+            options=section.options_of.get(section.kind),
+        )
 
     # ----------------------------------------------------------- public API
     def put(self, sample: Sample, timeout: float | None = None, on_insert: Callable[[], None] | None = None) -> bool:
@@ -252,6 +274,14 @@ class Buffer(ABC):
             self._rng.setstate(state["rng_state"])
             self._after_load()
             self._cond.notify_all()
+
+    def load_resharded(self, olds: Sequence[dict[str, Any]], rank: int, size: int) -> None:
+        """Rank ``rank`` of ``size``, from the buffers of a checkpoint of another number of ranks (``olds``, their
+        states): an equal share of their samples, never-served first, counted as put here. A kind with state of
+        its own overrides this to share that state as well."""
+        entries = [entry for old in olds for entry in old["entries"]][rank::size]
+        entries.sort(key=lambda entry: entry["served"] > 0)
+        self.load_state_dict({**self.state_dict(), "entries": entries, "total_put": len(entries)})
 
     # ------------------------------------------------------------ machinery
     def _block(self, deadline: float | None) -> float | None:
@@ -452,13 +482,6 @@ class ReservoirBuffer(Buffer):
         self._n_fresh = sum(1 for e in self._entries if e.served == 0)
 
 
-_KINDS: dict[str, type[Buffer]] = {cls.kind: cls for cls in (FifoBuffer, FiroBuffer, ReservoirBuffer)}
-
-
-BUFFER_KINDS = tuple(_KINDS)
-"""The buffer kinds by the name ``buffer.kind`` gives (the config's choices come from here)."""
-
-
 def make_buffer(
     kind: str,
     *,
@@ -467,12 +490,15 @@ def make_buffer(
     watermark: int,
     seed: int,
     pseudo_epochs: int = 1,
+    options: Any = None,
 ) -> Buffer:
-    """Build the buffer named by the configuration's ``kind`` (its section, checked, holds the other values)."""
-    return _KINDS[kind](
+    """The buffer of kind ``kind`` (a name of the registry's ``BUFFERS``), its module loaded now."""
+    found: type[Buffer] = load(BUFFERS, kind, "buffer.kind")
+    return found(
         capacity_samples=capacity_samples,
         capacity_bytes=capacity_bytes,
         watermark=watermark,
         seed=seed,
         pseudo_epochs=pseudo_epochs,
+        options=options,
     )

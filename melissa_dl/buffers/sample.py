@@ -36,4 +36,7 @@ class Sample:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Sample:
-        return cls(state["simulation_id"], state["time_step"], state["parameters"], dict(state["fields"]))
+        """The sample, with arrays of its own: views of a checkpoint file would pin the whole file while one
+        sample stays."""
+        fields = {name: np.array(array) for name, array in state["fields"].items()}
+        return cls(state["simulation_id"], state["time_step"], np.array(state["parameters"]), fields)

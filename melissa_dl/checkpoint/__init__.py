@@ -1,3 +1,3 @@
-"""Checkpoints (DESIGN.md §7): versions on disk, what a rank saves and restores, snapshots written off the training
-thread, serialisation.
+"""Checkpoints (docs/explanation/design.md#checkpoints): versions on disk, what a rank saves and restores, snapshots
+written off the training thread, serialisation.
 """

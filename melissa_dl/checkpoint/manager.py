@@ -1,4 +1,5 @@
-"""The one owner of a server's checkpoints (DESIGN §7): what to resume from, the parts, when to snapshot.
+"""The one owner of a server's checkpoints (docs/explanation/design.md#checkpoints): what to resume from, the parts,
+when to snapshot.
 
 The server opens it (``open``: a fresh start, or the version to resume
 from, checked against this configuration) and registers its parts as it
@@ -24,7 +25,7 @@ import torch
 from melissa_dl.checkpoint.recovery import Checkpointer, Part, checkpoint_root, find_checkpoint, restore, start_fresh
 from melissa_dl.checkpoint.snapshots import BackgroundCopies
 from melissa_dl.checkpoint.versions import Version, next_version
-from melissa_dl.config import Config
+from melissa_dl.config.sections import Config
 from melissa_dl.errors import CheckpointCorrupt, ConfigError
 from melissa_dl.runtime.files import remove_temporaries, write_atomic
 from melissa_dl.runtime.mpi import Comm

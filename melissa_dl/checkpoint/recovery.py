@@ -1,4 +1,5 @@
-"""What a checkpoint of a running server holds, and how a server resumes from one (DESIGN §7).
+"""What a checkpoint of a running server holds, and how a server resumes from one
+(docs/explanation/design.md#checkpoints).
 
 A checkpoint is a list of named parts (``Part``), each an object that speaks
 ``state_dict()``/``load_state_dict()`` (``Stateful``); the checkpointer knows
@@ -57,7 +58,7 @@ from melissa_dl.checkpoint.versions import (
     version_dir,
     write_rank_files,
 )
-from melissa_dl.config import Config
+from melissa_dl.config.sections import Config
 from melissa_dl.errors import CheckpointCorrupt, ConfigError
 from melissa_dl.runtime.mpi import Comm
 from melissa_dl.runtime.status import HISTORY, STATUS

@@ -1,4 +1,5 @@
-"""Serialisation of any state into bytes that can be written without a copy (checkpoints, DESIGN.md §7).
+"""Serialisation of any state into bytes that can be written without a copy
+(checkpoints, docs/explanation/design.md#checkpoints).
 
 Serialisation rule (``dumps``/``loads``): cloudpickle with pickle protocol
 5, so that anything (buffers of numpy samples, lambdas, local classes) can be

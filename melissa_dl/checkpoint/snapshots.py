@@ -1,4 +1,4 @@
-"""A checkpoint's snapshot and its writing, off the training thread (DESIGN.md §7).
+"""A checkpoint's snapshot and its writing, off the training thread (docs/explanation/design.md#checkpoints).
 
 Training pays only for what it must: ``BackgroundCopy`` copies parameters
 and optimizer state to CPU memory while the next forward and backward run,

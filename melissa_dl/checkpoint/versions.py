@@ -1,4 +1,4 @@
-"""Versioned, atomic on-disk checkpoints (DESIGN.md §7).
+"""Versioned, atomic on-disk checkpoints (docs/explanation/design.md#checkpoints).
 
 Layout under ``root`` (``<output>/checkpoints/``)::
 

@@ -1,4 +1,4 @@
-"""Optimizers for one rank's shard of a ``ShardedEmbedding`` table (DESIGN §6).
+"""Optimizers for one rank's shard of a ``ShardedEmbedding`` table (docs/explanation/design.md#partitioned-embeddings).
 
 The shard is a plain float tensor ``weight`` of shape ``[rows, dim]``; each
 ``step(ids, grads)`` updates only the rows a batch touched, from one
@@ -34,7 +34,6 @@ the torch path.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from abc import ABC, abstractmethod
@@ -43,6 +42,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from melissa_dl.config.registry import load
 from melissa_dl.embeddings import row_kernels
 from melissa_dl.errors import ConfigError
 
@@ -299,8 +299,7 @@ def sparse_optimizer_class(name: str) -> type[SparseOptimizer]:
     """The class of the optimizer ``name``; a ``ConfigError`` naming the known ones if there is none."""
     if name not in SPARSE_OPTIMIZERS:
         raise ConfigError(f"unknown sparse optimizer {name!r}; expected one of {sorted(SPARSE_OPTIMIZERS)}")
-    module, _, class_name = SPARSE_OPTIMIZERS[name].partition(":")
-    found: type[SparseOptimizer] = getattr(importlib.import_module(module), class_name)
+    found: type[SparseOptimizer] = load(SPARSE_OPTIMIZERS, name, "sparse optimizer")
     return found
 
 

@@ -1,4 +1,4 @@
-"""Embedding tables whose rows are partitioned across the ranks (DESIGN §6).
+"""Embedding tables whose rows are partitioned across the ranks (docs/explanation/design.md#partitioned-embeddings).
 
 Rank ``r`` owns the contiguous rows ``shard_range(num_rows, K, r)``; no rank
 holds the whole table. A lookup deduplicates the batch's ids (sorted, so
@@ -6,7 +6,7 @@ already grouped by owner), sends each id to its owner with one all-to-all,
 and gets the rows back with a second one; the output indexes the block of
 unique rows (``_Gather``), so its backward sums the gradient of each unique
 id (never averaged, as torch, PBG and FBGEMM do) and divides it by K (the
-global loss is the mean of the K per-rank losses, DESIGN §5).
+global loss is the mean of the K per-rank losses, docs/explanation/design.md#training-across-ranks).
 ``apply_gradients`` sends those per-id gradients back to the owners (a third
 all-to-all), whose sparse optimizer sums them over ranks and updates only
 the touched rows. The second and third all-to-alls know their counts from

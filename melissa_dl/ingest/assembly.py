@@ -55,7 +55,7 @@ from melissa_dl.wire.protocol import (
 from melissa_dl.wire.rejections import RejectionLog
 
 if TYPE_CHECKING:
-    from melissa_dl.config import ServerConfig, StudyConfig
+    from melissa_dl.config.sections import ServerConfig, StudyConfig
 
 COPY_FROM = 1 << 16  # smaller payloads are copied out of ZeroMQ's shared receive chunks
 

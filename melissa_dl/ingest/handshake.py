@@ -62,7 +62,7 @@ from melissa_dl.wire.protocol import (
 from melissa_dl.wire.security import Security, hello_bytes
 
 if TYPE_CHECKING:
-    from melissa_dl.config import LauncherConfig, ServerConfig, StudyConfig
+    from melissa_dl.config.sections import LauncherConfig, ServerConfig, StudyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class HandshakeServer(ServerSocketThread):
         layouts: dict[str, Layout] | None = None,
         port: int = 0,
         security: Security | None = None,
+        next_work: Callable[[str, str | None], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(
             "handshake",
@@ -117,7 +118,7 @@ class HandshakeServer(ServerSocketThread):
         self._nonces: dict[int, dict[int, str]] = {}  # simulation -> client rank -> its hello's nonce
         self._failures: list[tuple[int, str]] = []
         self._lock = threading.Lock()
-        self.workers: Callable[[str, str | None], dict[str, Any]] | None = None  # what a persistent worker runs next
+        self._next_work = next_work  # what a persistent worker runs next (``launcher.persistent``)
 
     @classmethod
     def from_config(
@@ -129,9 +130,10 @@ class HandshakeServer(ServerSocketThread):
         endpoints: Sequence[tuple[str, str]],
         bind_address: str,
         security: Security,
+        next_work: Callable[[str, str | None], dict[str, Any]] | None = None,
     ) -> HandshakeServer:
         """Rank 0's handshake socket for the study the sections describe, sending clients to ``endpoints`` (each
-        rank's data and delivery endpoints)."""
+        rank's data and delivery endpoints) and persistent workers to ``next_work``'s simulations."""
         return cls(
             token=token,
             fields=study.field_names,
@@ -144,6 +146,7 @@ class HandshakeServer(ServerSocketThread):
             layouts=study.field_layouts,
             port=server.handshake_port,
             security=security,
+            next_work=next_work,
         )
 
     def expect(self, simulation_id: int, attempt: int | None) -> None:
@@ -203,13 +206,13 @@ class HandshakeServer(ServerSocketThread):
 
     def _next_for(self, worker: Any, last: Any) -> dict[str, Any]:
         """What a persistent worker runs next."""
-        if self.workers is None:
+        if self._next_work is None:
             raise ProtocolError("handshake: a worker asked for a simulation, but launcher.persistent is off", "worker")
         if not _short_ascii(worker) or not (last is None or _short_ascii(last)):
             raise ProtocolError(
                 f"handshake: worker {quote(worker)} and last {quote(last)} must be short ASCII strings", "malformed"
             )
-        return self.workers(worker, last)
+        return self._next_work(worker, last)
 
     def _check(self, hello: dict[str, Any]) -> None:
         """Refuse anything but a well-formed hello of an expected simulation (its credentials checked)."""

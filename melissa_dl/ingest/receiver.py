@@ -31,7 +31,7 @@ from melissa_dl.wire.security import Security, hello_bytes
 
 if TYPE_CHECKING:
     from melissa_dl.checkpoint.recovery import OldRanks
-    from melissa_dl.config import ServerConfig
+    from melissa_dl.config.sections import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -156,15 +156,19 @@ class Receiver(ServerSocketThread):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Before ``start``: the buffered samples, the steps received (their second arrival is dropped), the
         counters."""
-        self.buffer.load_state_dict({**state["buffer"], "entries": _owned(state["buffer"]["entries"]), "closed": False})
+        self.buffer.load_state_dict({**state["buffer"], "closed": False})
+        self._load_received(state)
+
+    def _load_received(self, state: dict[str, Any]) -> None:
+        """What a checkpoint holds besides the buffer: the ledger and counters, the held-out samples."""
         self._assembler.load_state_dict(state)
-        self._held_out = [Sample.from_state(entry) for entry in _owned(state.get("held_out", []))]
+        self._held_out = [Sample.from_state(entry) for entry in state.get("held_out", [])]
         self.rejections.load_state_dict(state["rejected"])
 
     def load_resharded(self, old: OldRanks) -> None:
         """Before ``start``, from a checkpoint of another number of ranks: the steps of every old ledger that
-        the new routing sends this rank, an equal share of the old buffered samples and of the held-out ones,
-        and on rank 0 the old ranks' counters added up."""
+        the new routing sends this rank, an equal share of the old buffered samples (as the buffer's kind shares
+        them) and of the held-out ones, and on rank 0 the old ranks' counters added up."""
         spec = self.spec
         streams = [old.read(rank) for rank in range(old.size)]
         ledger = Ledger()
@@ -173,13 +177,11 @@ class Receiver(ServerSocketThread):
                 stream["ledger"],
                 lambda sim, steps: owner_rank(sim, steps, spec.server_size, spec.bind_simulation) == spec.server_rank,
             )
-        entries = [entry for stream in streams for entry in stream["buffer"]["entries"]]
-        entries = sorted(entries[spec.server_rank :: spec.server_size], key=lambda entry: entry["served"] > 0)
+        self.buffer.load_resharded([stream["buffer"] for stream in streams], spec.server_rank, spec.server_size)
         held_out = [entry for stream in streams for entry in stream.get("held_out", [])]
         first = spec.server_rank == 0  # the old ranks' counters, added up once
-        self.load_state_dict(
-            {  # never-served samples first, as a reservoir needs
-                "buffer": {**self.buffer.state_dict(), "entries": entries, "total_put": len(entries)},
+        self._load_received(
+            {
                 "ledger": ledger.state_dict(),
                 "bytes_received": sum(s["bytes_received"] for s in streams) if first else 0,
                 "duplicates": sum(s["duplicates"] for s in streams) if first else 0,
@@ -234,15 +236,3 @@ class Receiver(ServerSocketThread):
             )
             self._blocked = False
         return report
-
-
-def _owned(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The samples with arrays of their own: views would pin the whole checkpoint file while one sample stays."""
-    return [
-        {
-            **entry,
-            "parameters": np.array(entry["parameters"]),
-            "fields": {name: np.array(array) for name, array in entry["fields"].items()},
-        }
-        for entry in entries
-    ]

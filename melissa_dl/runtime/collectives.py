@@ -10,7 +10,7 @@
   gloo, like NCCL, implements ``all_to_all_single`` with uneven splits, so both
   share one all-to-all path.
 
-``GradientAverager`` averages dense gradients (DESIGN §5: the global loss is
+``GradientAverager`` averages dense gradients (docs/explanation/design.md#training-across-ranks: the global loss is
 the mean of the K per-rank losses).
 """
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 FORMAT = "%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
 OWN = ("melissa_dl", "launcher")  # the loggers of this project
-LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def setup_logging(rank: int, log_dir: Path | None = None, levels: str | Mapping[str, str] = "INFO") -> None:

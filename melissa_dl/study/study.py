@@ -56,11 +56,12 @@ from melissa_dl.ingest.assembly import Progress
 from melissa_dl.ingest.handshake import DETERMINISTIC
 from melissa_dl.ingest.receiver import ReceiverReport
 from melissa_dl.study.learning import Records, SimulationLosses
+from melissa_dl.study.sampling import DRAWN_AHEAD, held_out_table
 from melissa_dl.wire import client
 from melissa_dl.wire.security import Security
 
 if TYPE_CHECKING:
-    from melissa_dl.config import LauncherConfig, StudyConfig
+    from melissa_dl.config.sections import LauncherConfig, StudyConfig
     from melissa_dl.runtime.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ class Study:
             study.parameter_names,
             study.loss_statistic,
             study.plotted(),
-            study.validation.table(study),
+            held_out_table(study),
         )
 
     def start(self) -> None:
@@ -350,7 +351,7 @@ class Study:
         if self.gave_up:
             return
         ahead = len(self._launcher.queued()) + len(self._unsent) + len(self._sent)
-        want = 2 * self._job_limit - len(self._launcher.running()) - ahead
+        want = DRAWN_AHEAD * self._job_limit - len(self._launcher.running()) - ahead
         if want <= 0:
             return
         rows = self.sampler.ask(want)

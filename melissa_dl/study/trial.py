@@ -18,13 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher import Launcher, make_scheduler
+from launcher import Launcher
 from melissa_dl.buffers.kinds import make_buffer
 from melissa_dl.buffers.sample import Sample
-from melissa_dl.config import Config
+from melissa_dl.config.sections import Config
 from melissa_dl.ingest.assembly import StreamSpec
 from melissa_dl.ingest.handshake import HandshakeServer
 from melissa_dl.ingest.receiver import Receiver
+from melissa_dl.study.jobs import placeholders_from_config, scheduler_from_config
+from melissa_dl.study.sampling import sampler_from_config
 from melissa_dl.study.study import EXIT_GRACE, simulation_environment
 from melissa_dl.wire.security import Security
 
@@ -72,7 +74,7 @@ class Trial:
 def try_simulation(config: Config, parameters: list[float] | None = None, timeout: float | None = None) -> Trial:
     """Run simulation 0 of ``config`` (with ``parameters`` if given) against a local one-rank server."""
     table = (
-        config.study.make_sampler(config.base_dir, 1).ask(1)
+        sampler_from_config(config.study, 1, config.base_dir).ask(1)
         if parameters is None  # the study's first
         else np.array([parameters], dtype=np.float64)
     )
@@ -88,7 +90,7 @@ def try_simulation(config: Config, parameters: list[float] | None = None, timeou
     trial = Trial(table[0].tolist())
     scheduler = "mpirun" if config.launcher.client_ranks > 1 else "local"  # here, not through a batch system
     launcher = Launcher(
-        make_scheduler(scheduler, config.simulation_job()), 1, config.output_path / LOGS, config.launcher.placeholders()
+        scheduler_from_config(config, scheduler), 1, config.output_path / LOGS, placeholders_from_config(config)
     )
     try:
         server = f"tcp://{HOST}:{handshake.start_and_bind()}"

@@ -6,7 +6,7 @@ with a batch ready, ranks whose stream ended, whether rank 0 wants a
 bookkeeping round, ranks whose buffer is full, and ranks asked to stop
 (SIGTERM). So every rank takes the same decisions at the same iteration: a
 training step only when all K ranks hold a batch (the global loss is the mean
-of the K per-rank losses, DESIGN §5), a stop as soon as any rank has run dry
+of the K per-rank losses, docs/explanation/design.md#training-across-ranks), a stop as soon as any rank has run dry
 (no rank ever waits in a collective that another will not join), and the
 study's bookkeeping while data is late. A rank keeps a batch it formed until
 the step happens, so nothing is skipped. Without training, ranks drain
@@ -224,9 +224,9 @@ class Loop:
         self.stop = stop
         self.checkpoints = checkpoints
 
-    def train(self, trainer: Trainer, next_batch: Callable[[float], Any]) -> Outcome:
+    def train(self, trainer: Trainer, next_batch: Callable[[float], Any], stall_timeout: float) -> Outcome:
         """Train in lockstep; snapshot when the checkpoints say so and at the end, unless stopped midway (a
-        checkpoint then could lose samples)."""
+        checkpoint then could lose samples). ``stall_timeout``: see ``_check_stall``."""
         assert self.checkpoints is not None
         checkpoints, summary = self.checkpoints, trainer.summary
 
@@ -237,20 +237,16 @@ class Loop:
         checkpoints.begin()
         self.bookkeeping.open(trainer)  # the simulations start while begin() runs
         start = time.monotonic()  # the first validation counts, as it always did
-        try:
-            trainer.begin()
-            self.stop.install()  # a signal before is an exit: there is nothing to checkpoint yet
-            outcome = self._rounds(
-                trainer,
-                next_batch,
-                step,
-                trainer.options.stall_timeout,
-                look_ahead=lambda: not checkpoints.due(summary.batches + 1),
-                idle=lambda: checkpoints.when_idle(summary.batches, summary.samples),
-            )
-        except BaseException:
-            trainer.metrics.close()  # the curves so far, before the job ends
-            raise
+        trainer.begin()
+        self.stop.install()  # a signal before is an exit: there is nothing to checkpoint yet
+        outcome = self._rounds(
+            trainer,
+            next_batch,
+            step,
+            stall_timeout,
+            look_ahead=lambda: not checkpoints.due(summary.batches + 1),
+            idle=lambda: checkpoints.when_idle(summary.batches, summary.samples),
+        )
         summary.duration_s += time.monotonic() - start
         self._log(outcome, summary.batches)
         if outcome is Outcome.ENDED:

@@ -31,7 +31,7 @@ import torch
 from mpi4py import MPI
 
 from melissa_dl.checkpoint.snapshots import BackgroundCopies, Live, copy_to_cpu
-from melissa_dl.config import TrainingConfig
+from melissa_dl.config.sections import TrainingConfig
 from melissa_dl.embeddings.table import ShardedEmbedding, set_default_collectives, shard_range
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.collectives import make_collectives
@@ -129,26 +129,26 @@ class Trainer:
 
     def __init__(
         self,
-        options: TrainingConfig,
+        training: TrainingConfig,
         base_dir: Path,
         comm: Comm,
         copies: BackgroundCopies,
         metrics: Metrics | None = None,
         learning: bool = False,
     ) -> None:
-        self.options = options
+        self.training = training  # the section
         self.copies = copies  # the checkpoints' copies of this state: waited for before each optimizer step
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.metrics = metrics if metrics is not None else Metrics(None)
-        self.device = training_device(options.device, comm)
+        self.device = training_device(training.device, comm)
         logger.info("rank %d trains on %s", self.rank, self.device)
         torch.set_num_threads(torch_threads(comm))
-        torch.manual_seed(options.seed)  # the same seed everywhere: replicas start identical
+        torch.manual_seed(training.seed)  # the same seed everywhere: replicas start identical
         self.collectives = make_collectives(comm, self.device)
         set_default_collectives(self.collectives)  # the user's ShardedEmbeddings shard over these ranks
-        module_class = load_module_class(base_dir / options.module, options.class_name)
-        self.module: TrainingModule = module_class(**options.options)
+        module_class = load_module_class(base_dir / training.module, training.class_name)
+        self.module: TrainingModule = module_class(**training.options)
         self.module.rank, self.module.world_size = self.rank, self.size
         self.module.to(self.device)
         self.tables = {name: m for name, m in self.module.named_modules() if isinstance(m, ShardedEmbedding)}
@@ -191,7 +191,7 @@ class Trainer:
             self.validate()
 
     def close(self) -> None:
-        self.metrics.close()
+        """Training is over: the collectives' threads end (the TensorBoard writer is the server's to close)."""
         self.collectives.close()
 
     def consumed(self) -> int:
@@ -220,9 +220,9 @@ class Trainer:
             self.rows_updated += table.apply_gradients()
         self.summary.batches += 1
         self.summary.samples += len(batch)
-        if self.summary.batches % self.options.log_interval == 0:
+        if self.summary.batches % self.training.log_interval == 0:
             self.log_scalars(loss.detach().item())
-        if self.summary.batches % self.options.nb_batches_update == 0:
+        if self.summary.batches % self.training.nb_batches_update == 0:
             self.validate()
 
     def _sample_losses(self, data: Any) -> np.ndarray:
@@ -231,7 +231,7 @@ class Trainer:
         if hook is None:
             raise ConfigError(
                 f"study.sampler: the sampler learns from each sample's loss, but "
-                f"{self.options.class_name}.training_step returns one loss per batch; return one per "
+                f"{self.training.class_name}.training_step returns one loss per batch; return one per "
                 "sample (the server trains on their mean) or define sample_losses(batch)"
             )
         with torch.no_grad():
@@ -272,7 +272,7 @@ class Trainer:
         """Mean validation loss over every rank's share of the held-out samples (a collective)."""
         self.module.eval()
         totals = np.zeros(2)  # sum of loss x samples, samples
-        chunk = self.options.validation_batch_size
+        chunk = self.training.validation_batch_size
         for i in range(0, len(self.validation_set), chunk):
             samples = self.validation_set[i : i + chunk]
             batch = to_device(collate([self.module.process(s) for s in samples]), self.device)
@@ -385,7 +385,7 @@ class Dense:
         if missing or unexpected:
             raise ConfigError(
                 f"training.class_name: the checkpoint's module does not match "
-                f"{trainer.options.class_name} (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+                f"{trainer.training.class_name} (missing {missing[:3]}, unexpected {unexpected[:3]}); "
                 "start over with --fresh"
             )
         trainer.parallel.load_state_dict(state["optimizer"])

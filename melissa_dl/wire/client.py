@@ -53,13 +53,12 @@ from typing import Any
 import numpy as np
 import zmq
 
+from melissa_dl.config.limits import CLIENT_TIMEOUT_RANGE, SEND_QUEUE_BYTES_RANGE
 from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
 from melissa_dl.runtime.mpi import Comm
 from melissa_dl.wire.protocol import (
-    CLIENT_TIMEOUT_RANGE,
     PART_BYTES,
     PROTOCOL_VERSION,
-    SEND_QUEUE_BYTES_RANGE,
     Header,
     Kind,
     encode_json,

@@ -44,27 +44,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from melissa_dl.config.limits import DTYPES, MAX_NDIM
 from melissa_dl.errors import ProtocolError
 
 PROTOCOL_VERSION = 4
 MAGIC = b"MLDL"
-MAX_NDIM = 6
 KEY_BYTES = 8
 PART_BYTES = 1 << 20  # the most payload one DATA message carries: a larger slice goes in parts
 
 QUOTE_CHARS = 200  # peer text quoted in refusals and logs is cut to this
 MAX_KEEPALIVE = 5.0  # seconds: the longest a delivery service holds a question, and a blocked client's ping interval
 
-# The numbers a client reads from the environment the launcher sets, and what it accepts of them (the Python
-# client checks these; native/src/client.c's env_number calls name the same bounds): the configuration refuses at
-# --check what would make every simulation fail.
-CLIENT_TIMEOUT_RANGE = (1e-3, 1e6)  # MELISSA_CLIENT_TIMEOUT (launcher.client_timeout), seconds
-SEND_QUEUE_BYTES_RANGE = (1, 10**18)  # MELISSA_SEND_QUEUE_BYTES (launcher.send_queue_bytes)
-MAX_SIMULATION_ID = 2**31 - 1  # MELISSA_SIMULATION_ID and MELISSA_ATTEMPT: the C client's INT32_MAX
-
 Layout = tuple[str, tuple[int, ...]]  # dtype and shape of one field (slice)
 
-DTYPES: tuple[str, ...] = ("float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8")
 DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
 
 

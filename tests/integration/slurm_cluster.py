@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from conftest import free_port
 from hosts import Cluster, Host
+from support import free_port
 
 READY_TIMEOUT = 60.0  # seconds for the node to come up idle
 ENDED = frozenset(

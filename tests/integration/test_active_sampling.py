@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HERE, TOY_SIM, Run, run_server, server_command, start, study_config, wait_for
+from support import HERE, TOY_SIM, Run, run_server, server_command, start, study_config, wait_for
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from melissa_dl.checkpoint.serialization import loads

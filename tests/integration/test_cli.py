@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MPIRUN, TOY_SIM, clean_environment, start, study_config
+from support import MPIRUN, TOY_SIM, clean_environment, start, study_config
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from conftest import wait_until
+from support import wait_until
 
 from melissa_dl.buffers.kinds import Buffer, make_buffer
 from melissa_dl.buffers.sample import Sample

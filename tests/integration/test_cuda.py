@@ -1,4 +1,5 @@
-"""The CUDA path on a GPU (../shared/GPU.md): online training, sparse optimizers and checkpoints across devices.
+"""The CUDA path on a GPU (docs/how-to/gpus.md#tested-on-a-gpu): online training, sparse optimizers and
+checkpoints across devices.
 
 Skipped, with the reason, where torch sees no CUDA device; NCCL's collectives
 are in tests/mpi/test_nccl.py (under ``mpirun -n K``). A device's share of
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, SIMULATIONS, STEPS, paced_config, run_server
 from mpi4py import MPI
+from support import ROOT, SIMULATIONS, STEPS, paced_config, run_server
 from test_fault_tolerance import assert_every_step_once, stop_after_first_checkpoint
 
 from melissa_dl.checkpoint.serialization import loads

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, skip_unless
+from support import ROOT, skip_unless
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_environment
+from support import ROOT, clean_environment
 
 CONFIGS = sorted(path for path in (ROOT / "examples").glob("*/config*.json") if path.name != "config_slurm.json")
 NATIVE_PROGRAMS = "../../build/native/bin/"

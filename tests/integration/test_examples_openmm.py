@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HERE, clean_environment, run_server
+from support import HERE, clean_environment, run_server
 
 pytest.importorskip("openmm")
 

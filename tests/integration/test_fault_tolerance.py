@@ -1,4 +1,5 @@
-"""Checkpoints and restarts of whole studies (DESIGN §7): stop, crash, hang, corruption, another K.
+"""Checkpoints and restarts of whole studies (docs/explanation/design.md#checkpoints): stop, crash, hang, corruption,
+another K.
 
 Every study here is paced (toy_sim ``--step-delay``) so that the server can
 be interrupted in its middle, after its first checkpoint is committed.
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from conftest import (
+from support import (
     HERE,
     SIMULATIONS,
     STEPS,

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import HERE, clean_environment, server_command, study_config
+from support import HERE, clean_environment, server_command, study_config
 
 pytestmark = pytest.mark.timeout(120)
 

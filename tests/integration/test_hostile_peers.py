@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TOY_SIM, clean_environment, free_port, server_command, study_config
+from support import TOY_SIM, clean_environment, free_port, server_command, study_config
 
 pytestmark = pytest.mark.timeout(180)
 

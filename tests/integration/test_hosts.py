@@ -1,5 +1,5 @@
-"""Across hosts (DESIGN §3, issue 34): the test cluster itself, and a study whose server and simulations run on
-different hosts of it, talking over its network (``hosts.py``)."""
+"""Across hosts (docs/how-to/across-nodes.md#tested-across-hosts, issue 34): the test cluster itself, and a study
+whose server and simulations run on different hosts of it, talking over its network (``hosts.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import (
+from hosts import Cluster, Host
+from slurm_cluster import BatchJob, SlurmCluster
+from support import (
     SIMULATIONS,
     STEPS,
     TOY_SIM,
@@ -25,8 +27,6 @@ from conftest import (
     skip_unless,
     wait_for,
 )
-from hosts import Cluster, Host
-from slurm_cluster import BatchJob, SlurmCluster
 from test_fault_tolerance import assert_every_step_once
 
 # xdist_group: the clusters' tests share one worker, one after another, which starts them before the other tests

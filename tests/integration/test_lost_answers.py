@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import HERE, TOY_SIM, run_server, study_config, wait_until
+from support import HERE, TOY_SIM, run_server, study_config, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

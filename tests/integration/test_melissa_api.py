@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import HERE, clean_environment, run_server, study_config
+from support import HERE, clean_environment, run_server, study_config
 from test_native import data_sockets, receive_until_finalize, recording
 from test_studies import assert_every_step_once
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HERE, MPIRUN, clean_environment
+from support import HERE, MPIRUN, clean_environment
 
 # alone: under a parallel run's load, hydra twice ended the job (exit 1, the abort's) before it forwarded the
 # aborting rank's message, which this test reads; never in 32 runs of the same job side by side outside pytest

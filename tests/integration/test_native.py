@@ -12,13 +12,14 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import zmq
-from conftest import HERE, ROOT, clean_environment, run_server, study_config, wait_until
+from support import HERE, ROOT, clean_environment, run_server, study_config, wait_until
 from test_security import assert_given_up_within_its_timeout, assert_received_every_step, stub_server
 from test_studies import assert_clean_study, assert_every_step_once
 
@@ -251,9 +252,11 @@ def data_sockets(
     bind: bool,
     level: str = "token",
     max_message_bytes: int = 1 << 20,
+    next_work: Callable[[str, str | None], dict[str, Any]] | None = None,
 ) -> Iterator[tuple[dict[str, str], list[RawRank], HandshakeServer]]:
-    """A handshake service for simulation 3 of a study with the field "field", and two raw ranks standing for
-    two server ranks; yields the client's environment, the ranks and the handshake service."""
+    """A handshake service for simulation 3 of a study with the field "field" (persistent workers asking
+    ``next_work``), and two raw ranks standing for two server ranks; yields the client's environment, the ranks
+    and the handshake service."""
     security = Security.generate(level, token, 10.0)
     ranks = [RawRank(security) for _ in range(2)]
     for rank in ranks:
@@ -268,6 +271,7 @@ def data_sockets(
         max_message_bytes=max_message_bytes,
         bind_address="127.0.0.1",
         security=security,
+        next_work=next_work,
     )
     handshake.expect(3, 0)
     try:

@@ -3,18 +3,21 @@ Fortran worker f_worker.f90 in real studies, and the C worker against a scripted
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import MPIRUN, clean_environment, persistent_config, run_server, study_config
+from support import MPIRUN, clean_environment, persistent_config, run_server, study_config
 from test_native import data_sockets, recording
 from test_studies import assert_clean_study, assert_every_step_once
+
+from melissa_dl.ingest.handshake import HandshakeServer
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -135,24 +138,22 @@ def test_without_persistent_workers_the_c_worker_streams_its_one_simulation(
 # -- against a scripted handshake service ----------------------------------------------------------------
 
 
-@pytest.fixture
-def service() -> Iterator[tuple[dict[str, str], Any]]:
-    """A handshake service (of simulation 3, MELISSA_PARAMETERS [0.5]) and the environment of worker "0:0"."""
-    with data_sockets(b"secret", bind=False) as (environ, _, handshake):
-        yield {**environ, "MELISSA_WORKER": "0:0"}, handshake
-
-
-def scripted(
-    answers: list[dict[str, Any]],
-) -> tuple[Callable[[str, str | None], dict[str, Any]], list[tuple[str, str | None]]]:
-    """What the launcher's worker scheduler would answer, in order, and who asked, saying what it was last told."""
+@contextlib.contextmanager
+def scripted_service(
+    answers: list[dict[str, Any]] | None,
+) -> Iterator[tuple[dict[str, str], HandshakeServer, list[tuple[str, str | None]]]]:
+    """A handshake service (of simulation 3, MELISSA_PARAMETERS [0.5]) that answers a worker as the launcher's
+    worker scheduler would, ``answers`` in order (None: a study without persistent workers); the environment of
+    worker "0:0", the service, and who asked, saying what it was last told."""
     asked: list[tuple[str, str | None]] = []
 
     def next_for(worker: str, last: str | None) -> dict[str, Any]:
         asked.append((worker, last))
+        assert answers is not None
         return answers[len(asked) - 1]
 
-    return next_for, asked
+    with data_sockets(b"secret", bind=False, next_work=None if answers is None else next_for) as (environ, _, service):
+        yield {**environ, "MELISSA_WORKER": "0:0"}, service, asked
 
 
 def run_worker(native: Path, environ: dict[str, str], mpi: bool, *args: str) -> subprocess.CompletedProcess[str]:
@@ -172,12 +173,9 @@ ANSWERS = [
 
 
 @pytest.mark.parametrize("mpi", [False, True])
-def test_the_c_worker_runs_what_the_service_hands_it_until_it_is_over(
-    native: Path, service: tuple[dict[str, str], Any], mpi: bool
-) -> None:
-    environ, handshake = service
-    handshake.workers, asked = scripted(ANSWERS)
-    done = run_worker(native, environ, mpi, "--show", "MELISSA_MARK")
+def test_the_c_worker_runs_what_the_service_hands_it_until_it_is_over(native: Path, mpi: bool) -> None:
+    with scripted_service(ANSWERS) as (environ, handshake, asked):
+        done = run_worker(native, environ, mpi, "--show", "MELISSA_MARK")
     assert done.returncode == 0, done.stdout + done.stderr
     # rank 0 asked, until over, saying which simulation it was last told; once over, melissa_dl_next asks no more
     assert asked == [("0:0", None), ("0:0", None), ("0:0", "5:0"), ("0:0", "5:0"), ("0:0", "3:1")]
@@ -193,13 +191,10 @@ def test_the_c_worker_runs_what_the_service_hands_it_until_it_is_over(
     assert handshake.rejections.counts() == {}
 
 
-def test_without_melissa_worker_the_c_worker_runs_its_environments_simulation_only(
-    native: Path, service: tuple[dict[str, str], Any]
-) -> None:
-    environ, handshake = service
-    handshake.workers, asked = scripted(ANSWERS)
-    del environ["MELISSA_WORKER"]
-    done = run_worker(native, environ, False)
+def test_without_melissa_worker_the_c_worker_runs_its_environments_simulation_only(native: Path) -> None:
+    with scripted_service(ANSWERS) as (environ, _, asked):
+        del environ["MELISSA_WORKER"]
+        done = run_worker(native, environ, False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert asked == []
     assert done.stdout.splitlines()[1:] == [
@@ -231,20 +226,18 @@ def test_without_melissa_worker_the_c_worker_runs_its_environments_simulation_on
 )
 @pytest.mark.parametrize("mpi", [False, True])
 def test_what_melissa_dl_next_says_when_it_fails_every_rank_says(
-    native: Path, service: tuple[dict[str, str], Any], mpi: bool, case: str, code: int, message: str
+    native: Path, mpi: bool, case: str, code: int, message: str
 ) -> None:
-    environ, handshake = service
-    handshake.workers, asked = scripted([{"bogus": 1}] if case == "unknown answer" else [{"env": {"A=B": "1"}}])
-    if case == "off":
-        handshake.workers = None
-    environ = {
-        **environ,
-        **{
-            "no server": {"MELISSA_SERVER": "tcp://127.0.0.1:9", "MELISSA_CLIENT_TIMEOUT": "0.5"},
-            "wrong token": {"MELISSA_TOKEN": "00" * 6},
-        }.get(case, {}),
-    }
-    done = run_worker(native, environ, mpi)
+    answers = None if case == "off" else [{"bogus": 1}] if case == "unknown answer" else [{"env": {"A=B": "1"}}]
+    with scripted_service(answers) as (environ, _, _):
+        environ = {
+            **environ,
+            **{
+                "no server": {"MELISSA_SERVER": "tcp://127.0.0.1:9", "MELISSA_CLIENT_TIMEOUT": "0.5"},
+                "wrong token": {"MELISSA_TOKEN": "00" * 6},
+            }.get(case, {}),
+        }
+        done = run_worker(native, environ, mpi)
     assert done.returncode == 1, done.stdout + done.stderr
     stderr = re.sub(r"tcp://127\.0\.0\.1:\d{3,}", "tcp://127.0.0.1:PORT", done.stderr)
     ranks = range(2 if mpi else 1)

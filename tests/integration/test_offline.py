@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import clean_environment
+from support import clean_environment
 
 from melissa_dl.train.module import load_module_class
 

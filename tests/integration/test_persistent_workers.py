@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HERE, persistent_config, run_server, study_config
+from support import HERE, persistent_config, run_server, study_config
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HERE, TOY_SIM, clean_environment, run_server, server_command, study_config, wait_for
+from support import HERE, TOY_SIM, clean_environment, run_server, server_command, study_config, wait_for
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from conftest import HERE, TOY_SIM, clean_environment, run_server, study_config, wait_until
+from support import HERE, TOY_SIM, clean_environment, run_server, study_config, wait_until
 from test_client import Server, start_server
 from test_studies import assert_clean_study
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
+from slurm_cluster import BatchJob, SlurmCluster
+from support import (
     HERE,
     SIMULATIONS,
     STEPS,
@@ -31,7 +32,6 @@ from conftest import (
     study_config,
     wait_for,
 )
-from slurm_cluster import BatchJob, SlurmCluster
 from test_example_configs import check
 from test_fault_tolerance import assert_every_step_once, assert_stopped_after_a_final_checkpoint
 

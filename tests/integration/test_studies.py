@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HERE, TOY_SIM, Run, run_server, study_config
+from support import HERE, TOY_SIM, Run, run_server, study_config
 
 from melissa_dl.runtime.status import EXIT_FAILED_SIMULATIONS
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HERE, TOY_SIM, run_server, study_config
+from support import HERE, TOY_SIM, run_server, study_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from melissa_dl.runtime.status import EXIT_FAILED_SIMULATIONS

@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import STEPS, committed, paced_config, run_server, server_command, start, wait_for
+from support import STEPS, committed, paced_config, run_server, server_command, start, wait_for
 from test_fault_tolerance import final_ledgers
 
 from melissa_dl.runtime.status import EXIT_STOPPED

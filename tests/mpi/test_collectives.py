@@ -211,7 +211,8 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_ranks_train_like_one_model_on_the_mean_loss(
     coll: Collectives, optimizer: type[torch.optim.Optimizer], steps: int, small_bytes: int, overlapping: bool
 ) -> None:
-    """DESIGN §5: K ranks on B_1..B_K equal one model whose loss is the mean of the K batch losses.
+    """K ranks on B_1..B_K equal one model whose loss is the mean of the K batch losses
+    (docs/explanation/design.md#training-across-ranks).
 
     In float64: the ranks' and the reference's sums take other orders, and in float32 Adam made that 1.1e-6 on
     3 ranks of an Intel Xeon (a gradient that cancels), which says nothing of the invariant."""

@@ -2,7 +2,7 @@
 
 Every rank trains on its own batches; each test compares with one model,
 trained here on every rank's batches at once, whose loss is the mean of the
-ranks' losses (DESIGN §5).
+ranks' losses (docs/explanation/design.md#training-across-ranks).
 """
 
 from __future__ import annotations

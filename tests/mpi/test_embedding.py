@@ -1,6 +1,6 @@
 """ShardedEmbedding across ranks, under ``mpirun -n 1``, ``-n 2`` and ``-n 3``.
 
-The objective invariant (DESIGN §5): K ranks training on batches B1..BK give
+The objective invariant (docs/explanation/design.md#training-across-ranks): K ranks training on batches B1..BK give
 the same table as one process training on their concatenation with the mean
 of the K per-rank losses. Every rank can build every rank's batch, so each
 rank also computes the single-process reference locally.

@@ -1,4 +1,4 @@
-"""NCCL, started from the MPI communicator, on CUDA tensors: one GPU per rank (../shared/GPU.md, check 3).
+"""NCCL, started from the MPI communicator, on CUDA tensors: one GPU per rank (docs/how-to/gpus.md#tested-on-a-gpu).
 
 Skipped, with the reason, unless this node has a GPU for every rank; the same
 collectives on CPU tensors are tested through MPI and gloo in

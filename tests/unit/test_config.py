@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from melissa_dl.config import Config, MiB, ParameterConfig, load_config, parse_config
+from melissa_dl.config.limits import CLIENT_TIMEOUT_RANGE, MAX_SIMULATION_ID, SEND_QUEUE_BYTES_RANGE
+from melissa_dl.config.sections import Config, MiB, ParameterConfig, load_config, parse_config
 from melissa_dl.errors import ClientError, ConfigError
 from melissa_dl.wire.client import (
     ENV_CLIENT_TIMEOUT,
@@ -22,7 +23,6 @@ from melissa_dl.wire.client import (
     ENV_TOKEN,
     Client,
 )
-from melissa_dl.wire.protocol import CLIENT_TIMEOUT_RANGE, MAX_SIMULATION_ID, SEND_QUEUE_BYTES_RANGE
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -416,11 +416,11 @@ def test_pinned_field_layouts_are_checked(fields: dict[str, Any], message: str) 
 
 def test_every_section_that_checks_itself_is_found_without_a_list() -> None:
     """``check(config)`` on every dataclass of the config that has one; a section added elsewhere (a scheduler's
-    options) is checked as well, with no line in the config module."""
+    options, read when given or chosen) is checked as well, with no line in the config module."""
     from launcher.slurm import SlurmOptions
-    from melissa_dl import config as config_module
+    from melissa_dl.config import sections as config_module
 
-    config = parse_config(edited({}), BASE)
+    config = parse_config(edited({("launcher", "slurm"): {}}), BASE)
     config.training = config_module.TrainingConfig(module="model.py", class_name="Model")  # an optional section
     reached = {type(section) for section in config_module.sections(config)}
     checking = {
@@ -446,7 +446,7 @@ def test_a_new_sections_check_runs_and_names_its_key(monkeypatch: pytest.MonkeyP
 
 def test_the_bounds_of_the_clients_environment_are_the_c_librarys() -> None:
     """The configuration refuses what a client would: the C library's ``env_number`` calls state the bounds
-    that ``melissa_dl.wire.protocol`` holds for the configuration and the Python client."""
+    that ``melissa_dl.config.limits`` holds for the configuration and the Python client."""
     source = (Path(__file__).resolve().parents[2] / "native" / "src" / "client.c").read_text()
     calls = re.findall(r'env_number\("(MELISSA_\w+)", [^,]+, ([^,]+), ([^,]+), (?:true|false),', source)
     bounds = {name: (float(low), float(high.replace("INT32_MAX", str(2**31 - 1)))) for name, low, high in calls}

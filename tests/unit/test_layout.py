@@ -1,5 +1,5 @@
-"""The code's shape (DESIGN §12): wings by concern, no module or wing imports another that imports it back, and
-functions stay short."""
+"""The code's shape (docs/explanation/design.md#layout): wings by concern, no module or wing imports another that
+imports it back, and functions stay short."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ import setuptools
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("melissa_dl", "launcher", "melissa_api")
 LONGEST = 50  # lines of a function, docstring included
+# The judged exceptions to LONGEST: ``"melissa_dl.server.Server.run": (64, "why it reads better whole")``, its
+# qualified name, the length it may reach, a one-line reason. The limit is a warning sign: a function past it is split
+# where its logic splits, never in the middle of it; one whose logic does not split is listed here, by the change that
+# grows it. An entry whose function is gone or back under LONGEST fails the test: the list holds only what is needed.
+LONG_FUNCTIONS: dict[str, tuple[int, str]] = {}
 TOP_MODULES = 8  # modules directly under melissa_dl/ beside its wings (``__init__`` not counted)
 
 
@@ -115,15 +120,37 @@ def test_the_cycle_check_sees_a_cycle_under_type_checking(tmp_path: Path) -> Non
         graphlib.TopologicalSorter(graph).prepare()
 
 
+def function_lengths(name: str, body: list[ast.stmt]) -> list[tuple[str, int]]:
+    """The lines of every function in ``body``, nested ones and methods too, by qualified name (a property's getter
+    and setter share theirs)."""
+    found = []
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            qualified = f"{name}.{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                found.append((qualified, node.end_lineno - node.lineno + 1))  # type: ignore[operator]
+            found += function_lengths(qualified, node.body)
+        else:  # a function under ``if``, ``for``, ``try``, ``with`` or ``match``
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                found += function_lengths(name, getattr(node, field, []))
+    return found
+
+
 def test_functions_are_short() -> None:
-    long = []
-    for name, path in modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
-                if lines > LONGEST:
-                    long.append(f"{name}.{node.name} ({lines} lines)")
-    assert not long, f"functions over {LONGEST} lines: {', '.join(long)}"
+    """Short, unless judged otherwise (``LONG_FUNCTIONS``); an exception stays only while it is needed."""
+    longest: dict[str, int] = {}
+    for module, path in modules().items():
+        for name, lines in function_lengths(module, ast.parse(path.read_text()).body):
+            longest[name] = max(lines, longest.get(name, 0))
+    long = [
+        f"{name} ({lines} lines)"
+        for name, lines in longest.items()
+        if lines > LONG_FUNCTIONS.get(name, (LONGEST, ""))[0]
+    ]
+    assert not long, f"functions over {LONGEST} lines (or their exception's length): {', '.join(long)}"
+    stale = [name for name in LONG_FUNCTIONS if longest.get(name, 0) <= LONGEST]
+    assert not stale, f"exceptions no longer needed (gone, or back under {LONGEST} lines): {', '.join(stale)}"
+    assert all(reason for _, reason in LONG_FUNCTIONS.values()), "every exception says why"
 
 
 def test_the_dockerfile_copies_every_package_the_wheel_includes() -> None:

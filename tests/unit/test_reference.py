@@ -1,5 +1,5 @@
 """The generated references are fresh: the configuration table (docs/reference/configuration.md) and config/schema.json
-from config.py's option docs, the command-line options (docs/reference/cli.md) from the argparse parsers."""
+from config/sections.py's option docs, the command-line options (docs/reference/cli.md) from the argparse parsers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from melissa_dl import reference
-from melissa_dl.config import load_config, parse_config
+from melissa_dl.config.sections import load_config, parse_config
 from melissa_dl.errors import ConfigError
 
 STALE = "stale: run `python -m melissa_dl.reference`"

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from melissa_dl.buffers.kinds import BUFFER_KINDS, Buffer, make_buffer
+from melissa_dl.buffers.kinds import Buffer, make_buffer
 from melissa_dl.buffers.sample import Sample
+from melissa_dl.config.registry import BUFFERS
 from melissa_dl.errors import ConfigError
 from melissa_dl.train.dataset import END, StreamDataset, collate
 
@@ -38,7 +39,7 @@ def buffer(kind: str, capacity: int | None = 8, pseudo_epochs: int = 1) -> Buffe
     )
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_kept_rows_give_the_batches_that_processing_each_serving_gives(kind: str) -> None:
     process = Counted()
     kept, plain = buffer(kind, pseudo_epochs=2), buffer(kind, pseudo_epochs=2)  # same seed: same picks

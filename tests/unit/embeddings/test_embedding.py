@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kernel_paths import row_path  # noqa: F401 (a fixture, used through pytestmark)
 from torch import nn
 
 from melissa_dl.embeddings import row_kernels
@@ -86,7 +85,7 @@ def test_shard_range_examples_and_invalid_arguments() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
-def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dtype, row_path: str) -> None:  # noqa: F811 (the fixture)
+def test_unique_ids_and_sum_rows_are_torch_unique_and_index_add(dtype: torch.dtype, row_path: str) -> None:
     ids = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(0))
     wide = torch.tensor([2**40, 3, 2**40, 5])  # keys of 64 bits
     for batch in (ids, ids[:0], wide, torch.tensor([2**61, -3, 2**61, -(2**61)])):  # the last beyond packing

@@ -31,7 +31,7 @@ from launcher.schedulers import (
 pytestmark = pytest.mark.timeout(60)
 
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # What hydra sets in the server's environment when mpirun starts it.
 FAKE_MPI_LAUNCH = {
     "PMI_FD": "9",

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from melissa_dl.buffers.kinds import (
-    BUFFER_KINDS,
     Buffer,
     FifoBuffer,
     FiroBuffer,
@@ -19,6 +18,7 @@ from melissa_dl.buffers.kinds import (
     make_buffer,
 )
 from melissa_dl.buffers.sample import Sample
+from melissa_dl.config.registry import BUFFERS
 from melissa_dl.errors import BufferClosed, ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -198,7 +198,7 @@ def test_reservoir_drains_after_close():
 
 
 # ---------------------------------------------------------------- common rules
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_watermark(kind):
     b = buf(kind, cap=20, watermark=5)
     fill(b, 4)
@@ -208,7 +208,7 @@ def test_watermark(kind):
     assert len(b.get_batch(2, timeout=1)) == 2
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_watermark_is_cumulative(kind):
     b = buf(kind, cap=20, watermark=3)
     fill(b, 3)
@@ -218,7 +218,7 @@ def test_watermark_is_cumulative(kind):
         assert b.get_batch(1, timeout=1) is not None
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_closed_serves_below_watermark(kind):
     b = buf(kind, cap=20, watermark=10)
     fill(b, 3)
@@ -228,7 +228,7 @@ def test_closed_serves_below_watermark(kind):
         assert b.get_batch(8, timeout=1) == []
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_get_batch_wakes_on_put(kind):
     b = buf(kind, cap=20, watermark=2)
     got: list = []
@@ -252,7 +252,7 @@ class CountingCondition(threading.Condition):
         return super().wait(timeout)
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_a_waiting_get_is_woken_only_once_its_batch_is_there(kind):
     b = buf(kind, cap=20)
     b._cond = condition = CountingCondition()
@@ -270,7 +270,7 @@ def test_a_waiting_get_is_woken_only_once_its_batch_is_there(kind):
     assert sorted(ids(got[0])) == list(range(8))
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_of_two_waiting_gets_the_smaller_is_served_first(kind):
     b = buf(kind, cap=20)
     b._cond = condition = CountingCondition()
@@ -314,7 +314,7 @@ def test_no_duplicates_in_batch(kind, pe):
             break
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_capacity_samples(kind):
     b = buf(kind, cap=3)
     fill(b, 3)
@@ -323,7 +323,7 @@ def test_capacity_samples(kind):
     assert len(b) == 3
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_capacity_bytes(kind):
     one = mk(0).nbytes  # 40
     b = buf(kind, cap=None, cap_bytes=3 * one + 20)
@@ -334,7 +334,7 @@ def test_capacity_bytes(kind):
     assert b.nbytes == 3 * one + 16
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_oversize_sample_accepted_only_when_empty(kind):
     b = buf(kind, cap=None, cap_bytes=100)
     big = mk(0, n=50)
@@ -350,14 +350,14 @@ def test_oversize_sample_accepted_only_when_empty(kind):
         assert b.put(mk(1, n=50), timeout=0)
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_full_buffer_serves_below_batch_size_and_watermark(kind):
     b = buf(kind, cap=4, watermark=100)
     fill(b, 4)
     assert sorted(ids(b.get_batch(10, timeout=1))) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_blocked_producer_counts_as_full(kind):
     # Bytes are not exhausted, but the next sample does not fit: a waiting
     # consumer must be woken and served what is there, not left waiting.
@@ -377,7 +377,7 @@ def test_blocked_producer_counts_as_full(kind):
     assert b.get_wait_seconds < 2  # woken by the blocked put, not by the timeout
 
 
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_close(kind):
     b = buf(kind)
     got: list = []
@@ -449,7 +449,7 @@ def test_state_dict_keeps_closed_flag():
 
 
 # ---------------------------------------------------------------- concurrency
-@pytest.mark.parametrize("kind", BUFFER_KINDS)
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
 def test_producer_consumer(kind):
     n = 2000
     b = buf(kind, cap=16, watermark=8, seed=10)
@@ -495,8 +495,8 @@ def test_producer_consumer(kind):
 
 # ---------------------------------------------------------------- factory
 def test_make_buffer_kinds():
-    assert BUFFER_KINDS == ("fifo", "firo", "reservoir")
-    for kind, cls in zip(BUFFER_KINDS, (FifoBuffer, FiroBuffer, ReservoirBuffer)):
+    assert tuple(BUFFERS) == ("fifo", "firo", "reservoir")
+    for kind, cls in zip(tuple(BUFFERS), (FifoBuffer, FiroBuffer, ReservoirBuffer)):
         assert type(buf(kind, pseudo_epochs=2)) is cls
 
 

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from kernel_paths import row_path  # noqa: F401 (a fixture, used through pytestmark)
 from torch import nn
 
 from melissa_dl.embeddings.sparse_optim import (

@@ -1,4 +1,5 @@
-"""The fixture of the tests that run on both paths of the sparse code: import ``row_path`` and use it."""
+"""The fixture of the tests that run on both paths of the sparse code, ``row_path``: a test of this folder takes it
+by name, or a whole module through ``pytestmark = pytest.mark.usefixtures("row_path")``."""
 
 from __future__ import annotations
 

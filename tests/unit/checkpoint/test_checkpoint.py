@@ -43,7 +43,7 @@ from melissa_dl.checkpoint.versions import (
     version_dir,
     write_rank_files,
 )
-from melissa_dl.config import parse_config
+from melissa_dl.config.sections import parse_config
 from melissa_dl.errors import CheckpointCorrupt
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,7 +19,7 @@ from melissa_dl.wire.rejections import RejectionLog
 from melissa_dl.wire.security import Security
 
 if TYPE_CHECKING:
-    from conftest import Clock  # tests/conftest.py
+    from clocks import Clock  # tests/clocks.py
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,7 +16,7 @@ from melissa_dl.runtime.mpi import STOP_SIGNALS, GracefulStop, Signalled, exit_n
 from melissa_dl.runtime.status import EXIT_STOPPED
 
 if TYPE_CHECKING:
-    from conftest import Clock  # tests/conftest.py
+    from clocks import Clock  # tests/clocks.py
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 # Under a name of its own: the heat example's tests import that example's solver.py as "solver".
-SOLVER = Path(__file__).parents[2] / "examples" / "burgers" / "solver.py"
+SOLVER = Path(__file__).parents[3] / "examples" / "burgers" / "solver.py"
 _spec = importlib.util.spec_from_file_location("burgers_solver", SOLVER)
 assert _spec is not None and _spec.loader is not None
 _module = importlib.util.module_from_spec(_spec)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "heat_pde"
+EXAMPLE_DIR = Path(__file__).resolve().parents[3] / "examples" / "heat_pde"
 
 # Loaded by path under a unique name: examples are not a package, and a bare
 # ``import solver`` could collide with another test's module.

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from scipy.stats import qmc
 
-from launcher.samplers import SAMPLERS, SPACE_FILLING, AdaptiveSampler, Breeding, Sampler, make_sampler
+from launcher.samplers import AdaptiveSampler, Breeding, HaltonSampler, ListSampler, Sampler, SobolSampler
 from melissa_dl.checkpoint import serialization
+from melissa_dl.config.registry import SAMPLERS, SPACE_FILLING, load
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -16,8 +17,14 @@ HIGH = [1.0, 0.5, 20.0]
 KINDS = sorted(SPACE_FILLING)
 
 
+def space_filling(kind: str, low: list[float], high: list[float], seed: int, simulations: int) -> Sampler:
+    """The space-filling sampler ``kind`` (a name of the registry's ``SPACE_FILLING``)."""
+    found: type[Sampler] = load(SPACE_FILLING, kind, "study.sampler")
+    return found(low, high, seed, simulations)
+
+
 def draw(kind: str, count: int, low: list[float] = LOW, high: list[float] = HIGH, seed: int = 0) -> np.ndarray:
-    return make_sampler(kind, low, high, seed, count).ask(count)
+    return space_filling(kind, low, high, seed, count).ask(count)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -38,7 +45,7 @@ def test_same_seed_same_table_other_seed_other_table(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_asking_in_chunks_draws_the_same(kind: str) -> None:
     whole = draw(kind, 20, seed=4)
-    sampler = make_sampler(kind, LOW, HIGH, 4, 20)
+    sampler = space_filling(kind, LOW, HIGH, 4, 20)
     np.testing.assert_array_equal(np.vstack([sampler.ask(3), sampler.ask(5), sampler.ask(12)]), whole)
     assert sampler.ask(1).shape == (0, 3)  # the study's end
 
@@ -78,7 +85,7 @@ def test_low_discrepancy_kinds_fill_the_box_more_evenly_than_random_points(kind:
 
 def test_list_passes_values_through() -> None:
     values = [[1.0, 2.0], [3.0, 4.0], [5, 6]]
-    table = make_sampler("list", [0.0, 0.0], [9.0, 9.0], 0, 3, values=values).ask(3)
+    table = ListSampler([0.0, 0.0], [9.0, 9.0], 0, 3, values).ask(3)
     assert table.dtype == np.float64
     np.testing.assert_array_equal(table, np.array(values, dtype=np.float64))
 
@@ -97,7 +104,7 @@ class Corners(Sampler):
 
 
 def test_a_custom_sampler_is_built_with_its_options() -> None:
-    table = make_sampler("custom", [0.0], [1.0], 0, 4, custom=Corners, options={"flip": True}).ask(4)
+    table = Corners([0.0], [1.0], 0, 4, flip=True).ask(4)
     np.testing.assert_array_equal(table[:, 0], [1.0, 0.0, 1.0, 0.0])
 
 
@@ -114,13 +121,12 @@ def breeding(**changes: object) -> Breeding:
         start=0.5,
         end=1.0,
         breakpoint=3,
-        base="halton",
     )
     return Breeding(**{**settings, **changes})  # type: ignore[arg-type]
 
 
 def test_generations_follow_the_ids_and_wait_for_their_candidates() -> None:
-    sampler = AdaptiveSampler([0.0, 0.0], [1.0, 1.0], 1, 30, breeding())
+    sampler = AdaptiveSampler([0.0, 0.0], [1.0, 1.0], 1, 30, breeding(), HaltonSampler)
     assert [sampler.generation(s) for s in (0, 7, 8, 11, 12, 16)] == [0, 0, 1, 1, 2, 3]
     assert list(sampler.candidates(1)) == [0, 1, 2, 3, 4, 5] and list(sampler.candidates(3)) == [8, 9, 10, 11, 12, 13]
     assert sampler.ask(20).shape == (8, 2)  # generation 0, from the base; generation 1 waits
@@ -131,14 +137,14 @@ def test_generations_follow_the_ids_and_wait_for_their_candidates() -> None:
     assert sampler.ask(6).shape == (4, 2)  # generation 1; generation 2 waits for its candidates 6 and 7
     assert sampler.drawn == 12
     assert [sampler.bred_fraction(g) for g in (0, 1, 2, 3, 9)] == [0.0, 0.5, 0.75, 1.0, 1.0]
-    at_once = AdaptiveSampler([0.0], [1.0], 1, 30, breeding(sigma=[0.05], breakpoint=1))
+    at_once = AdaptiveSampler([0.0], [1.0], 1, 30, breeding(sigma=[0.05], breakpoint=1), HaltonSampler)
     assert [at_once.bred_fraction(g) for g in (0, 1, 2)] == [0.0, 1.0, 1.0]  # end from generation breakpoint on
     assert sampler.generations() == {0: (range(0, 8), 0.0), 1: (range(8, 12), 0.5)}
 
 
 def test_parents_are_chosen_in_proportion_to_their_statistic_and_children_stay_near_them() -> None:
     b = breeding(population=4000, breed_after=4, lag=0, window=4, sigma=[0.01, 0.01], start=1.0, end=1.0)
-    sampler = AdaptiveSampler([0.0, 0.0], [1.0, 1.0], 2, 4004, b)
+    sampler = AdaptiveSampler([0.0, 0.0], [1.0, 1.0], 2, 4004, b, HaltonSampler)
     parents = sampler.ask(4)
     for s, statistic in enumerate([0.0, 1.0, 3.0, None]):  # a known loss map: 0 never, 1 a quarter, 2 the rest
         sampler.tell(s, statistic)
@@ -156,8 +162,8 @@ def test_parents_are_chosen_in_proportion_to_their_statistic_and_children_stay_n
 
 def test_a_child_out_of_bounds_is_drawn_again_closer_then_clipped_never_outside() -> None:
     b = breeding(population=500, breed_after=1, lag=0, window=1, sigma=[0.5, 0.5], start=1.0, end=1.0)
-    sampler = AdaptiveSampler([0.0, 0.0], [1.0, 1.0], 3, 501, b)
-    sampler._base = make_sampler("list", [0.0, 0.0], [1.0, 1.0], 0, 1, values=[[0.0, 1.0]])  # a corner parent
+    sampler = AdaptiveSampler([0.0, 0.0], [1.0, 1.0], 3, 501, b, HaltonSampler)
+    sampler._base = ListSampler([0.0, 0.0], [1.0, 1.0], 0, 1, [[0.0, 1.0]])  # a corner parent
     sampler.ask(1)
     sampler.tell(0, 1.0)
     children = sampler.ask(500)
@@ -166,7 +172,7 @@ def test_a_child_out_of_bounds_is_drawn_again_closer_then_clipped_never_outside(
 
 
 def test_with_every_candidate_failed_a_generation_comes_from_the_base() -> None:
-    sampler = AdaptiveSampler([0.0], [1.0], 4, 12, breeding())
+    sampler = AdaptiveSampler([0.0], [1.0], 4, 12, breeding(), HaltonSampler)
     sampler.ask(8)
     for s in range(6):
         sampler.tell(s, None)
@@ -180,9 +186,12 @@ def test_with_every_candidate_failed_a_generation_comes_from_the_base() -> None:
 
 def any_kind(kind: str, simulations: int) -> Sampler:
     """A sampler of ``kind`` on the 3 parameters of LOW and HIGH, as the study makes it."""
+    if kind == "custom":
+        return Corners(LOW, HIGH, 6, simulations)
     values = np.linspace(LOW, HIGH, simulations).tolist()
-    learning = breeding(sigma=[0.05] * 3, base="sobol")
-    return make_sampler(kind, LOW, HIGH, 6, simulations, values=values, breeding=learning, custom=Corners)
+    extra = {"list": [values], "adaptive": [breeding(sigma=[0.05] * 3), SobolSampler]}.get(kind, [])
+    found: type[Sampler] = load(SAMPLERS, kind, "study.sampler")
+    return found(LOW, HIGH, 6, simulations, *extra)  # type: ignore[call-arg]
 
 
 def drawn_with_a_restore(kind: str, simulations: int, stop: int | None) -> np.ndarray:
@@ -201,7 +210,7 @@ def drawn_with_a_restore(kind: str, simulations: int, stop: int | None) -> np.nd
     return np.vstack(rows)
 
 
-@pytest.mark.parametrize("kind", SAMPLERS)
+@pytest.mark.parametrize("kind", [*SAMPLERS, "custom"])
 def test_every_kind_resumed_at_any_point_of_its_sequence_the_first_included_draws_the_same(kind: str) -> None:
     """A checkpoint may come before the study's first own simulation was drawn (held-out ones run first):
     Sobol once failed to restore at 0."""

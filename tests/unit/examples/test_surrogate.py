@@ -19,13 +19,13 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from launcher.samplers import make_sampler
+from launcher.samplers import SobolSampler
 from melissa_dl.buffers.sample import Sample
 from melissa_dl.train.module import TrainingModule, load_module_class
 
 pytestmark = pytest.mark.timeout(60)
 
-EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "heat_pde"
+EXAMPLE_DIR = Path(__file__).resolve().parents[3] / "examples" / "heat_pde"
 HeatSurrogate = load_module_class(EXAMPLE_DIR / "surrogate.py", "HeatSurrogate")
 HeatSolver = __import__("solver").HeatSolver  # the example's folder is on sys.path now
 
@@ -118,7 +118,7 @@ def test_predict_is_in_kelvin_on_the_grid() -> None:
 def test_a_few_hundred_steps_cut_the_held_out_loss_tenfold() -> None:
     torch.manual_seed(0)
     module = HeatSurrogate()
-    train = simulate(make_sampler("sobol", [100.0] * 5, [500.0] * 5, 2026, 16).ask(16), steps=100)
+    train = simulate(SobolSampler([100.0] * 5, [500.0] * 5, 2026, 16).ask(16), steps=100)
     held_out = list(module.validation_samples())
     optimizer = module.configure_optimizer()
     rng = np.random.default_rng(0)
@@ -152,7 +152,7 @@ def test_validation_samples_are_reproducible_whole_held_out_simulations() -> Non
 
     held_out = module.validation_parameters()
     assert np.all((held_out >= 100) & (held_out <= 500))
-    study = make_sampler("sobol", [100.0] * 5, [500.0] * 5, 2026, 64).ask(64)
+    study = SobolSampler([100.0] * 5, [500.0] * 5, 2026, 64).ask(64)
     assert not np.any(np.all(np.isclose(held_out[:, None, :], study[None, :, :]), axis=-1))
     other = HeatSurrogate(steps=20, validation_simulations=3, validation_seed=8).validation_parameters()
     assert not np.allclose(held_out, other)

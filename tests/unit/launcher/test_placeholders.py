@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from launcher.placeholders import Placeholders, unknown_placeholder
-from melissa_dl.config import parse_config
+from melissa_dl.config.sections import parse_config
 from melissa_dl.errors import ConfigError
+from melissa_dl.study.jobs import placeholders_from_config
 
 PARAMETERS = {"temperature": 1.5, "density": 0.1}
 
@@ -53,15 +54,17 @@ def test_a_placeholder_that_names_nothing_is_refused_with_its_path(
 
 
 def test_the_config_check_refuses_an_unknown_placeholder_in_one_line() -> None:
+    """Refused where the placeholders are built from the config (``--check`` and every run do it first)."""
     data = {
         "study": {"fields": ["u"], "parameters": [{"name": "a", "low": 0, "high": 1}], "simulations": 2},
         "launcher": {"command": ["sim", "{a}", "{b}"]},
     }
     refusal = r"^launcher\.command\[2\]: '\{b\}': unknown placeholder \{b\}; known: .*, \{a\} \(write"
     with pytest.raises(ConfigError, match=refusal):
-        parse_config(data, Path("/studies/x"))
+        placeholders_from_config(parse_config(data, Path("/studies/x")))
     data["launcher"]["command"] = ["sim", "{a}", "--slot={slot}"]  # type: ignore[index]
-    assert parse_config(data, Path("/studies/x")).launcher.placeholders().command == ["sim", "{a}", "--slot={slot}"]
+    filled = placeholders_from_config(parse_config(data, Path("/studies/x")))
+    assert filled.command == ["sim", "{a}", "--slot={slot}"]
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launcher import NOT_RUNNABLE, START_FAILED, Sampler, make_sampler
-from launcher.samplers import Breeding
-from melissa_dl.config import parse_config
+from launcher import NOT_RUNNABLE, START_FAILED, Sampler
+from launcher.samplers import AdaptiveSampler, Breeding, HaltonSampler, UniformSampler
+from melissa_dl.config.sections import parse_config
 from melissa_dl.ingest.assembly import Progress
 from melissa_dl.ingest.receiver import ReceiverReport
 from melissa_dl.study.report import final_report
@@ -112,7 +112,7 @@ class Harness:
             simulations,
             RANKS,
             self.launcher,  # type: ignore[arg-type]
-            sampler or make_sampler("uniform", [0.0], [1.0], 0, simulations),
+            sampler or UniformSampler([0.0], [1.0], 0, simulations),
             environment=lambda sim, attempt, parameters: {"SIM": str(sim), "ATTEMPT": str(attempt)},
             expect=lambda sim, attempt: self.expected.append((sim, attempt)),
             max_retries=max_retries,
@@ -173,7 +173,7 @@ def test_start_submits_every_simulation_as_attempt_0_once_the_ranks_have_its_par
         2,
         RANKS,
         launcher,
-        make_sampler("uniform", [0.0, 5.0], [1.0, 6.0], 0, 2),  # type: ignore[arg-type]
+        UniformSampler([0.0, 5.0], [1.0, 6.0], 0, 2),  # type: ignore[arg-type]
         environment=lambda sim, attempt, parameters: {"P": str(parameters.tolist())},
         expect=lambda sim, attempt: None,
         max_retries=1,
@@ -183,7 +183,7 @@ def test_start_submits_every_simulation_as_attempt_0_once_the_ranks_have_its_par
     study.start()
     study.tick([ReceiverReport()] * RANKS, now=0.0)
     attempts, ended, parameters = study.take_news()
-    drawn = make_sampler("uniform", [0.0, 5.0], [1.0, 6.0], 0, 2).ask(2)
+    drawn = UniformSampler([0.0, 5.0], [1.0, 6.0], 0, 2).ask(2)
     assert (attempts, ended, launcher.submitted) == ({}, [], []) and sorted(parameters) == [0, 1]
     np.testing.assert_array_equal(np.stack([parameters[0], parameters[1]]), drawn)
     study.tick([ReceiverReport()] * RANKS, now=0.2)  # the round after: every rank has them
@@ -544,7 +544,7 @@ def test_counts_follow_every_transition_of_a_large_study() -> None:
 def waiting_study() -> Harness:
     """Two simulations drawn, done with 3 steps each; the next generation waits for their statistics."""
     breeding = Breeding(population=2, breed_after=2, lag=0, window=2, sigma=[0.1], start=1.0, end=1.0, breakpoint=1)
-    h = Harness(simulations=4, sampler=make_sampler("adaptive", [0.0], [1.0], 0, 4, breeding=breeding))
+    h = Harness(simulations=4, sampler=AdaptiveSampler([0.0], [1.0], 0, 4, breeding, HaltonSampler))
     h.running(0.0, 0, 1)
     for sim in (0, 1):
         h.launcher.exit(sim, 0)
@@ -581,7 +581,7 @@ def test_a_waiting_sampler_gets_partial_statistics_only_when_training_has_stoppe
 
 def test_a_generation_is_pictured_once_the_study_has_drawn_all_of_it() -> None:
     breeding = Breeding(population=2, breed_after=4, lag=0, window=4, sigma=[0.1], start=1.0, end=1.0, breakpoint=1)
-    h = Harness(simulations=6, job_limit=1, sampler=make_sampler("adaptive", [0.0], [1.0], 0, 6, breeding=breeding))
+    h = Harness(simulations=6, job_limit=1, sampler=AdaptiveSampler([0.0], [1.0], 0, 6, breeding, HaltonSampler))
     assert h.study.sampler.drawn == 2 and h.study.take_generations() == []  # generation 0 is simulations 0-3
     for sim in (0, 1):  # each done frees a slot: one more is drawn
         h.running(float(sim), sim)
@@ -618,7 +618,7 @@ def test_a_study_built_from_its_sections_takes_the_launcher_section_s_bounds_and
         },
         Path("/studies/x"),
     )
-    sampler = make_sampler("uniform", [0.0, 0.0], [1.0, 2.0], 0, 3)
+    sampler = UniformSampler([0.0, 0.0], [1.0, 2.0], 0, 3)
     study = Study.from_config(
         config.study,
         config.launcher,
@@ -634,7 +634,7 @@ def test_a_study_built_from_its_sections_takes_the_launcher_section_s_bounds_and
 
 def test_held_out_simulations_follow_the_study_s_run_first_and_the_sampler_never_hears_of_them() -> None:
     breeding = Breeding(population=2, breed_after=2, lag=0, window=2, sigma=[0.1], start=1.0, end=1.0, breakpoint=1)
-    sampler = make_sampler("adaptive", [0.0], [1.0], 0, 2, breeding=breeding)
+    sampler = AdaptiveSampler([0.0], [1.0], 0, 2, breeding, HaltonSampler)
     told: list[int] = []
     sampler.tell = lambda sid, statistic: told.append(sid)  # type: ignore[method-assign]
     h = Harness(simulations=2, job_limit=1, sampler=sampler, held_out=np.array([[0.25], [0.75]]))

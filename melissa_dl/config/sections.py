@@ -19,26 +19,14 @@ import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-import numpy as np
-
-from launcher.jobs import SCHEDULERS, scheduler_class
-from launcher.placeholders import Placeholders, unknown_placeholder
-from launcher.samplers import SAMPLERS, SPACE_FILLING, Breeding, Sampler, make_sampler
-from launcher.schedulers import JobTemplate
-from melissa_dl.buffers.kinds import BUFFER_KINDS, Buffer, make_buffer
+from melissa_dl.config.limits import CLIENT_TIMEOUT_RANGE, DTYPES, MAX_NDIM, MAX_SIMULATION_ID, SEND_QUEUE_BYTES_RANGE
+from melissa_dl.config.registry import BUFFERS, SAMPLERS, SCHEDULERS, SPACE_FILLING, load
 from melissa_dl.errors import ConfigError
-from melissa_dl.runtime.logs import LEVELS
-from melissa_dl.wire.protocol import (
-    CLIENT_TIMEOUT_RANGE,
-    DTYPES,
-    MAX_NDIM,
-    MAX_SIMULATION_ID,
-    SEND_QUEUE_BYTES_RANGE,
-)
 
 MiB = 1 << 20
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # of the logging module, which ``server.log_level`` may choose
 
 
 def option(
@@ -71,6 +59,29 @@ def _check_bounds(f: dataclasses.Field, value: Any, path: str) -> None:
         raise ConfigError(f"{path}: must be between {minimum:g} and {maximum:g}")
     if minimum is not None and not value >= minimum:
         raise ConfigError(f"{path}: " + ("must not be negative" if minimum == 0 else f"must be at least {minimum}"))
+
+
+@dataclass(frozen=True)
+class KindSections:
+    """A section that chooses a registered kind in its key ``field``: its other keys named after a kind are that
+    kind's own section, read by the kind's ``Options`` dataclass (``launcher.slurm``), kept in the section's
+    ``options_of``. A kind's module is imported only when its name is chosen or one of its keys is given."""
+
+    field: str
+    registry: dict[str, str]
+    what: str  # the kind's name in messages
+
+    def read(self, section: Any, data: dict[str, Any], prefix: str) -> None:
+        """Fill ``section.options_of`` from ``data``: the sections given, and the chosen kind's, defaults if not
+        given."""
+        chosen = getattr(section, self.field)
+        for kind in [*(key for key in data if key in self.registry and key != chosen), chosen]:
+            given = kind in data
+            options = load(self.registry, kind, prefix + (kind if given else self.field)).Options
+            if options is None and given:
+                raise ConfigError(f"{prefix}{kind}: {self.what} {kind!r} takes no options")
+            if options is not None:
+                section.options_of[kind] = _build(options, data.get(kind, {}), prefix + kind)
 
 
 @dataclass
@@ -120,24 +131,6 @@ class AdaptiveConfig:
         [], doc="The two parameters of the TensorBoard picture of each generation (default: the first two)."
     )
 
-    def breeding(self, job_limit: int, dimensions: int) -> Breeding:
-        """The sampler's settings, defaults resolved."""
-        population = self.population or job_limit
-        # a lag below the 2 x job_limit simulations the study keeps drawn or running would wait at every generation
-        lag = max(population, 2 * job_limit) if self.lag is None else self.lag
-        sigma = self.sigma if isinstance(self.sigma, list) else [self.sigma] * dimensions
-        return Breeding(
-            population=population,
-            breed_after=self.breed_after or max(2 * population, lag + population),
-            lag=lag,
-            window=self.window or 4 * population,
-            sigma=sigma,
-            start=self.start,
-            end=self.end,
-            breakpoint=self.breakpoint,
-            base=self.base,
-        )
-
     def check(self, config: Config) -> None:
         dimensions = len(config.study.parameters)
         for name in ("start", "end"):
@@ -178,13 +171,6 @@ class ValidationConfig:
     def count(self) -> int:
         return len(self.parameters) if self.parameters is not None else self.simulations
 
-    def table(self, study: StudyConfig) -> np.ndarray:
-        """The held-out simulations' parameters, one row each."""
-        if self.parameters is not None:
-            return np.array(self.parameters, dtype=np.float64).reshape(self.count, len(study.parameters))
-        low, high = [p.low for p in study.parameters], [p.high for p in study.parameters]
-        return make_sampler("uniform", low, high, self.seed, self.simulations).ask(self.simulations)
-
     def check(self, config: Config) -> None:
         if self.parameters is None:
             return
@@ -208,7 +194,7 @@ class StudyConfig:
         doc="Number of simulations (parameter sets) in the study: at most 2**31 with the held-out ones (the ids "
         "the clients accept)."
     )
-    sampler: Literal[SAMPLERS] = option(  # type: ignore[valid-type]
+    sampler: Literal[(*SAMPLERS, "custom")] = option(  # type: ignore[valid-type]
         "uniform",
         doc="How parameter sets are drawn: `uniform` random, scrambled `sobol` or `halton`, `lhs` (a Latin "
         "hypercube), `list` (`parameter_values`), `adaptive` (bred where training finds it hard: `adaptive`) or "
@@ -246,39 +232,6 @@ class StudyConfig:
         """The study's simulations and the held-out ones, which follow them (ids from ``simulations`` on)."""
         return self.simulations + self.validation.count
 
-    def make_sampler(self, base_dir: Path, job_limit: int) -> Sampler:
-        """The study's sampler, from its start."""
-        low, high = [p.low for p in self.parameters], [p.high for p in self.parameters]
-        custom = options = None
-        if self.sampler == "custom":
-            from melissa_dl.runtime.plugins import load_class
-
-            assert self.custom_sampler is not None
-            custom = load_class(
-                base_dir / self.custom_sampler.module, self.custom_sampler.class_name, Sampler, "study.custom_sampler"
-            )
-            options = self.custom_sampler.options
-        return make_sampler(
-            self.sampler,
-            low,
-            high,
-            self.seed,
-            self.simulations,
-            values=self.parameter_values,
-            breeding=self.adaptive.breeding(job_limit, len(low)),
-            custom=custom,
-            options=options,
-        )
-
-    def parameter_table(self, base_dir: Path = Path(".")) -> np.ndarray:
-        """Every simulation's parameters, drawn at once, for the samplers that need no training (``offline.py``,
-        ``--try-simulation``); a ``ConfigError`` for one that does."""
-        sampler = self.make_sampler(base_dir, 1)
-        table = sampler.ask(self.simulations)
-        if len(table) < self.simulations:
-            raise ConfigError(f"study.sampler: '{self.sampler}' draws as training goes, not all at once")
-        return table
-
     def plotted(self) -> list[int]:
         """The parameters of the pictures of the generations (``adaptive.plot_parameters``): one or two."""
         names = self.adaptive.plot_parameters or self.parameter_names[:2]
@@ -296,13 +249,6 @@ class StudyConfig:
         if self.sampler == "adaptive":
             _require(
                 config.training is not None, "study.sampler", "'adaptive' learns from training: add a training section"
-            )
-            breeding = self.adaptive.breeding(config.launcher.job_limit, len(self.parameters))
-            _require(
-                breeding.lag < breeding.breed_after,
-                "study.adaptive.lag",
-                f"{breeding.lag} leaves no parent before the first bred generation "
-                f"(breed_after={breeding.breed_after})",
             )
         if self.sampler == "custom":
             assert self.custom_sampler is not None
@@ -429,16 +375,19 @@ class ServerConfig:
 
 @dataclass
 class BufferConfig:
-    kind: Literal[BUFFER_KINDS] = option(  # type: ignore[valid-type]
+    KINDS: ClassVar[KindSections] = KindSections("kind", BUFFERS, "buffer kind")
+
+    kind: Literal[tuple(BUFFERS)] = option(  # type: ignore[valid-type]
         "reservoir",
         doc="Buffer policy (docs/how-to/choose-a-buffer.md); `reservoir` trains while simulations are slower than "
-        "training.",
+        "training. A kind with options of its own reads them from the key named after it, `buffer.<kind>`.",
     )
     capacity_samples: int | None = option(1000, positive=True, doc="Samples a rank's buffer holds at most.")
     capacity_bytes: int | None = option(None, positive=True, doc="Bytes a rank's buffer holds at most.")
     per_server_watermark: int = option(1, minimum=1, doc="Samples a rank must receive before it serves any.")
     pseudo_epochs: int = option(1, minimum=1, doc="FIRO: times a sample is served before it is removed.")
     seed: int = option(0, doc="Seed of the buffer's random choices (rank r uses seed + r).")
+    options_of: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
 
     def check(self, config: Config) -> None:
         _require(
@@ -453,58 +402,39 @@ class BufferConfig:
                 f"{self.per_server_watermark} is above capacity_samples={self.capacity_samples}",
             )
 
-    def make_buffer(self, rank: int) -> Buffer:
-        """Rank ``rank``'s buffer, as this section describes it (each rank draws from its own seed). Here, not
-        in the buffers wing: the configuration already imports the kinds, and the import runs one way."""
-        return make_buffer(
-            self.kind,
-            capacity_samples=self.capacity_samples,
-            capacity_bytes=self.capacity_bytes,
-            watermark=self.per_server_watermark,
-            seed=self.seed + rank,
-            pseudo_epochs=self.pseudo_epochs,
-        )
 
-
-def _mpi_schedulers(quote: str) -> str:
-    """``'mpirun' or 'slurm'``: the schedulers that run a simulation on several ranks, for a doc or a message."""
-    names = [f"{quote}{kind}{quote}" for kind in SCHEDULERS if scheduler_class(kind).runs_mpi]
+def _mpi_schedulers() -> str:
+    """``'mpirun', 'slurm' or 'srun'``: the schedulers that run a simulation on several ranks, for an error (each
+    loaded to ask: one that cannot load is left out)."""
+    names = []
+    for kind in SCHEDULERS:
+        try:
+            if load(SCHEDULERS, kind, "launcher.scheduler").runs_mpi:
+                names.append(f"'{kind}'")
+        except ConfigError:
+            continue
     return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
 
 
-T = typing.TypeVar("T")
-
-
-def _with_scheduler_sections(cls: type[T]) -> type[T]:
-    """``cls`` plus a section ``launcher.<name>`` for each scheduler that has its own ``Options``, so that a new
-    scheduler needs no line here."""
-    sections = [
-        (kind, options, option(options, doc=f"Options of each simulation's job (scheduler `{kind}`)."))
-        for kind in SCHEDULERS
-        if (options := scheduler_class(kind).Options) is not None
-    ]
-    return dataclasses.make_dataclass(
-        cls.__name__, sections, bases=(cls,), namespace={"__module__": cls.__module__, "__doc__": cls.__doc__}
-    )
-
-
-@_with_scheduler_sections
 @dataclass
 class LauncherConfig:
     """How simulations are started; each scheduler's own options are the section named after it."""
+
+    KINDS: ClassVar[KindSections] = KindSections("scheduler", SCHEDULERS, "scheduler")
 
     command: list[str] = option(
         doc="Command line of one simulation, run from the config file's folder; placeholders such as `{simulation}`, "
         "`{slot}`, `{parameters}` or a parameter's `{name}` are filled for each attempt (docs/how-to/placeholders.md)."
     )
     scheduler: Literal[tuple(SCHEDULERS)] = option(  # type: ignore[valid-type]
-        "local", doc="; ".join(f"`{kind}`: {scheduler_class(kind).summary}" for kind in SCHEDULERS) + "."
+        "local",
+        doc="How each simulation's job runs; a scheduler with options of its own reads them from the key named "
+        "after it, `launcher.<scheduler>`.",
     )
     client_ranks: int = option(
         1,
         minimum=1,
-        doc=f"MPI ranks of each simulation (scheduler {_mpi_schedulers('`')}); a hello of "
-        "another client size is refused.",
+        doc="MPI ranks of each simulation (a scheduler that runs MPI); a hello of another client size is refused.",
     )
     job_limit: int = option(4, minimum=1, doc="Simulations running at once.")
     persistent: bool = option(
@@ -551,21 +481,12 @@ class LauncherConfig:
         doc="`melissa-launcher`: restarts of a dead server before giving up; it gives up at once when a restarted "
         "server fails with the error of the run before (docs/tutorials/restart.md).",
     )
-
-    def placeholders(self) -> Placeholders:
-        """``command`` and ``env`` as written, which the launcher fills for each attempt."""
-        return Placeholders(self.command, self.env)
+    options_of: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
 
     def check(self, config: Config) -> None:
         _require(len(self.command) > 0, "launcher.command", "must not be empty")
-        names = config.study.parameter_names
-        if (unknown := unknown_placeholder(self.command, self.env, names, self.persistent)) is not None:
-            raise ConfigError(f"{unknown[0]}: {unknown[1]}")
-        _require(
-            scheduler_class(self.scheduler).runs_mpi or self.client_ranks == 1,
-            "launcher.client_ranks",
-            "more than one client rank needs scheduler " + _mpi_schedulers("'"),
-        )
+        if self.client_ranks > 1 and not load(SCHEDULERS, self.scheduler, "launcher.scheduler").runs_mpi:
+            raise ConfigError(f"launcher.client_ranks: more than one client rank needs scheduler {_mpi_schedulers()}")
 
 
 @dataclass
@@ -638,14 +559,6 @@ class Config:
     def output_path(self) -> Path:
         return self.base_dir / self.output_dir
 
-    def simulation_job(self) -> JobTemplate:
-        """What the scheduler ``launcher.scheduler`` needs to run this study's simulations."""
-        launcher = self.launcher
-        options = getattr(launcher, launcher.scheduler, None)  # the scheduler's own section, if it has one
-        return JobTemplate(
-            launcher.command, self.base_dir, launcher.client_ranks, options, f"melissa-{self.output_path.name}"
-        )
-
     def to_dict(self) -> dict[str, Any]:
         """The resolved configuration as JSON-ready data (internal fields left out)."""
         return _to_plain(self)
@@ -659,9 +572,12 @@ class Config:
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return {
-            f.name: _to_plain(getattr(value, f.name))
-            for f in dataclasses.fields(value)
-            if not f.metadata.get("internal")
+            **{
+                f.name: _to_plain(getattr(value, f.name))
+                for f in dataclasses.fields(value)
+                if not f.metadata.get("internal")
+            },
+            **_to_plain(getattr(value, "options_of", {})),  # the kinds' own sections, as written
         }
     if isinstance(value, list):
         return [_to_plain(v) for v in value]
@@ -746,12 +662,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
 def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kinds: KindSections | None = getattr(cls, "KINDS", None)
     prefix = f"{path}." if path else ""
     for key in data:
         if f"{prefix}{key}" in MOVED_KEYS:
             raise ConfigError(f"{prefix}{key}: moved to {MOVED_KEYS[prefix + key]}")
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
+        if key not in known and (kinds is None or key not in kinds.registry):
+            close = difflib.get_close_matches(key, [*known, *(kinds.registry if kinds else ())], n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{prefix}{key}: unknown key{hint}")
     kwargs = {}
@@ -761,7 +678,10 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
             _check_bounds(f, kwargs[name], prefix + name)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{prefix}{name}: missing required key")
-    return cls(**kwargs)
+    built = cls(**kwargs)
+    if kinds is not None:
+        kinds.read(built, data, prefix)
+    return built
 
 
 def _require(condition: bool, path: str, message: str) -> None:
