@@ -177,6 +177,7 @@ def server_side(
     comm.Barrier()
     loop.train(trainer, dataset.next_batch, training.stall_timeout)
     receiver.stop()
+    metrics.close()  # as the server does when its run ends
     assert len(stamps) == steps, f"rank {rank} trained {len(stamps)} of {steps} batches"
     return comm.allreduce(per_step(stamps, warmup), op=MPI.MAX)
 

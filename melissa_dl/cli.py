@@ -22,9 +22,8 @@ from melissa_dl.runtime.allocator import keep_freed_memory
 from melissa_dl.runtime.files import check_writable
 from melissa_dl.runtime.mpi import first_of_launch, keep_pmi_lines_short
 from melissa_dl.runtime.status import EXIT_CONFIG
-from melissa_dl.study.jobs import placeholders_from_config, scheduler_from_config
+from melissa_dl.study.jobs import check_settings, scheduler_from_config
 from melissa_dl.study.progress import show_status
-from melissa_dl.study.sampling import sampler_from_config
 from melissa_dl.train.module import check_options, load_module_class
 
 
@@ -110,13 +109,12 @@ def _is_number(text: str) -> bool:
 def check_study(config: Config, build: bool) -> None:
     """What a run needs besides a valid config; ``build``: also construct the training module (on the meta
     device, so that a large table costs no memory)."""
+    check_settings(config)
     check_writable(config.output_path)
     if (problem := missing_program(config.launcher.command, config.base_dir)) is not None:
         raise ConfigError(f"launcher.command[0]: {problem}")
     if (refusal := scheduler_from_config(config).dry_run()) is not None:
         raise ConfigError(f"launcher.{config.launcher.scheduler}: {refusal}")
-    placeholders_from_config(config)
-    sampler_from_config(config.study, config.launcher.job_limit, config.base_dir)  # its settings, the user's class
     training = config.training
     if training is None:
         return

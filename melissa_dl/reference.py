@@ -52,7 +52,7 @@ def _fields(cls: type) -> Iterator[tuple[dataclasses.Field, Any, str]]:
         if found.Options is not None:
             section = dataclasses.field(default_factory=found.Options)
             section.name = kind
-            yield section, found.Options, f"Options of {kinds.what} `{kind}` (when chosen)."  # type: ignore[union-attr]
+            yield section, found.Options, f"Options of {kinds.what} `{kind}` (read when chosen or given)."  # type: ignore[union-attr]
 
 
 def _default(f: dataclasses.Field) -> Any:

@@ -52,6 +52,7 @@ from melissa_dl.runtime.status import (
     HEARTBEAT,
     read_failure,
 )
+from melissa_dl.study.jobs import check_settings
 
 logger = logging.getLogger("melissa-launcher")
 
@@ -92,6 +93,7 @@ def kill_run(marker: str, timeout: float = 30.0) -> None:
 class Supervisor:
     def __init__(self, config_path: str, ranks: int, fresh: bool) -> None:
         config = load_config(config_path)
+        check_settings(config)
         check_writable(config.output_path)
         self.config_path = config_path
         self.ranks = ranks
@@ -113,9 +115,9 @@ class Supervisor:
         launch, self.stop_as = [venv_mpirun(), "-n", str(self.ranks)], None
         for kind in SCHEDULERS:
             try:
-                scheduler = load(SCHEDULERS, kind, "launcher.scheduler")
-            except ConfigError as error:  # not the study's scheduler (that one loaded): said, and passed over
-                logger.warning("%s", error)
+                scheduler = load(SCHEDULERS, kind, f"scheduler {kind!r}, not this study's")
+            except ConfigError as error:  # the study's own scheduler loaded: this one is only asked, not used
+                logger.warning("%s; not asked whether the server runs in one of its allocations", error)
                 continue
             if (inside := scheduler.server_launch(self.ranks)) is not None:
                 launch, self.stop_as = inside, scheduler.server_stop_signal

@@ -277,8 +277,9 @@ class Buffer(ABC):
 
     def load_resharded(self, olds: Sequence[dict[str, Any]], rank: int, size: int) -> None:
         """Rank ``rank`` of ``size``, from the buffers of a checkpoint of another number of ranks (``olds``, their
-        states): an equal share of their samples, never-served first, counted as put here. A kind with state of
-        its own overrides this to share that state as well."""
+        states), before the receiver starts (not atomic: nothing puts yet): an equal share of their samples,
+        never-served first, counted as put here. A kind with state of its own overrides this to share that state
+        as well."""
         entries = [entry for old in olds for entry in old["entries"]][rank::size]
         entries.sort(key=lambda entry: entry["served"] > 0)
         self.load_state_dict({**self.state_dict(), "entries": entries, "total_put": len(entries)})

@@ -58,7 +58,7 @@ from melissa_dl.checkpoint.versions import (
     version_dir,
     write_rank_files,
 )
-from melissa_dl.config.sections import Config
+from melissa_dl.config.sections import Config, unread_kind_sections
 from melissa_dl.errors import CheckpointCorrupt, ConfigError
 from melissa_dl.runtime.mpi import Comm
 from melissa_dl.runtime.status import HISTORY, STATUS
@@ -243,6 +243,9 @@ def find_checkpoint(config: Config) -> Version | None:
         logger.warning("%s holds no committed checkpoint: starting from scratch", root)
         return None
     saved = json.loads(version.read(0, "config.json"))
+    for key in unread_kind_sections(config):  # a section this study does not read: no change of it matters
+        section, _, kind = key.partition(".")
+        saved.get(section, {}).pop(kind, None)
     for key, (old, new) in _changed_keys(saved, config.to_dict()).items():
         if key.startswith(FIXED_KEYS):
             raise ConfigError(

@@ -65,7 +65,8 @@ def _check_bounds(f: dataclasses.Field, value: Any, path: str) -> None:
 class KindSections:
     """A section that chooses a registered kind in its key ``field``: its other keys named after a kind are that
     kind's own section, read by the kind's ``Options`` dataclass (``launcher.slurm``), kept in the section's
-    ``options_of``. A kind's module is imported only when its name is chosen or one of its keys is given."""
+    ``options_of``. A kind's module is imported only when its name is chosen or its section given; a section of
+    a kind neither chosen nor given is not read (``unread_kind_sections``)."""
 
     field: str
     registry: dict[str, str]
@@ -81,7 +82,7 @@ class KindSections:
             if options is None and given:
                 raise ConfigError(f"{prefix}{kind}: {self.what} {kind!r} takes no options")
             if options is not None:
-                section.options_of[kind] = _build(options, data.get(kind, {}), prefix + kind)
+                section.options_of[kind] = _convert(options, data.get(kind, {}), prefix + kind)
 
 
 @dataclass
@@ -567,6 +568,18 @@ class Config:
         """Identifies a configuration, so a checkpoint can tell what produced it."""
         text = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def unread_kind_sections(config: Config) -> list[str]:
+    """The keys of the kinds' own sections that ``config`` neither chose nor gave (``launcher.slurm`` of a local
+    study): not read, so not in its resolved form either (an older version's held every kind's)."""
+    keys = []
+    for f in dataclasses.fields(config):
+        section = getattr(config, f.name)
+        kinds: KindSections | None = getattr(type(section), "KINDS", None)
+        if kinds is not None:
+            keys += [f"{f.name}.{kind}" for kind in kinds.registry if kind not in section.options_of]
+    return keys
 
 
 def _to_plain(value: Any) -> Any:

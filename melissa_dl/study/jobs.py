@@ -14,6 +14,7 @@ from launcher.workers import WorkerScheduler
 from melissa_dl.config.registry import SCHEDULERS, load
 from melissa_dl.config.sections import Config
 from melissa_dl.errors import ConfigError
+from melissa_dl.study.sampling import breeding
 
 NextWork = Callable[[str, str | None], dict[str, Any]]
 """What a persistent worker runs next, asked by its name and the run it ended (``WorkerScheduler.next_for``)."""
@@ -32,6 +33,16 @@ def scheduler_from_config(config: Config, kind: str | None = None) -> Scheduler:
     """The scheduler ``launcher.scheduler`` names (or ``kind``: a trial runs on this host), its module loaded now."""
     found: type[Scheduler] = load(SCHEDULERS, kind or config.launcher.scheduler, "launcher.scheduler")
     return found.from_job(simulation_job(config))
+
+
+def check_settings(config: Config) -> None:
+    """What the configuration's own checks cannot tell without the launcher's parts and the study's pace: the
+    adaptive sampler's resolved settings, then the placeholders (the order of the sections). ``--check``, every
+    run and ``melissa-launcher`` ask first."""
+    study = config.study
+    if study.sampler == "adaptive":
+        breeding(study.adaptive, config.launcher.job_limit, len(study.parameters))
+    placeholders_from_config(config)
 
 
 def placeholders_from_config(config: Config) -> Placeholders:

@@ -195,7 +195,7 @@ static int require(const char *name, const char **value) {
 /* A number variable, read as JSON (so in the C locale), within [low, high];
  * ``fallback`` when unset, or required if ``fallback`` is NAN. The callers' bounds are
  * melissa_dl/config/limits.py's CLIENT_TIMEOUT_RANGE, SEND_QUEUE_BYTES_RANGE and MAX_SIMULATION_ID,
- * which the configuration checks at --check: change them together (tests/unit/test_config.py compares). */
+ * which the configuration checks at --check: change them together (tests/unit/config/test_config.py compares). */
 static int env_number(const char *name, double fallback, double low, double high, bool integer, double *out) {
     const char *text = getenv(name);
     if (text == NULL) {

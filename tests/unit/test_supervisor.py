@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from melissa_dl import supervisor as supervisor_module
+from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.mpi import STOP_SIGNALS
 from melissa_dl.runtime.status import EXIT_STOPPED, FAILURE, read_failure, record_failure
 from melissa_dl.supervisor import Supervisor
@@ -168,3 +170,32 @@ def test_a_failure_is_recorded_in_one_line_with_the_line_that_raised_it(tmp_path
     assert [path.name for path in tmp_path.iterdir()] == [FAILURE]  # no temporary file left
     (tmp_path / FAILURE).write_text('{"cause": "ValueError: ba')  # torn: no cause
     assert read_failure(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    "changes, refusal",
+    [
+        ({"launcher": {"command": ["sim", "{b}"]}}, "launcher.command[1]: '{b}': unknown placeholder {b}"),
+        (
+            {"study": {"sampler": "adaptive", "adaptive": {"lag": 9, "breed_after": 4}}, "training": {}},
+            "study.adaptive.lag: 9 leaves no parent before the first bred generation (breed_after=4)",
+        ),
+    ],
+)
+def test_melissa_launcher_refuses_what_melissa_server_check_refuses_before_starting_any(
+    tmp_path: Path, changes: dict[str, Any], refusal: str
+) -> None:
+    """Settings that need the launcher's parts or the study's pace (``study.jobs.check_settings``): refused by the
+    supervisor itself, not by a server it started."""
+    (tmp_path / "model.py").write_text("")
+    config: dict[str, Any] = {
+        "study": {"fields": ["u"], "parameters": [{"name": "a", "low": 0, "high": 1}], "simulations": 8},
+        "launcher": {"command": ["sim"]},
+    }
+    for section, values in changes.items():
+        config[section] = {**config.get(section, {}), **values}
+    if "training" in config:
+        config["training"] = {"module": "model.py", "class_name": "M"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        Supervisor(str(tmp_path / "config.json"), 1, fresh=False)

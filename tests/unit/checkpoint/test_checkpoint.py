@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ import torch
 from mpi4py import MPI
 
 from melissa_dl.checkpoint.manager import CheckpointManager
+from melissa_dl.checkpoint.recovery import checkpoint_root, find_checkpoint, module_digest
 from melissa_dl.checkpoint.serialization import dumps, loads
 from melissa_dl.checkpoint.snapshots import (
     BackgroundCopies,
@@ -530,3 +532,38 @@ def test_checkpoint_seconds_spaces_the_snapshots_of_ended_simulations_and_forget
     manager.sync(ended=False)
     manager.when_idle(0, 0)
     assert snapshots.snapshots == [0, 0]
+
+
+def test_a_checkpoint_that_holds_every_schedulers_section_resumes_without_a_warning_of_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An earlier version's resolved config held every scheduler's section (``launcher.slurm`` of a local study);
+    today a section neither chosen nor given is not read: resuming such a checkpoint warns of no change of it,
+    and still of a change of what the study reads."""
+    (tmp_path / "model.py").write_text("")
+    config = parse_config(
+        {
+            "study": {"fields": ["u"], "parameters": [{"name": "a", "low": 0, "high": 1}], "simulations": 3},
+            "launcher": {"command": ["sim"], "job_limit": 2},
+            "training": {"module": "model.py", "class_name": "M"},
+        },
+        tmp_path,
+    )
+    root = checkpoint_root(config)
+
+    def resume(saved: dict) -> list[str]:
+        shutil.rmtree(root, ignore_errors=True)
+        files = {name: b"" for name in ("stream.pt", "trainer.pt", "dense.pt", "study.pt")}
+        records = [write_rank_files(version_dir(root, 1), 0, {**files, "config.json": json.dumps(saved).encode()})]
+        commit(root, 1, records, {"module_digest": module_digest(config)}, batch=1, config_digest="x")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="melissa_dl.checkpoint.recovery"):
+            assert find_checkpoint(config) is not None
+        return [record.getMessage() for record in caplog.records]
+
+    older = config.to_dict()
+    older["launcher"]["slurm"] = {"partition": None, "account": None}
+    older["launcher"]["srun"] = {}
+    assert "slurm" not in config.to_dict()["launcher"] and resume(older) == []
+    older["launcher"]["job_limit"] = 4
+    assert resume(older) == ["resuming with launcher.job_limit changed: 4 -> 2"]

@@ -144,6 +144,10 @@ def test_unknown_keys_are_refused_with_a_suggestion(changes: dict, expected: str
         (("study", "parameter_values"), [[1, "a"]], 'study.parameter_values[0][1]: expected a number, got "a"'),
         (("launcher", "env"), {"OMP_NUM_THREADS": 4}, "launcher.env.OMP_NUM_THREADS: expected a string, got 4"),
         (("server",), [], "server: expected an object, got []"),
+        (("launcher", "slurm"), 5, "launcher.slurm: expected an object, got 5"),
+        (("launcher", "slurm"), [], "launcher.slurm: expected an object, got []"),
+        (("launcher", "srun"), None, "launcher.srun: expected an object, got null"),
+        (("launcher", "slurm", "partition"), 3, "launcher.slurm.partition: expected a string, got 3"),
     ],
 )
 def test_wrong_types_name_the_json_path(path: tuple, value: Any, expected: str) -> None:
@@ -447,7 +451,7 @@ def test_a_new_sections_check_runs_and_names_its_key(monkeypatch: pytest.MonkeyP
 def test_the_bounds_of_the_clients_environment_are_the_c_librarys() -> None:
     """The configuration refuses what a client would: the C library's ``env_number`` calls state the bounds
     that ``melissa_dl.config.limits`` holds for the configuration and the Python client."""
-    source = (Path(__file__).resolve().parents[2] / "native" / "src" / "client.c").read_text()
+    source = (Path(__file__).resolve().parents[3] / "native" / "src" / "client.c").read_text()
     calls = re.findall(r'env_number\("(MELISSA_\w+)", [^,]+, ([^,]+), ([^,]+), (?:true|false),', source)
     bounds = {name: (float(low), float(high.replace("INT32_MAX", str(2**31 - 1)))) for name, low, high in calls}
     assert bounds == {
