@@ -263,9 +263,11 @@ class Server:
             next_work,
         )
         server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
+        held_out = config.study.validation.count  # counted as the status lines and the report count them
         logger.info(
-            "study of %d simulations, handshake at %s, %d server ranks",
-            self.config.study.simulations,
+            "study of %d simulations%s, handshake at %s, %d server ranks",
+            config.study.all_simulations,
+            f" ({held_out} held out)" if held_out else "",
             server_endpoint,
             self.size,
         )

@@ -48,6 +48,10 @@ def test_held_out_simulations_are_run_first_never_trained_on_and_validate_the_mo
     assert run.code == 0, run.log
     assert run.report is not None
     assert_held_out_whole(output, run.report, run.log)
+    simulations = TRAINED + len(HELD_OUT)  # the first line, the status lines and the report count them alike
+    assert f"study of {simulations} simulations ({len(HELD_OUT)} held out), handshake at" in run.log
+    assert f" failed of {simulations} | " in run.log
+    assert f"{simulations}/{simulations} simulations done ({len(HELD_OUT)} held out)" in run.log
 
 
 @pytest.mark.parametrize("after", [2, 1])
