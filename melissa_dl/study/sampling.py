@@ -18,6 +18,11 @@ DRAWN_AHEAD = 2
 """Waves of ``launcher.job_limit`` simulations the study keeps drawn or running."""
 
 
+def bounds(study: StudyConfig) -> tuple[list[float], list[float]]:
+    """Each parameter's low and high bounds, as a sampler takes them."""
+    return [p.low for p in study.parameters], [p.high for p in study.parameters]
+
+
 def breeding(adaptive: AdaptiveConfig, job_limit: int, dimensions: int) -> Breeding:
     """The adaptive sampler's settings, defaults resolved; a ``ConfigError`` for a lag that leaves no parent."""
     population = adaptive.population or job_limit
@@ -43,7 +48,7 @@ def breeding(adaptive: AdaptiveConfig, job_limit: int, dimensions: int) -> Breed
 def sampler_from_config(study: StudyConfig, job_limit: int, base_dir: Path) -> Sampler:
     """The study's sampler, from its start (``study.sampler``, its module loaded now; ``custom``: the user's class
     from ``study.custom_sampler``, relative to ``base_dir``)."""
-    low, high = [p.low for p in study.parameters], [p.high for p in study.parameters]
+    low, high = bounds(study)
     if study.sampler == "custom":
         assert study.custom_sampler is not None
         custom = load_class(
@@ -74,5 +79,5 @@ def held_out_table(study: StudyConfig) -> np.ndarray:
     validation = study.validation
     if validation.parameters is not None:
         return np.array(validation.parameters, dtype=np.float64).reshape(validation.count, len(study.parameters))
-    low, high = [p.low for p in study.parameters], [p.high for p in study.parameters]
+    low, high = bounds(study)
     return UniformSampler(low, high, validation.seed, validation.simulations).ask(validation.simulations)

@@ -129,10 +129,16 @@ def add_registry_line(path: Path, registry: str, line: str) -> None:
     path.write_text(text.replace(opening, f"{opening}    {line}\n"))
 
 
-def test_a_new_scheduler_and_a_torch_only_sparse_optimizer_are_one_file_and_one_line_each(tmp_path: Path) -> None:
+def copy_of_the_source(tmp_path: Path) -> Path:
+    """The packages copied, to be extended there (with __pycache__: numba's compiled loops, valid for the copies)."""
     source = tmp_path / "source"
-    for package in ("melissa_dl", "launcher"):  # with __pycache__: numba's compiled row loops, valid for the copies
+    for package in ("melissa_dl", "launcher"):
         shutil.copytree(ROOT / package, source / package)
+    return source
+
+
+def test_a_new_scheduler_and_a_torch_only_sparse_optimizer_are_one_file_and_one_line_each(tmp_path: Path) -> None:
+    source = copy_of_the_source(tmp_path)
     (source / "launcher" / "toy.py").write_text(TOY_SCHEDULER)
     add_registry_line(
         source / "melissa_dl" / "config" / "registry.py", "SCHEDULERS", '"toy": "launcher.toy:ToyScheduler",'
@@ -170,14 +176,6 @@ def test_a_new_scheduler_and_a_torch_only_sparse_optimizer_are_one_file_and_one_
     report = json.loads((output / "report.json").read_text())
     assert report["simulations"]["done"] == SIMULATIONS
     assert report["samples_received"] == SIMULATIONS * STEPS
-
-
-def copy_of_the_source(tmp_path: Path) -> Path:
-    """The packages copied, to be extended there (with __pycache__: numba's compiled loops, valid for the copies)."""
-    source = tmp_path / "source"
-    for package in ("melissa_dl", "launcher"):
-        shutil.copytree(ROOT / package, source / package)
-    return source
 
 
 def test_a_new_buffer_kind_with_options_and_state_of_its_own_checkpoints_and_reshards(tmp_path: Path) -> None:
