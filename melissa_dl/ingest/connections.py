@@ -22,8 +22,8 @@ the handshake socket, a kilobyte on a delivery service). So:
   descriptor of a connection that ended may be another's already); what
   peers without credentials can make a socket hold is at most
   ``PENDING_IN_ALL`` parts at a time;
-- peers that never finish ZeroMQ's handshake are dropped after
-  ``HANDSHAKE_MS`` (ZMQ_HANDSHAKE_IVL);
+- peers that do not finish ZeroMQ's handshake within ``HANDSHAKE_MS``
+  (ZMQ_HANDSHAKE_IVL) are dropped;
 - an accept that failed anyway (no descriptor left) is counted and logged.
 
 Every refused connection is counted, in the socket's
@@ -61,7 +61,9 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 100  # how often a socket's thread looks at its stop flag and its monitor
 RESERVED_FDS = 256  # descriptors kept for logs, checkpoints, simulation launches, MPI
-HANDSHAKE_MS = 10_000  # a peer silent this long after connecting is dropped
+# A login not done this long after its connection is dropped: a silent peer's, or a real client's that the server
+# itself was slow to admit (a thousand logging in at once on a loaded node), which reconnects; libzmq's default.
+HANDSHAKE_MS = 30_000
 SOCKETS_PER_RANK = 3  # rank 0's handshake, data and delivery sockets share the process's descriptors
 PENDING_PER_HOST = 64  # connections of one host still logging in, per socket
 PENDING_IN_ALL = 256  # of all hosts, or the simulation ranks the study may run at once if more
