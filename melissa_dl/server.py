@@ -59,7 +59,7 @@ from melissa_dl.runtime.mpi import (
 )
 from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT, lock_output
 from melissa_dl.study.jobs import launcher_from_config
-from melissa_dl.study.progress import StatusBoard, earlier_runs_seconds
+from melissa_dl.study.progress import StatusBoard, after_data, earlier_runs_seconds
 from melissa_dl.study.report import final_report, write_report
 from melissa_dl.study.sampling import sampler_from_config
 from melissa_dl.study.study import Study, simulation_environment
@@ -125,7 +125,8 @@ class Server:
             if self.rank == 0
             else None
         )
-        self.buffer = Buffer.from_config(config.buffer, self.rank)
+        passes = config.training.epochs_after_data if config.training is not None else None
+        self.buffer = Buffer.from_config(config.buffer, self.rank, passes)
         spec = StreamSpec.from_config(config.server, study, self.parameters, self.token, self.rank, self.size)
         self.bind_address, self.host = addresses(config.server.interface)
         self.receiver = Receiver.from_config(config.server, spec, self.buffer, self.bind_address, self.security)
@@ -348,6 +349,8 @@ class Server:
             assert study is not None and handshake is not None and status is not None and total is not None
             study.conclude()
             status.finish(study, reports, total, consumer.status())
+            if trainer is not None:  # training ended when the data ran out, after its passes over the buffers if any
+                extra["training"]["after_data"] = after_data(reports)
             duration += earlier_runs_seconds(self.config.output_path, time.time() - duration)  # before restarts
             report = final_report(
                 study, reports, handshake.rejections.counts(), total, duration, self.config.study.time_steps, extra

@@ -23,6 +23,14 @@ Choices, and why:
   otherwise it could never be stored and reception would stall forever.
 * ``put`` after ``close()`` (or a ``put`` blocked when ``close()`` happens)
   raises ``BufferClosed``: reception is over, so such a sample is a bug.
+* After ``close()`` a buffer drains as its kind says (each sample served once
+  more, or FIRO's servings left), unless it was given ``passes_after_data``:
+  then it serves every sample it holds that many times, in passes (each in the
+  kind's order: FIFO's arrival order, a new random order otherwise; a pass's
+  last batch may be short, so that no batch holds a sample twice), and keeps
+  them until the last pass, as an epoch-based ``DataLoader`` would once the
+  stream has ended. The list is in the pass's order and ``_cursor`` is the
+  next to serve, which a checkpoint keeps.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ class Buffer(ABC):
     """Common machinery; subclasses only choose what to serve and what to drop."""
 
     kind: str = ""
+    in_order: ClassVar[bool] = False  # a pass after the data keeps the arrival order (else: a new random order)
     Options: ClassVar[type | None] = None
     """A dataclass of the kind's own options (its section ``buffer.<kind>``; each field documented in
     ``metadata["doc"]``), or None; the section read is ``self.options``."""
@@ -74,9 +83,11 @@ class Buffer(ABC):
         watermark: int,
         seed: int,
         pseudo_epochs: int = 1,
+        passes_after_data: int | None = None,
         options: Any = None,
     ) -> None:
         self.options = options
+        self.passes_after_data = passes_after_data
         self._cap_samples = capacity_samples
         self._cap_bytes = capacity_bytes
         self._watermark = watermark
@@ -93,10 +104,13 @@ class Buffer(ABC):
         self._get_wait = 0.0
         self._closed = False
         self._rows: Rows | None = None
+        self._passes_left: int | None = None  # after the data, in passes: those not finished yet
+        self._cursor = 0  # in passes: the next entry of this pass to serve
 
     @staticmethod
-    def from_config(section: BufferConfig, rank: int) -> Buffer:
-        """Rank ``rank``'s buffer, of the kind the section chooses (each rank draws from its own seed)."""
+    def from_config(section: BufferConfig, rank: int, passes_after_data: int | None = None) -> Buffer:
+        """Rank ``rank``'s buffer, of the kind the section chooses (each rank draws from its own seed), serving
+        what it holds ``passes_after_data`` times once the data has ended (None: its kind's drain)."""
         return make_buffer(
             section.kind,
             capacity_samples=section.capacity_samples,
@@ -104,6 +118,7 @@ class Buffer(ABC):
             watermark=section.per_server_watermark,
             seed=section.seed + rank,
             pseudo_epochs=section.pseudo_epochs,
+            passes_after_data=passes_after_data,
             options=section.options_of.get(section.kind),
         )
 
@@ -191,12 +206,25 @@ class Buffer(ABC):
             return batch
 
     def close(self) -> None:
-        """Reception is over: wake every waiter so the buffer drains."""
+        """Reception is over: wake every waiter so the buffer drains, or serves its passes after the data."""
         with self._cond:
-            if not self._closed:
+            if not self._closed and self._passes_left is None:  # else: passes a checkpoint resumed, reopened
                 self._on_close()
+                if self.passes_after_data is not None and self._entries:
+                    self._entries = list(self._entries)
+                    self._passes_left = self.passes_after_data
+                    self._new_pass()
             self._closed = True
             self._cond.notify_all()
+
+    @property
+    def passes_done(self) -> int | None:
+        """After the data, with ``passes_after_data``: the passes finished over what the buffer held (None before
+        the data ended, or without passes)."""
+        with self._cond:
+            if self.passes_after_data is None or not self._closed:
+                return None
+            return self.passes_after_data - (self._passes_left or 0)
 
     @property
     def producer_waiting(self) -> bool:
@@ -251,6 +279,8 @@ class Buffer(ABC):
                 "get_wait_seconds": self._get_wait,
                 "closed": self._closed,
                 "rng_state": self._rng.getstate(),
+                "passes_left": self._passes_left,
+                "cursor": self._cursor,
             }, other()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -272,7 +302,11 @@ class Buffer(ABC):
             self._get_wait = state["get_wait_seconds"]
             self._closed = state["closed"]
             self._rng.setstate(state["rng_state"])
-            self._after_load()
+            self._passes_left, self._cursor = state.get("passes_left"), state.get("cursor", 0)
+            if self._passes_left is not None:  # in the order of the pass under way
+                self._entries = list(self._entries)
+            else:
+                self._after_load()
             self._cond.notify_all()
 
     def load_resharded(self, olds: Sequence[dict[str, Any]], rank: int, size: int) -> None:
@@ -282,7 +316,7 @@ class Buffer(ABC):
         as well."""
         entries = [entry for old in olds for entry in old["entries"]][rank::size]
         entries.sort(key=lambda entry: entry["served"] > 0)
-        self.load_state_dict({**self.state_dict(), "entries": entries, "total_put": len(entries)})
+        self.load_state_dict({**self.state_dict(), "entries": entries, "total_put": len(entries)})  # passes anew
 
     # ------------------------------------------------------------ machinery
     def _block(self, deadline: float | None) -> float | None:
@@ -304,7 +338,7 @@ class Buffer(ABC):
 
     def _servable(self, size: int) -> int | None:
         """How many entries a get of ``size`` takes now, or None while it must wait for more."""
-        n = len(self._entries)
+        n = len(self._entries) - self._cursor  # those not served yet in a pass after the data
         if self._closed or self._full():
             return min(size, n)
         if self._total_put >= self._watermark and n >= size:
@@ -324,11 +358,35 @@ class Buffer(ABC):
     def _serve(self, k: int, form: Callable[[Sequence[_Entry]], T]) -> T:
         """``form`` of ``k`` entries the kind picks (called before any leaves), which are then served: the batch's
         hot path, so one pass per step and no call per entry where possible."""
-        picked = self._pick(k)
-        batch = form(picked)
-        self._served(picked)
+        if self._passes_left is not None:
+            batch = form(self._entries[self._cursor : self._cursor + k])
+            self._next_in_pass(k)
+        else:
+            picked = self._pick(k)
+            batch = form(picked)
+            self._served(picked)
         self._total_served += k
         return batch
+
+    def _new_pass(self) -> None:
+        """Every entry once more, in the kind's order (shuffled, but for FIFO's arrival order)."""
+        if not self.in_order:
+            self._rng.shuffle(self._entries)
+        self._cursor = 0
+
+    def _next_in_pass(self, k: int) -> None:
+        """``k`` entries of the pass served: at its end the next pass, or, after the last, every entry leaves."""
+        self._cursor += k
+        if self._cursor < len(self._entries):
+            return
+        assert self._passes_left is not None
+        self._passes_left -= 1
+        if self._passes_left:
+            self._new_pass()
+            return
+        self._forget(self._entries)
+        self._entries = []
+        self._cursor = 0
 
     @abstractmethod
     def _pick(self, k: int) -> Sequence[_Entry]:
@@ -378,6 +436,7 @@ class FifoBuffer(Buffer):
     """Served in arrival order, removed when served."""
 
     kind = "fifo"
+    in_order = True
 
     def _new_container(self) -> MutableSequence[_Entry]:
         return deque()
@@ -491,6 +550,7 @@ def make_buffer(
     watermark: int,
     seed: int,
     pseudo_epochs: int = 1,
+    passes_after_data: int | None = None,
     options: Any = None,
 ) -> Buffer:
     """The buffer of kind ``kind`` (a name of the registry's ``BUFFERS``), its module loaded now."""
@@ -501,5 +561,6 @@ def make_buffer(
         watermark=watermark,
         seed=seed,
         pseudo_epochs=pseudo_epochs,
+        passes_after_data=passes_after_data,
         options=options,
     )

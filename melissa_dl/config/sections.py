@@ -508,6 +508,13 @@ class TrainingConfig:
         positive=True,
         doc="Seconds a rank may lack data while another rank's buffer is full before the job stops with an error.",
     )
+    epochs_after_data: int | None = option(
+        None,
+        minimum=1,
+        doc="Once every simulation has ended, passes over what each rank's buffer holds (each sample once per pass) "
+        "before training ends, as a DataLoader's epochs; null: the buffer's own drain (each sample once more, FIRO's "
+        "servings left). docs/how-to/choose-a-buffer.md says which suits which buffer.",
+    )
 
     def check(self, config: Config) -> None:
         buffer = config.buffer

@@ -49,6 +49,7 @@ class ReceiverReport:
     duplicate_frames: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     buffer_size: int = 0
+    passes: tuple[int, int] | None = None  # after the data: the buffer's passes done, of training.epochs_after_data
 
 
 class Receiver(ServerSocketThread):
@@ -220,6 +221,10 @@ class Receiver(ServerSocketThread):
             "receive/bytes_per_s": (received - before) / max(now - then, 1e-9),
         }
 
+    def _passes(self) -> tuple[int, int] | None:
+        done, passes = self.buffer.passes_done, self.buffer.passes_after_data
+        return None if done is None or passes is None else (done, passes)
+
     def report(self) -> ReceiverReport:
         with self._lock:
             progress = self._assembler.take_progress()
@@ -233,6 +238,7 @@ class Receiver(ServerSocketThread):
                 duplicate_frames=self._assembler.duplicates,
                 rejected=self.rejections.counts(),
                 buffer_size=len(self.buffer),
+                passes=self._passes(),
             )
             self._blocked = False
         return report

@@ -117,7 +117,11 @@ class StatusBoard:
             "refused": merge_rejections([*(r.rejected for r in reports), self.refusals()]),
             "training": None
             if training is None
-            else {**training, "batches_per_s": round((batches - batches_then) / interval, 2)},
+            else {
+                **training,
+                "batches_per_s": round((batches - batches_then) / interval, 2),
+                "after_data": after_data(reports),
+            },
         }
 
     def _publish(self, status: dict[str, Any]) -> None:
@@ -154,8 +158,36 @@ def describe(status: dict[str, Any]) -> list[str]:
             f"training {training['batches']} batches, {training['batches_per_s']:.1f} batch/s"
             + (f", loss {loss:.4g}" if loss is not None else "")
             + (f", validation loss {validation:.4g}" if validation is not None else "")
+            + _after_data(status.get("state", "running"), training.get("after_data"))
         )
     return lines
+
+
+def after_data(reports: Sequence[ReceiverReport]) -> dict[str, Any] | None:
+    """Once the data has ended, with ``training.epochs_after_data``: the passes each rank finished, of how many."""
+    passes = [report.passes for report in reports if report.passes is not None]
+    if not passes:
+        return None
+    return {"passes": passes[0][1], "passes_done": [done for done, _ in passes]}
+
+
+def _after_data(state: str, passes: dict[str, Any] | None) -> str:
+    """What training does once the data has ended, and at the end why it ended."""
+    if state == "running":
+        return (
+            "" if passes is None else f", after the data: pass {min(passes['passes_done']) + 1} of {passes['passes']}"
+        )
+    if state != "finished":
+        return ""
+    if passes is None:
+        return (
+            "; ended when the data ran out (every simulation ended, the buffers drained: "
+            "training.epochs_after_data trains more passes over what they held)"
+        )
+    return (
+        f"; ended when a rank finished its {passes['passes']} passes over what its buffer held when the data ended "
+        f"(passes per rank: {', '.join(map(str, passes['passes_done']))})"
+    )
 
 
 def _refused(counts: dict[str, int] | int) -> str:

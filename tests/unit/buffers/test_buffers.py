@@ -43,6 +43,7 @@ def buf(
     watermark: int = 0,
     seed: int = 0,
     pseudo_epochs: int = 1,
+    passes: int | None = None,
 ) -> Buffer:
     return make_buffer(
         kind,
@@ -51,6 +52,7 @@ def buf(
         watermark=watermark,
         seed=seed,
         pseudo_epochs=pseudo_epochs,
+        passes_after_data=passes,
     )
 
 
@@ -446,6 +448,66 @@ def test_state_dict_keeps_closed_flag():
     b.load_state_dict(a.state_dict())
     assert b.closed
     assert len(b.get_batch(5, timeout=1)) == 2
+
+
+# ---------------------------------------------------------------- passes after the data
+@pytest.mark.parametrize("kind,pe", [("fifo", 1), ("firo", 1), ("firo", 3), ("reservoir", 1)])
+def test_passes_after_the_data_serve_each_held_sample_once_per_pass(kind: str, pe: int) -> None:
+    """Once the data has ended, 3 passes over the 7 samples held (some served already), batches of 3: each pass
+    ends with a short batch rather than one that holds a sample twice; whatever the kind, nothing leaves before the
+    last pass; FIFO keeps the arrival order, the random kinds draw a new order each pass."""
+    b = buf(kind, cap=10, seed=4, pseudo_epochs=pe, passes=3)
+    fill(b, 10)
+    b.get_batch(3, timeout=1)
+    held = sorted(s for _, s, _ in b.served_counts())
+    assert len(held) == (7 if kind != "reservoir" and pe == 1 else 10)
+    b.close()
+    passes: list[list[int]] = [[] for _ in range(3)]
+    sizes = []
+    for p in range(3):
+        assert b.passes_done == p and len(b) == len(held)
+        while len(passes[p]) < len(held):
+            batch = ids(b.get_batch(3, timeout=1))
+            assert len(set(batch)) == len(batch)
+            sizes.append(len(batch))
+            passes[p] += batch
+    assert b.get_batch(3, timeout=1) == [] and b.passes_done == 3 and len(b) == 0 and b.nbytes == 0
+    assert all(sorted(one) == held for one in passes)
+    per_pass = [3] * (len(held) // 3) + ([len(held) % 3] if len(held) % 3 else [])
+    assert sizes == per_pass * 3
+    if kind == "fifo":
+        assert passes == [held] * 3
+    else:
+        assert passes[0] != passes[1] or passes[1] != passes[2]
+
+
+def test_without_passes_a_buffer_drains_as_its_kind_does() -> None:
+    b = buf("reservoir", cap=5)
+    fill(b, 5)
+    assert sorted(drain(b, 2)) == [0, 1, 2, 3, 4] and b.passes_done is None
+
+
+def test_an_empty_buffer_has_no_pass_to_serve() -> None:
+    b = buf("reservoir", passes=4)
+    b.close()
+    assert b.get_batch(2, timeout=1) == [] and b.passes_done == 4
+
+
+@pytest.mark.parametrize("kind", tuple(BUFFERS))
+def test_a_checkpoint_in_the_middle_of_the_passes_resumes_them(kind: str) -> None:
+    """Restored midway through its second pass, reopened (as the receiver restores it) and closed again when the
+    study is found over, a buffer serves what the original would have, to the end."""
+    a = buf(kind, cap=9, seed=2, passes=3)
+    fill(a, 9)
+    a.close()
+    for _ in range(4):  # the first pass (3 batches) and one batch of the second
+        a.get_batch(3, timeout=1)
+    b = buf(kind, cap=9, seed=77, passes=3)
+    b.load_state_dict({**pickle.loads(pickle.dumps(a.state_dict())), "closed": False})
+    b.close()
+    assert b.passes_done == a.passes_done == 1
+    assert drain(b, 3) == drain(a, 3)
+    assert len(b) == 0 and b.passes_done == 3
 
 
 # ---------------------------------------------------------------- concurrency

@@ -54,7 +54,13 @@ def test_a_status_every_interval_with_share_eta_rates_and_training(
     assert (status["MB_per_s"], status["buffers"]) == (0.025, [3, 2])
     assert status["refused"] == {"dtype": 1, "handshake_cut": 2}  # every socket's, by kind
     assert "buffers 5 samples | 3 refused (handshake_cut 2, dtype 1)" in caplog.text
-    assert status["training"] == {"batches": 40, "loss": 0.25, "validation_loss": 0.3, "batches_per_s": 10.0}
+    assert status["training"] == {
+        "batches": 40,
+        "loss": 0.25,
+        "validation_loss": 0.3,
+        "batches_per_s": 10.0,
+        "after_data": None,  # no passes after the data (training.epochs_after_data), or the data has not ended
+    }
     assert (
         "25% done, 4 s elapsed, about 12 s left | simulations 1 done, 2 running, 1 ending, 0 queued, 0 failed of 4"
     ) in caplog.text
@@ -62,10 +68,26 @@ def test_a_status_every_interval_with_share_eta_rates_and_training(
     shown = show_status(tmp_path)
     assert shown.startswith(f"study in {tmp_path}: finished") and "100% done" in shown and "about" not in shown
     assert "training 90 batches" in shown and "validation loss 0.2" in shown
+    assert "; ended when the data ran out (every simulation ended, the buffers drained: training.epochs_after" in shown
     assert [json.loads(line)["state"] for line in (tmp_path / HISTORY).read_text().splitlines()] == [
         "running",
         "finished",
     ]
+
+
+def test_passes_after_the_data_are_shown_as_the_slowest_rank_is_and_said_at_the_end(tmp_path: Path) -> None:
+    start = time.monotonic()
+    board = StatusBoard(tmp_path, interval=1.0, start=start, expected_samples=None)
+    ranks = [ReceiverReport(samples=10, passes=(2, 5)), ReceiverReport(samples=10, passes=(1, 5))]
+    board.update(start + 2.0, study(4, 0, 0), ranks, 80, {"batches": 20, "loss": 0.5, "validation_loss": None})
+    assert json.loads((tmp_path / STATUS).read_text())["training"]["after_data"] == {"passes": 5, "passes_done": [2, 1]}
+    assert "training 20 batches, 10.0 batch/s, loss 0.5, after the data: pass 2 of 5" in show_status(tmp_path)
+    ranks = [ReceiverReport(samples=10, passes=(5, 5)), ReceiverReport(samples=10, passes=(4, 5))]
+    board.finish(study(4, 0, 0), ranks, 100, {"batches": 25, "loss": 0.4, "validation_loss": None})
+    assert (
+        "; ended when a rank finished its 5 passes over what its buffer held when the data ended (passes per rank: "
+        "5, 4)"
+    ) in show_status(tmp_path)
 
 
 class Terminal(io.StringIO):
