@@ -249,6 +249,9 @@ class Scheduler(ABC):
     """What it runs, for the reference of ``launcher.scheduler``."""
     runs_mpi: ClassVar[bool] = False
     """Whether it runs a simulation on several MPI ranks (``launcher.client_ranks``)."""
+    runs_here: ClassVar[bool] = False
+    """Whether its simulations run on the launcher's host (server rank 0's) and share its cores with the server's
+    ranks there, which then train on fewer threads (``training.threads``)."""
     Options: ClassVar[type | None] = None
     """A dataclass of its own options (each field documented in ``metadata["doc"]``), or None."""
 
@@ -299,6 +302,7 @@ class LocalScheduler(Scheduler):
     """
 
     summary = "one subprocess per simulation"
+    runs_here = True
     _death_signal = signal.SIGKILL
 
     def __init__(self, command: list[str], cwd: Path, launch: Sequence[str] = ()) -> None:

@@ -410,6 +410,7 @@ class SrunScheduler(MpirunScheduler):
     """
 
     summary = "one `srun --exclusive` job step per simulation attempt, in the server's own allocation"
+    runs_here = False  # Slurm gives each step CPUs of its own: none of the server's step's
     Options = SrunOptions
     server_stop_signal = SlurmScheduler.server_stop_signal  # the same server launch
 

@@ -39,6 +39,7 @@ from melissa_dl.checkpoint.recovery import (
     Part,
 )
 from melissa_dl.checkpoint.versions import Version
+from melissa_dl.config.registry import SCHEDULERS, load
 from melissa_dl.config.sections import Config
 from melissa_dl.errors import ConfigError
 from melissa_dl.ingest.assembly import StreamSpec
@@ -226,8 +227,16 @@ class Server:
         """The trainer of the ``training`` section (none without one), restored from the checkpoint opened."""
         if self.config.training is None:
             return None
+        launcher = self.config.launcher
+        here = load(SCHEDULERS, launcher.scheduler, "launcher.scheduler").runs_here  # its simulations share our cores
         trainer = Trainer(
-            self.config.training, self.config.base_dir, self.comm, self.checkpoints.copies, self.metrics, learning
+            self.config.training,
+            self.config.base_dir,
+            self.comm,
+            self.checkpoints.copies,
+            self.metrics,
+            learning,
+            simulations=launcher.job_limit * launcher.client_ranks if here else 0,
         )
         self.checkpoints.add(Part(DENSE, trainer.dense, shared=True), Part(TRAINER, trainer))
         return trainer

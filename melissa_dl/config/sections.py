@@ -508,6 +508,13 @@ class TrainingConfig:
         positive=True,
         doc="Seconds a rank may lack data while another rank's buffer is full before the job stops with an error.",
     )
+    threads: int | None = option(
+        None,
+        minimum=1,
+        doc="torch's intra- and inter-op threads per rank; null: the cores this rank may run on, less the simulation "
+        "ranks the launcher may run at once on that host (`job_limit` x `client_ranks`, local schedulers only), "
+        "shared with the other server ranks there (docs/how-to/tune-throughput.md#threads).",
+    )
     epochs_after_data: int | None = option(
         None,
         minimum=1,

@@ -15,6 +15,7 @@ records each sample's loss with its ``(simulation, step)``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -91,16 +92,42 @@ def training_device(choice: str, comm: Comm) -> torch.device:
     return device
 
 
-def torch_threads(comm: Comm) -> int:
-    """One thread per core this rank may run on, shared with the ranks of its node allowed there too (all of
-    them under ``mpirun`` without binding, none under ``srun --cpu-bind``): a core running two ranks'
-    OpenMP threads makes both spin and wait. The affinity mask, not the node's core count: Slurm's
-    cpusets and ``taskset`` give a process fewer cores than the node has."""
+def torch_threads(comm: Comm, simulations: int = 0) -> int:
+    """One thread per core this rank may run on, less the ``simulations`` ranks the launcher may run at once
+    on rank 0's node (0 on the others), shared with the ranks of its node allowed there too (all of them under
+    ``mpirun`` without binding, none under ``srun --cpu-bind``): a core running two processes' OpenMP threads
+    makes both spin and wait. The affinity mask, not the node's core count: Slurm's cpusets and ``taskset``
+    give a process fewer cores than the node has."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     mine = os.sched_getaffinity(0)
-    sharing = sum(1 for cores in node.allgather(mine) if cores & mine)
+    masks_and_roots = node.allgather((mine, comm.Get_rank() == 0))
     node.Free()
-    return max(1, len(mine) // sharing)
+    sharing = sum(1 for cores, _ in masks_and_roots if cores & mine)
+    launcher_here = any(root for _, root in masks_and_roots)
+    return max(1, (len(mine) - (simulations if launcher_here else 0)) // sharing)
+
+
+def set_threads(training: TrainingConfig, comm: Comm, simulations: int) -> int:
+    """Set torch's intra- and inter-op threads (``training.threads``, else :func:`torch_threads`); rank 0 logs the
+    choice of every rank once. Inter-op threads can be set once per process, before any inter-op work: a process
+    that set them (a second trainer in a test) keeps its count."""
+    threads = training.threads or torch_threads(comm, simulations)
+    torch.set_num_threads(threads)
+    if torch.get_num_interop_threads() != threads:
+        with contextlib.suppress(RuntimeError):
+            torch.set_num_interop_threads(threads)
+    chosen = comm.gather(threads)
+    if chosen is not None:
+        counts = ", ".join(f"{n} on {chosen.count(n)} ranks" for n in sorted(set(chosen)))
+        why = (
+            "training.threads"
+            if training.threads
+            else f"the cores each rank may use, less {simulations} simulation ranks at once on rank 0's node "
+            "(launcher.job_limit x launcher.client_ranks of a local scheduler), shared with the server ranks "
+            "there; training.threads sets it"
+        )
+        logger.info("torch threads per rank (intra- and inter-op): %s (%s)", counts, why)
+    return threads
 
 
 @dataclass
@@ -135,7 +162,10 @@ class Trainer:
         copies: BackgroundCopies,
         metrics: Metrics | None = None,
         learning: bool = False,
+        simulations: int = 0,
     ) -> None:
+        """``simulations``: the simulation ranks the launcher may run at once on rank 0's node, whose cores they
+        share with the server's ranks there (``set_threads``)."""
         self.training = training  # the section
         self.copies = copies  # the checkpoints' copies of this state: waited for before each optimizer step
         self.comm = comm
@@ -143,7 +173,7 @@ class Trainer:
         self.metrics = metrics if metrics is not None else Metrics(None)
         self.device = training_device(training.device, comm)
         logger.info("rank %d trains on %s", self.rank, self.device)
-        torch.set_num_threads(torch_threads(comm))
+        set_threads(training, comm, simulations)
         torch.manual_seed(training.seed)  # the same seed everywhere: replicas start identical
         self.collectives = make_collectives(comm, self.device)
         set_default_collectives(self.collectives)  # the user's ShardedEmbeddings shard over these ranks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -72,6 +73,11 @@ def test_training_logs_every_scalar_on_every_rank_and_saves_the_model(tmp_path: 
     log = (output / "logs" / "rank0.log").read_text()  # a library's INFO lines stay out (issue 13, item 5)
     assert "chatty_library: a WARNING it should" in log and "an INFO line" not in log
     assert "optimizer Adam sharded: each of the 2 ranks steps 1/2 of every parameter" in log
+    cores, simulations = len(os.sched_getaffinity(0)), config["launcher"]["job_limit"]  # local: they share our cores
+    assert (
+        f"torch threads per rank (intra- and inter-op): {max(1, (cores - simulations) // 2)} on 2 ranks (the cores "
+        f"each rank may use, less {simulations} simulation ranks at once on rank 0's node"
+    ) in log
     pictures = [output / name for name in (INTAKE, BUFFERS, SIMULATIONS, LOSS)]
     assert all(path.stat().st_size > 0 for path in pictures) and f"plots: {', '.join(map(str, pictures))}" in run.log
 
@@ -85,11 +91,12 @@ def test_a_rank_that_runs_dry_stops_every_rank_at_the_same_batch(tmp_path: Path,
         server={"bind_simulation_to_server_rank": True},
         buffer={"kind": "fifo", "capacity_samples": 200, "per_server_watermark": 4},
     )
-    config["training"] = training()
+    config["training"] = {**training(), "threads": 1}
     run = run_server(tmp_path, config, ranks=2, timeout=120)
     assert run.code == 0, run.log
     assert run.report is not None
     assert stopped_at(output, 0) == stopped_at(output, 1) == run.report["training"]["batches"] > 0
+    assert "torch threads per rank (intra- and inter-op): 1 on 2 ranks (training.threads)" in run.log
     assert run.report["samples_consumed"] < run.report["samples_received"] == 120
 
 
