@@ -215,7 +215,6 @@ class Server:
     def _claim_output(self) -> str | None:
         """Rank 0, before anything is written: whether this output folder is ours (None), else why not."""
         self.config.output_path.mkdir(parents=True, exist_ok=True)
-        (self.config.output_path / HEARTBEAT).touch()  # alive: the supervisor's clock restarts after MPI's start
         try:
             self.lock = lock_output(self.config.output_path)
         except ConfigError as error:

@@ -5,7 +5,12 @@ The server (``mpirun -n K melissa-server config.json``) runs in its own
 session. It is restarted from its checkpoints, up to
 ``launcher.max_server_restarts`` times, when it exits with an unexpected code
 (a crash, a killed rank) or when rank 0 has not touched the heartbeat file
-for ``launcher.server_timeout`` seconds (a hung rank). Exit codes that a
+for ``launcher.server_timeout`` seconds (a hung rank). A run's start, until
+its first bookkeeping round touches the file, may take ``START_TIMEOUT`` if
+that is longer: importing torch from a cluster's shared filesystem, MPI's
+start and a restore are slow, not hung, and a busy node makes them slower
+still (a restarted server whose start took longer than a 30 s timeout was
+killed at every restart). Exit codes that a
 restart cannot change end the supervisor with the same code: 0 (done),
 2 (configuration, or an output folder that is full or not writable), 3
 (simulations failed), 75 (stopped by a signal). So does a restarted server
@@ -58,6 +63,7 @@ logger = logging.getLogger("melissa-launcher")
 
 ENDED_CODES = frozenset({0, EXIT_CONFIG, EXIT_FAILED_SIMULATIONS})  # neither a restart nor a stop changes them
 POLL = 0.5  # seconds between two looks at the server
+START_TIMEOUT = 300.0  # seconds a run may take to its first heartbeat, if launcher.server_timeout is shorter
 
 
 def marked_processes(marker: str) -> list[int]:
@@ -181,13 +187,15 @@ class Supervisor:
             self._pass_on_stop()
             time.sleep(POLL)
             try:
-                beat = max(started, self.heartbeat.stat().st_mtime)
+                beat = self.heartbeat.stat().st_mtime
             except OSError:  # not written yet
-                beat = started
-            if time.time() - beat > self.timeout:
-                logger.error(
-                    "no heartbeat from the server for %.0f s (launcher.server_timeout): killing it", time.time() - beat
-                )
+                beat = 0.0
+            silent = time.time() - max(started, beat)
+            if beat > started and silent > self.timeout:
+                logger.error("no heartbeat from the server for %.0f s (launcher.server_timeout): killing it", silent)
+                kill_run(marker)
+            elif beat <= started and silent > max(self.timeout, START_TIMEOUT):
+                logger.error("the server has not started in %.0f s (no first heartbeat): killing it", silent)
                 kill_run(marker)
         return code
 

@@ -474,7 +474,8 @@ class LauncherConfig:
     server_timeout: float = option(
         600.0,
         positive=True,
-        doc="`melissa-launcher`: seconds without a heartbeat of the server before it is killed and restarted.",
+        doc="`melissa-launcher`: seconds without a heartbeat of the server before it is killed and restarted (a run's "
+        "start, up to its first heartbeat, 300 s if that is longer).",
     )
     max_server_restarts: int = option(
         3,

@@ -208,7 +208,10 @@ class Bookkeeping:
     def beat(self) -> None:
         """Rank 0 tells ``melissa-launcher`` that the ranks got through a collective round."""
         if self.study is not None:
-            os.utime(self.heartbeat)  # needs no file descriptor, unlike touch()
+            try:
+                os.utime(self.heartbeat)  # needs no file descriptor, unlike touch()
+            except FileNotFoundError:  # the study's first: the supervisor takes it for the end of the start
+                self.heartbeat.touch()
 
 
 class Loop:

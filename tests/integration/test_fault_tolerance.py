@@ -249,8 +249,8 @@ def test_sigterm_to_every_process_of_a_supervised_study_is_one_graceful_stop(
 def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
     tmp_path: Path, output: Path, failure: str
 ) -> None:
-    # server_timeout: how long a hang goes unseen, and the most a (re)start may take before its first beat: seconds
-    # on an idle machine, several times that on a busy one
+    # server_timeout: how long a hang goes unseen (a (re)start has 300 s to its first beat: seconds on an idle
+    # machine, several times that on a busy one)
     config = paced_config(output, server_timeout=20.0, max_server_restarts=2)
     command = server_command(tmp_path, config, 2)
     supervisor = start([sys.executable, "-m", "melissa_dl.supervisor", command[-1], "-n", "2"])

@@ -199,3 +199,30 @@ def test_melissa_launcher_refuses_what_melissa_server_check_refuses_before_start
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=re.escape(refusal)):
         Supervisor(str(tmp_path / "config.json"), 1, fresh=False)
+
+
+# A server that beats argv[2] times (touching the heartbeat file argv[1] every 0.1 s), then hangs.
+BEATING = (
+    "import sys, time; from pathlib import Path\n"
+    "for _ in range(int(sys.argv[2])): Path(sys.argv[1]).touch(); time.sleep(0.1)\n"
+    "time.sleep(60)"
+)
+
+
+def test_a_runs_start_may_take_the_start_timeout_and_a_hang_after_its_first_beat_the_server_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """server_timeout 1 s, START_TIMEOUT 4 s: a first run that never beats is killed once it has not started in
+    4 s, not in 1; its restart, which beats and then hangs, for its silence after its beats."""
+    heartbeat = str(tmp_path / "out" / "heartbeat")
+    runs = [[sys.executable, "-c", BEATING, heartbeat, str(beats)] for beats in (0, 3)]
+    made = supervisor(tmp_path, monkeypatch, runs, restarts=1)
+    made.timeout = 1.0
+    monkeypatch.setattr(supervisor_module, "START_TIMEOUT", 4.0)
+    with caplog.at_level(logging.INFO, logger="melissa-launcher"):
+        assert made.run() != 0
+    kills = [r.getMessage() for r in caplog.records if "killing it" in r.getMessage()]
+    assert len(kills) == 2, kills
+    started = re.fullmatch(r"the server has not started in (\d+) s \(no first heartbeat\): killing it", kills[0])
+    assert started is not None and int(started.group(1)) >= 4  # the start's 4 s, not the 1 s of a hang
+    assert re.fullmatch(r"no heartbeat from the server for \d+ s \(launcher.server_timeout\): killing it", kills[1])
