@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "Block": "melissa_dl.wire.blocks",
     "Client": "melissa_dl.wire.client",
     "ClientError": "melissa_dl.errors",
     "HandshakeRefused": "melissa_dl.errors",
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from melissa_dl.embeddings.table import ShardedEmbedding
     from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
     from melissa_dl.train.module import TrainingModule
+    from melissa_dl.wire.blocks import Block
     from melissa_dl.wire.client import Client
 
 

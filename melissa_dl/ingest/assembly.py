@@ -37,6 +37,7 @@ from melissa_dl.buffers.sample import Sample
 from melissa_dl.errors import ProtocolError
 from melissa_dl.ingest.finite import all_finite, prepare
 from melissa_dl.ingest.ledger import Ledger
+from melissa_dl.wire.blocks import Block, block_array, joined, parse_block, place
 from melissa_dl.wire.protocol import (
     PART_BYTES,
     Header,
@@ -125,6 +126,7 @@ class _Stream:
 
     client_size: int
     layouts: dict[int, dict[int, Layout]] = field(default_factory=dict)  # client rank -> field -> layout
+    blocks: dict[int, dict[int, Block | None]] = field(default_factory=dict)  # client rank -> field -> its block
     finalized: dict[int, int] = field(default_factory=dict)  # client rank -> steps announced
     pending: dict[int, dict[tuple[int, int], np.ndarray]] = field(default_factory=dict)  # step -> whole pieces
     parts: dict[tuple[int, int, int], _Parts] = field(default_factory=dict)  # (step, field, client rank) -> a slice
@@ -225,12 +227,14 @@ class Assembler:
         fields = body.get("fields") if isinstance(body, dict) else None
         if not isinstance(fields, dict):
             raise ProtocolError(f"simulation {sim}: declaration without fields", "malformed")
-        layouts = {}
+        layouts, blocks = {}, {}
         for fid, name in enumerate(self.spec.fields):
             decl = fields.get(name)
             if decl is None:
                 raise ProtocolError(f"simulation {sim}: field '{name}' not declared", "unknown_field")
-            layouts[fid] = check_layout(f"simulation {sim}, field '{name}'", decl, self.spec.max_message_bytes)
+            where = f"simulation {sim}, field '{name}'"
+            layouts[fid] = check_layout(where, decl, self.spec.max_message_bytes)
+            blocks[fid] = parse_block(where, decl, layouts[fid][1])
             if self.spec.reject_non_finite:
                 prepare(*layouts[fid])
         unknown = set(fields) - set(self.spec.fields)
@@ -240,17 +244,11 @@ class Assembler:
         if stream is None or stream.client_size != csize:  # first contact, or a relaunch with another size
             self._drop(sim)
             stream = self._streams[sim] = _Stream(csize)
-        for fid, (dtype, shape) in layouts.items():
-            for other_rank, other in stream.layouts.items():
-                odtype, oshape = other[fid]
-                if other_rank != crank and (odtype != dtype or oshape[1:] != shape[1:] or not shape or not oshape):
-                    raise ProtocolError(
-                        f"simulation {sim}, field '{self.spec.fields[fid]}': client rank {crank} declares "
-                        f"{describe((dtype, shape))}, rank {other_rank} {describe((odtype, oshape))}: "
-                        "cannot be joined on axis 0",
-                        "shape",
-                    )
+        for fid, name in enumerate(self.spec.fields):
+            declared = {r: (stream.layouts[r][fid], stream.blocks[r][fid]) for r in stream.layouts if r != crank}
+            joined(f"simulation {sim}, field '{name}'", {**declared, crank: (layouts[fid], blocks[fid])}, csize)
         stream.layouts[crank] = layouts
+        stream.blocks[crank] = blocks
         stream.finalized.pop(crank, None)  # a relaunched attempt announces its steps anew
 
     def _finalize(self, header: Header, body: object) -> None:
@@ -270,13 +268,14 @@ class Assembler:
             self.duplicates += 1
             return None
         pending = stream.pending.setdefault(step, {})
+        block = stream.blocks[crank][fid]
         if header.payload_bytes <= PART_BYTES:
-            array = np.frombuffer(payload, dtype=dtype).reshape(shape)
+            array = block_array(payload, dtype, shape, block)
             held = array.nbytes  # counted in the budget once the step waits for other pieces
         else:
             if (fid, crank) in pending:
                 raise ProtocolError(f"{where}: this slice is already pending", "duplicate")
-            whole = self._gather(stream, header, payload, where)
+            whole = self._gather(stream, header, payload, where, block)
             if whole is None:
                 return None
             array, held = whole, 0  # counted from its first part
@@ -295,7 +294,7 @@ class Assembler:
             return None
         del stream.pending[step]
         self._release((sim, step))
-        fields = self._join(pending, stream.client_size)
+        fields = self._join(pending, stream)
         self._check_pins(sim, step, fields)
         return Sample(sim, step, self.spec.parameters[sim], fields)
 
@@ -327,18 +326,22 @@ class Assembler:
             raise ProtocolError(f"{where}: {header.payload_bytes} bytes for {dtype}{list(shape)}", "malformed")
         return where, stream, (dtype, shape)
 
-    def _gather(self, stream: _Stream, header: Header, payload: bytes | memoryview, where: str) -> np.ndarray | None:
-        """Copy one part of a slice into place; the slice once its last part is in."""
+    def _gather(
+        self, stream: _Stream, header: Header, payload: bytes | memoryview, where: str, block: Block | None
+    ) -> np.ndarray | None:
+        """Copy one part of a slice into place (its bytes in the order the client sent them); the slice once its
+        last part is in."""
         sim, step, key = header.simulation_id, header.time_step, (header.time_step, header.field_id, header.client_rank)
         piece = stream.parts.get(key)
         if piece is None:
-            piece = stream.parts[key] = _Parts(np.empty(header.shape, header.dtype), set(parts(header.payload_bytes)))
+            array = np.empty(header.shape, header.dtype, order="F" if block and block.order == "F" else "C")
+            piece = stream.parts[key] = _Parts(array, set(parts(header.payload_bytes)))
             self._hold((sim, step), piece.array.nbytes)
             if (sim, step) not in self._partial:
                 return None  # alone over the budget: evicted at once, and counted
         if header.offset not in piece.missing:
             raise ProtocolError(f"{where}: the part at offset {header.offset} is already pending", "duplicate")
-        octets = piece.array.reshape(-1).view(np.uint8)
+        octets = piece.array.ravel(order="K").view(np.uint8)  # a view, in memory order
         octets[header.offset : header.offset + len(payload)] = np.frombuffer(payload, np.uint8)
         piece.missing.discard(header.offset)
         self.bytes_received += len(payload)
@@ -347,13 +350,24 @@ class Assembler:
         del stream.parts[key]  # refused by the caller if not finite: its bytes stay counted with the step
         return piece.array
 
-    def _join(self, pending: Mapping[tuple[int, int], np.ndarray], client_size: int) -> dict[str, np.ndarray]:
-        if client_size == 1:
-            return {name: pending[(fid, 0)] for fid, name in enumerate(self.spec.fields)}
-        return {
-            name: np.concatenate([pending[(fid, r)] for r in range(client_size)])
-            for fid, name in enumerate(self.spec.fields)
-        }
+    def _join(self, pending: Mapping[tuple[int, int], np.ndarray], stream: _Stream) -> dict[str, np.ndarray]:
+        """Each field whole: its client ranks' blocks placed in the global array, or their slices stacked on axis
+        0 in rank order (one rank's slice or block as it came, in C order)."""
+        size, fields = stream.client_size, {}
+        for fid, name in enumerate(self.spec.fields):
+            pieces = [pending[(fid, r)] for r in range(size)]
+            blocks = [stream.blocks[r][fid] for r in range(size)]
+            if blocks[0] is None:
+                fields[name] = pieces[0] if size == 1 else np.concatenate(pieces)
+            elif size == 1 and pieces[0].shape == blocks[0].global_shape:
+                fields[name] = np.ascontiguousarray(pieces[0])
+            else:
+                whole = np.empty(blocks[0].global_shape, pieces[0].dtype)
+                for block, piece in zip(blocks, pieces):
+                    assert block is not None  # every rank's or none (``joined``)
+                    place(whole, block, piece)
+                fields[name] = whole
+        return fields
 
     def _check_pins(self, sim: int, step: int, fields: dict[str, np.ndarray]) -> None:
         """Every sample of the study has the same dtype and shape per field: the first complete one pins them."""

@@ -88,4 +88,4 @@ def all_finite(array: np.ndarray) -> bool:
     if found is None or array.nbytes < COMPILED_FROM or (loop := ready_loop()) is None:
         return bool(np.isfinite(array).all())
     uint, magnitude, infinity = found
-    return int(loop(np.ascontiguousarray(array).reshape(-1).view(uint), uint(magnitude))) < infinity
+    return int(loop(array.ravel(order="K").view(uint), uint(magnitude))) < infinity  # a view in memory order

@@ -49,6 +49,7 @@ import zmq
 
 from melissa_dl.errors import ProtocolError
 from melissa_dl.ingest.connections import ConnectionGuard, ServerSocketThread
+from melissa_dl.wire.blocks import Declared, joined, parse_block
 from melissa_dl.wire.protocol import (
     PROTOCOL_VERSION,
     Layout,
@@ -114,7 +115,7 @@ class HandshakeServer(ServerSocketThread):
         self._client_size = client_size
         self._pins: dict[str, Layout] = dict(layouts or {})  # whole (joined) layout of each field
         self._expected: dict[int, int] = {}  # simulation -> the attempt it runs
-        self._admitted: dict[int, dict[int, dict[str, Layout]]] = {}  # simulation -> client rank -> its slices
+        self._admitted: dict[int, dict[int, dict[str, Declared]]] = {}  # simulation -> client rank -> its fields
         self._nonces: dict[int, dict[int, str]] = {}  # simulation -> client rank -> its hello's nonce
         self._failures: list[tuple[int, str]] = []
         self._lock = threading.Lock()
@@ -262,7 +263,8 @@ class HandshakeServer(ServerSocketThread):
         for name in self._fields:
             if name not in fields:
                 raise ProtocolError(f"{where}: field '{name}' missing", "missing_field")
-            slices[name] = check_layout(f"{where}, field '{name}'", fields[name], self._max_message_bytes)
+            layout = check_layout(f"{where}, field '{name}'", fields[name], self._max_message_bytes)
+            slices[name] = (layout, parse_block(f"{where}, field '{name}'", fields[name], layout[1]))
         with self._lock:
             ranks = self._admitted.setdefault(sim, {})
             nonces = self._nonces.setdefault(sim, {})
@@ -279,31 +281,28 @@ class HandshakeServer(ServerSocketThread):
             if nonce is not None:
                 nonces[crank] = nonce
 
-    def _check_pins(self, where: str, ranks: dict[int, dict[str, Layout]], csize: int) -> None:
-        """Slices must join into each field's pinned layout; the first complete simulation pins unpinned fields."""
+    def _check_pins(self, where: str, ranks: dict[int, dict[str, Declared]], csize: int) -> None:
+        """Slices must join, and blocks tile, into each field's pinned layout; the first complete simulation pins
+        unpinned fields."""
         complete = len(ranks) == csize
+        wholes = {}
         for name in self._fields:
-            slices = [ranks[r][name] for r in sorted(ranks)]
-            for crank, (dtype, shape) in zip(sorted(ranks), slices):
-                if dtype != slices[0][0] or (csize > 1 and (not shape or shape[1:] != slices[0][1][1:])):
-                    raise ProtocolError(
-                        f"{where}, field '{name}': client rank {crank} declares "
-                        f"{describe((dtype, shape))}, which cannot join {describe(slices[0])}",
-                        "shape",
-                    )
-            whole, pinned = joined(slices), self._pins.get(name)
+            declared = {r: ranks[r][name] for r in sorted(ranks)}
+            at = f"{where}, field '{name}'"
+            wholes[name] = whole = joined(at, declared, csize)
+            pinned = self._pins.get(name)
             if pinned is None:
                 continue
-            if whole[0] != pinned[0] or (whole[1] != pinned[1] if complete else whole[1][1:] != pinned[1][1:]):
+            exact = complete or any(block is not None for _, block in declared.values())  # a block says the whole
+            if whole[0] != pinned[0] or (whole[1] != pinned[1] if exact else whole[1][1:] != pinned[1][1:]):
                 kind = "dtype" if whole[0] != pinned[0] else "shape"
                 raise ProtocolError(
-                    f"{where}, field '{name}': declares {describe(whole)}"
-                    f"{'' if complete else ' so far'}, the study's is {describe(pinned)}",
+                    f"{at}: declares {describe(whole)}{'' if exact else ' so far'}, the study's is {describe(pinned)}",
                     kind,
                 )
         if complete:
             for name in self._fields:
-                self._pins.setdefault(name, joined([ranks[r][name] for r in sorted(ranks)]))
+                self._pins.setdefault(name, wholes[name])
 
 
 def _nonce(hello: dict[str, Any]) -> str | None:
@@ -317,11 +316,3 @@ def _nonce(hello: dict[str, Any]) -> str | None:
 def _short_ascii(value: Any) -> bool:
     """A string of 1 to ``NONCE_CHARS`` ASCII characters: what a hello's nonce or a worker's names are."""
     return isinstance(value, str) and 0 < len(value) <= NONCE_CHARS and value.isascii()
-
-
-def joined(slices: list[Layout]) -> Layout:
-    """The layout of a field whose client-rank slices are stacked on axis 0."""
-    dtype, shape = slices[0]
-    if len(slices) == 1:
-        return dtype, shape
-    return dtype, (sum(s[1][0] for s in slices), *shape[1:])

@@ -9,7 +9,14 @@ token and security level in the environment; the client handshakes with rank
 0, connects one PUSH socket per server rank, declares its fields on each, and
 routes every step to the rank that owns it. In an MPI-parallel simulation,
 pass the communicator: each rank sends its own slice (stacked on axis 0 in
-rank order by the server). Every socket carries the study's credentials
+rank order by the server), or, for a field given a third element, its block
+of the global array (:mod:`melissa_dl.wire.blocks`)::
+
+    pressure = ("float32", (50, 51), Block(start=(0, 50), global_shape=(101, 101)))
+    with Client({"pressure": pressure}, comm) as client:
+        client.send("pressure", t, p[1:-1, 1:-1])  # the interior, without its halo: any layout, no copy needed
+
+Every socket carries the study's credentials
 (:func:`melissa_dl.wire.security.configure_client`); a server that refuses them
 raises ``HandshakeRefused`` at once.
 
@@ -56,6 +63,7 @@ import zmq
 from melissa_dl.config.limits import CLIENT_TIMEOUT_RANGE, SEND_QUEUE_BYTES_RANGE
 from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
 from melissa_dl.runtime.mpi import Comm
+from melissa_dl.wire.blocks import Block
 from melissa_dl.wire.protocol import (
     PART_BYTES,
     PROTOCOL_VERSION,
@@ -85,6 +93,19 @@ WAKE_MS = 1000  # a blocked send looks at its connection at least this often
 ANSWER_POLL_MS = 100  # how often a finalize waiting for the ranks' answers looks at its connections
 REASK = 1.5  # keepalives after which an unanswered question to a delivery service is asked again
 WORKER_POLL = 0.01  # seconds between two looks of a worker's other ranks at whether rank 0 has its next simulation
+
+
+def _block(name: str, field: tuple[Any, ...]) -> Block | None:
+    """A field's block, if its declaration gives one (this client sends every array in C order)."""
+    if len(field) == 2:
+        return None
+    block = field[2]
+    if not isinstance(block, Block) or block.order != "C":
+        raise ClientError(
+            f"field '{name}': the third element must be a Block(start, global_shape), got {block!r} (an array of any "
+            "layout, a Fortran-ordered one too, is sent as its values in C order)"
+        )
+    return block
 
 
 def _require(environ: Mapping[str, str], name: str) -> str:
@@ -318,7 +339,7 @@ class Client:
 
     def __init__(
         self,
-        fields: Mapping[str, tuple[Any, Sequence[int]]],
+        fields: Mapping[str, tuple[Any, Sequence[int]] | tuple[Any, Sequence[int], Block]],
         comm: Comm | None = None,
         *,
         environ: Mapping[str, str] | None = None,
@@ -334,8 +355,9 @@ class Client:
         queue_bytes = int(_number(env, ENV_SEND_QUEUE_BYTES, 64 << 20, SEND_QUEUE_BYTES_RANGE, integer=True))
         self.rank, self.size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
         self._layouts = {
-            name: (np.dtype(dtype).name, tuple(int(n) for n in shape)) for name, (dtype, shape) in fields.items()
+            name: (np.dtype(field[0]).name, tuple(int(n) for n in field[1])) for name, field in fields.items()
         }
+        self._blocks = {name: _block(name, field) for name, field in fields.items()}
         token = _require(env, ENV_TOKEN)
         self._environ = dict(env)
         self._context = zmq.Context()
@@ -359,7 +381,7 @@ class Client:
                 link.socket.connect(endpoint)
             self._steps: list[set[int]] = [set() for _ in self._links]
             self._sent = [0] * len(self._links)  # messages sent to each rank, as its delivery service counts them
-            declaration = encode_json({"fields": {n: [d, list(s)] for n, (d, s) in self._layouts.items()}})
+            declaration = encode_json({"fields": self._declarations()})
             for rank in range(len(self._links)):
                 self._send(rank, self._header(Kind.DECLARE, 0, 0, "uint8", (), len(declaration)), declaration)
         except BaseException:
@@ -374,7 +396,7 @@ class Client:
             "attempt": self.attempt,
             "client_rank": self.rank,
             "client_size": self.size,
-            "fields": {n: [d, list(s)] for n, (d, s) in self._layouts.items()},
+            "fields": self._declarations(),
             "nonce": secrets.token_hex(8),
         }
         link = _handshake_link(self._context, endpoint, self._environ)
@@ -382,6 +404,13 @@ class Client:
             return _ask(link, hello, self._timeout, f"simulation {self.simulation_id}")
         finally:
             link.close()
+
+    def _declarations(self) -> dict[str, list[Any]]:
+        """Each field's ``[dtype, shape]``, and its block where it has one, as the hello and DECLARE carry them."""
+        return {
+            name: [dtype, list(shape), *([block.to_json()] if (block := self._blocks[name]) else [])]
+            for name, (dtype, shape) in self._layouts.items()
+        }
 
     def _check_alive(self, rank: int) -> None:
         """Raise if a server rank refused us or has been unreachable for the client timeout: no connection, or

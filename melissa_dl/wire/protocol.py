@@ -189,10 +189,13 @@ def payload_bytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 
 def check_layout(where: str, decl: Any, max_bytes: int) -> Layout:
-    """Validate a declared ``[dtype, shape]`` of one field slice; ``where`` names it."""
-    if not (isinstance(decl, list) and len(decl) == 2 and isinstance(decl[1], list)):
-        raise ProtocolError(f"{where}: expected [dtype, shape], got {quote(decl)}", "malformed")
-    dtype, shape = decl
+    """Validate a declared ``[dtype, shape]`` of one field slice (or ``[dtype, shape, block]`` of a block,
+    :mod:`melissa_dl.wire.blocks`); ``where`` names it."""
+    if not (isinstance(decl, list) and len(decl) in (2, 3) and isinstance(decl[1], list)):
+        raise ProtocolError(
+            f"{where}: expected [dtype, shape] or [dtype, shape, block], got {quote(decl)}", "malformed"
+        )
+    dtype, shape = decl[:2]
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ProtocolError(f"{where}: dtype {quote(dtype)} not in {DTYPES}", "dtype")
     if len(shape) > MAX_NDIM or not all(type(n) is int and 0 <= n < 1 << 32 for n in shape):

@@ -13,7 +13,8 @@ import pytest
 from melissa_dl.buffers.sample import Sample
 from melissa_dl.errors import ProtocolError
 from melissa_dl.ingest.assembly import COPY_FROM, Assembler, Progress, StreamSpec
-from melissa_dl.wire.protocol import PART_BYTES, Header, Kind, encode_json, simulation_key
+from melissa_dl.wire.blocks import Block
+from melissa_dl.wire.protocol import PART_BYTES, Header, Kind, encode_json, simulation_key, unpack_header
 from melissa_dl.wire.rejections import RejectionLog
 
 pytestmark = pytest.mark.timeout(60)
@@ -369,9 +370,11 @@ def test_client_ranks_must_declare_joinable_slices(rank1_u: tuple[str, tuple[int
 
 
 def test_zero_dimensional_slice_declared_first_cannot_be_joined() -> None:
+    """Refused as soon as it is declared, by one of two client ranks: nothing of it could be stacked on axis 0."""
     assembler = Assembler(make_spec())
-    assembler.handle(Sender(0, 0, 2).declare({**TWO_RANK_LAYOUTS[0], "u": ("float32", ())}))
-    refused(assembler, Sender(0, 1, 2).declare({**TWO_RANK_LAYOUTS[1], "u": ("float32", (3,))}), "shape")
+    refused(
+        assembler, Sender(0, 0, 2).declare({**TWO_RANK_LAYOUTS[0], "u": ("float32", ())}), "shape", "declares float32[]"
+    )
 
 
 def test_relaunch_with_another_client_size_starts_a_new_stream() -> None:
@@ -591,3 +594,71 @@ def test_every_sample_has_the_pinned_dtype_and_shape(configured: bool) -> None:
         "simulation 1, step 0, field 'u': float64[4], the study's samples are float32[4]",
     )
     assert assembler.ledger.total() == 0 and assembler.partial_bytes == 0
+
+
+def block_declaration(blocks: dict[str, tuple[str, tuple[int, ...], Block]]) -> dict[str, Any]:
+    return {"fields": {n: [d, list(s), b.to_json()] for n, (d, s, b) in blocks.items()}}
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_uneven_blocks_of_four_client_ranks_are_placed_in_the_global_arrays(order: str) -> None:
+    """u (5x7, split 3+2 rows, 4+3 columns) in 2x2 blocks, v in 4 column blocks of a 2x3 array, one of them
+    empty: each sample's fields are the global arrays, whatever order the blocks come in, and however their
+    bytes lie (``order``); a block larger than PART_BYTES is gathered in parts."""
+    u = np.arange(35, dtype=np.float32).reshape(5, 7)
+    v = np.arange(6, dtype=np.int64).reshape(2, 3) * 10
+    rows, cols = [(0, 3), (3, 5)], [(0, 4), (4, 7)]
+    vcols = [(0, 1), (1, 1), (1, 3), (3, 3)]  # rank 1 and rank 3 hold no column of v
+    assembler = Assembler(make_spec(parameters=np.zeros((3, 2))))
+    senders = [Sender(0, rank, size=4) for rank in range(4)]
+    pieces: dict[int, dict[str, np.ndarray]] = {}
+    for rank, sender in enumerate(senders):
+        (r0, r1), (c0, c1), (v0, v1) = rows[rank // 2], cols[rank % 2], vcols[rank]
+        pieces[rank] = {"u": u[r0:r1, c0:c1], "v": v[:, v0:v1]}
+        blocks = {
+            "u": ("float32", (r1 - r0, c1 - c0), Block((r0, c0), (5, 7), order)),
+            "v": ("int64", (2, v1 - v0), Block((0, v0), (2, 3), order)),
+        }
+        assert assembler.handle(sender.control(Kind.DECLARE, block_declaration(blocks))) is None
+    sample = None
+    for rank in (3, 0, 2, 1):
+        for name in FIELDS:
+            piece = pieces[rank][name]
+            memory = np.asarray(piece, order=order).ravel(order="K")
+            frames = senders[rank].data(0, name, piece)
+            sample = assembler.handle([frames[0], memory.tobytes()])
+    assert_fields(sample, {"u": u, "v": v})
+    assert sample is not None and sample.fields["u"].flags.c_contiguous
+
+
+def test_a_block_larger_than_a_part_arrives_in_parts_in_either_order() -> None:
+    rows = PART_BYTES // 4 // 64 + 3  # each rank's half is over one part
+    whole = np.arange(2 * rows * 64, dtype=np.float32).reshape(64, 2 * rows)
+    assembler = Assembler(make_spec(fields=("u",), parameters=np.zeros((1, 1))))
+    for rank, order in enumerate("CF"):
+        sender = Sender(0, rank, size=2)
+        block = Block((0, rank * rows), (64, 2 * rows), order)
+        assembler.handle(sender.control(Kind.DECLARE, block_declaration({"u": ("float32", (64, rows), block)})))
+    sample = None
+    for rank, order in enumerate("CF"):
+        piece = whole[:, rank * rows : (rank + 1) * rows]
+        octets = np.asarray(piece, order=order).ravel(order="K").view(np.uint8)
+        for offset in range(0, octets.nbytes, PART_BYTES):
+            header = Sender(0, rank, 2).data(0, "u", piece)[0]
+            fields = Header(**{**unpack_header(header)._asdict(), "payload_bytes": octets.nbytes, "offset": offset})
+            sample = assembler.handle([fields.pack(), octets[offset : offset + PART_BYTES].tobytes()])
+    assert sample is not None
+    np.testing.assert_array_equal(sample.fields["u"], whole)
+
+
+def test_a_client_rank_whose_block_overlaps_anothers_is_refused_at_its_declaration() -> None:
+    assembler = Assembler(make_spec(fields=("u",), parameters=np.zeros((1, 1))))
+    first = block_declaration({"u": ("float32", (2, 3), Block((0, 0), (4, 3)))})
+    assembler.handle(Sender(0, 0, size=2).control(Kind.DECLARE, first))
+    second = block_declaration({"u": ("float32", (3, 3), Block((1, 0), (4, 3)))})
+    refused(
+        assembler,
+        Sender(0, 1, size=2).control(Kind.DECLARE, second),
+        "shape",
+        "simulation 0, field 'u': the blocks of client ranks 0 and 1 overlap in [1:2, 0:3]",
+    )

@@ -179,7 +179,11 @@ def test_slices_that_cannot_join_are_refused() -> None:
     reply = ask(
         handshake, hello(client_size=2, client_rank=1, fields={**GOOD, "v": ["int64", [2]], "u": ["float32", [4, 9]]})
     )
-    assert reply["kind"] == "shape" and "client rank 1 declares float32[4, 9], which cannot join" in reply["error"]
+    assert (
+        reply["kind"] == "shape"
+        and "client rank 1 declares float32[4, 9], rank 0 float32[4, 8]: slices cannot be joined on axis 0"
+        in reply["error"]
+    )
     reply = ask(handshake, hello(simulation_id=1, client_size=2))  # v is 0-d: nothing to stack on axis 0
     assert reply["kind"] == "shape" and "client rank 0 declares int64[]" in reply["error"]
 

@@ -220,7 +220,7 @@ def test_check_layout_accepts_valid_declarations(decl: list, expected: tuple) ->
         (["float32"], "malformed"),
         (["float32", 3], "malformed"),
         (["float32", (3,)], "malformed"),
-        (["float32", [3], "C"], "malformed"),
+        (["float32", [3], {}, "C"], "malformed"),  # a third element is a block's (melissa_dl.wire.blocks)
         (["complex64", [3]], "dtype"),
         ([None, [3]], "dtype"),
         (["float32", [-1]], "shape"),
