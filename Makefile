@@ -101,6 +101,10 @@ native:
 		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
 	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/f_worker tests/integration/f_worker.f90 \
 		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
+	$(MPICC) -O2 -Wall -Wextra -o $(NATIVE_DIR)/bin/block_client tests/integration/block_client.c \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
+	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/block_client_f tests/integration/block_client.f90 \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
 	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/ingest_client bench/ingest_client.c \
 		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
 	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/scale_client bench/scale_client.c \

@@ -25,6 +25,15 @@
 !        ierr = melissa_dl_init(...); sends; ierr = melissa_dl_finalize()
 !     end do
 !
+! A domain-decomposed code declares its block of a field instead, in its own
+! axis order (start: 0-based offsets of the block's first element in the
+! global array), and sends its array as it is, column-major; the field has the
+! code's axis order, field[i, j] = p(i + 1, j + 1) (see melissa_dl_init_block
+! in melissa_dl.h):
+!
+!     ierr = melissa_dl_init_block("pressure", MELISSA_DL_FLOAT32, [nx, ny], [i0, j0], [bx, by], MPI_COMM_WORLD)
+!     ierr = melissa_dl_send("pressure", t, p(1:bx, 1:by))    ! the interior of an array with halos
+!
 ! Every function returns the C library's status (MELISSA_DL_OK = 0 or one of
 ! the MELISSA_DL_ERR_* codes) and melissa_dl_error_message() says why a call
 ! failed. Names are ordinary Fortran strings (trailing blanks are dropped);
@@ -46,10 +55,15 @@ module melissa_dl
                                 MELISSA_DL_ERR_MPI = 10, MELISSA_DL_ERR_SYSTEM = 11
 
   public :: melissa_dl_version, melissa_dl_simulation, melissa_dl_parameters, melissa_dl_parameter, &
-            melissa_dl_init, melissa_dl_send, melissa_dl_finalize, melissa_dl_next, melissa_dl_error_message
+            melissa_dl_init, melissa_dl_init_block, melissa_dl_send, melissa_dl_finalize, melissa_dl_next, &
+            melissa_dl_error_message
 
   interface melissa_dl_init
     module procedure init_f08, init_handle
+  end interface
+
+  interface melissa_dl_init_block
+    module procedure init_block_f08, init_block_handle
   end interface
 
   interface melissa_dl_send
@@ -98,6 +112,15 @@ module melissa_dl
       character(kind=c_char), intent(in) :: field(*)
       integer(c_int), value :: dtype, comm
       integer(c_int64_t), value :: local_count
+      integer(c_int) :: status
+    end function
+
+    function c_init_block(field, dtype, ndim, global_shape, start, shape, comm) &
+        bind(C, name="melissa_dl_init_block_fortran") result(status)
+      import :: c_char, c_int, c_int64_t
+      character(kind=c_char), intent(in) :: field(*)
+      integer(c_int), value :: dtype, ndim, comm
+      integer(c_int64_t), intent(in) :: global_shape(*), start(*), shape(*)
       integer(c_int) :: status
     end function
 
@@ -208,6 +231,28 @@ contains
     character(*), intent(in) :: field
     integer, intent(in) :: dtype, local_count, comm
     status = c_init(c_string(field), int(dtype, c_int), int(local_count, c_int64_t), int(comm, c_int))
+  end function
+
+  ! Declare this rank's block of a field split in blocks: the global shape, the block's start (0-based) and its
+  ! shape, in the code's axis order; sends then give the block column-major, as a Fortran array lies.
+  integer function init_block_f08(field, dtype, global_shape, start, shape, comm) result(status)
+    character(*), intent(in) :: field
+    integer, intent(in) :: dtype, global_shape(:), start(:), shape(:)
+    type(MPI_Comm), intent(in) :: comm
+    status = init_block_handle(field, dtype, global_shape, start, shape, comm%MPI_VAL)
+  end function
+
+  integer function init_block_handle(field, dtype, global_shape, start, shape, comm) result(status)
+    character(*), intent(in) :: field
+    integer, intent(in) :: dtype, global_shape(:), start(:), shape(:), comm
+    if (size(start) /= size(global_shape) .or. size(shape) /= size(global_shape)) then
+      status = c_init_block(c_string(field), int(dtype, c_int), 0_c_int, [0_c_int64_t], [0_c_int64_t], &
+                            [0_c_int64_t], int(comm, c_int))  ! refused, in one line naming the field
+      return
+    end if
+    status = c_init_block(c_string(field), int(dtype, c_int), int(size(global_shape), c_int), &
+                          int(global_shape, c_int64_t), int(start, c_int64_t), int(shape, c_int64_t), &
+                          int(comm, c_int))
   end function
 
   ! Send this rank's slice of a field at a time step (0, 1, 2, ...).

@@ -55,6 +55,7 @@ extern "C" {
 
 #define MELISSA_DL_VERSION "0.1.0"      /* this header's library version */
 #define MELISSA_DL_PROTOCOL_VERSION 4   /* the wire protocol it speaks */
+#define MELISSA_DL_MAX_NDIM 6           /* dimensions of a field's block at most (melissa_dl_init_block) */
 
 #if defined(__GNUC__)
 #define MELISSA_DL_API __attribute__((visibility("default")))
@@ -113,6 +114,20 @@ MELISSA_DL_API int melissa_dl_parameter(const char *name, double *value);
  * communicator). */
 MELISSA_DL_API int melissa_dl_init(const char *field, int dtype, size_t local_count, MPI_Comm comm);
 
+/* Declare a field split in blocks, instead of melissa_dl_init: this rank's
+ * block of a global array of ndim dimensions (1 to 6), as ADIOS2's global
+ * arrays describe it: global_shape, the block's start in it (0-based) and
+ * its shape, each ndim long, in C order (the last axis varies fastest in the
+ * data a send gives, whose count is the product of shape). A rank that holds
+ * no block of the field gives a shape with a 0 and sends 0 elements. The
+ * server places every rank's block in the global array (halos are not sent:
+ * copy the interior out, or send from a solver array without them); the
+ * handshake refuses blocks that overlap, leave a gap or disagree on the
+ * global shape (MELISSA_DL_ERR_REFUSED, the message naming the ranks and the
+ * region). melissa_dl_init's fields are 1-D slices stacked in rank order. */
+MELISSA_DL_API int melissa_dl_init_block(const char *field, int dtype, int ndim, const size_t *global_shape,
+                                         const size_t *start, const size_t *shape, MPI_Comm comm);
+
 /* Send this rank's slice of a field at a time step (an integer in
  * [0, 2^32), e.g. 0, 1, 2, ...). The data is copied into ZeroMQ's queue, so
  * the caller may overwrite it at once; the call blocks while the server is
@@ -169,12 +184,17 @@ MELISSA_DL_API int melissa_dl_next(MPI_Comm comm, int *more);
 MELISSA_DL_API const char *melissa_dl_error_message(void);
 
 /* For the Fortran module: melissa_dl_init with a Fortran communicator handle
- * (a negative count is refused), the send of either dtype, and melissa_dl_next
- * with a Fortran communicator handle. */
+ * (a negative count is refused), the send of either dtype, melissa_dl_next
+ * with a Fortran communicator handle, and melissa_dl_init_block of a Fortran
+ * array. */
 MELISSA_DL_API int melissa_dl_init_fortran(const char *field, int dtype, int64_t local_count, MPI_Fint comm);
 MELISSA_DL_API int melissa_dl_send_fortran(const char *field, int64_t time_step, const void *data, int64_t count,
                                            int dtype);
 MELISSA_DL_API int melissa_dl_next_fortran(MPI_Fint comm, int *more);
+/* melissa_dl_init_block of a Fortran array: the dimensions in the Fortran code's axis order and its data
+ * column-major (the first axis varies fastest); the field has the code's axis order. */
+MELISSA_DL_API int melissa_dl_init_block_fortran(const char *field, int dtype, int ndim, const int64_t *global_shape,
+                                                 const int64_t *start, const int64_t *shape, MPI_Fint comm);
 
 #ifdef __cplusplus
 }

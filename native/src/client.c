@@ -44,7 +44,7 @@
 #include "link.h"
 #include "sha256.h"
 
-enum { HEADER_BYTES = 75, KEY_BYTES = 8, MAX_NDIM = 6, DTYPE_UINT8 = 7, MESSAGE_BYTES = 1024 };
+enum { HEADER_BYTES = 75, KEY_BYTES = 8, MAX_NDIM = MELISSA_DL_MAX_NDIM, DTYPE_UINT8 = 7, MESSAGE_BYTES = 1024 };
 /* The most payload one DATA message carries: a larger slice goes as consecutive parts (protocol 4). */
 static const size_t PART_BYTES = (size_t)1 << 20;
 enum { KIND_DATA = 1, KIND_DECLARE = 2, KIND_FINALIZE = 3 };
@@ -59,6 +59,9 @@ typedef struct {
     int dtype;
     size_t count;
     uint16_t id; /* its index in the study's fields, from the handshake */
+    int ndim;    /* of a field split in blocks (melissa_dl_init_block); 0: a 1-D slice of count elements */
+    size_t shape[MAX_NDIM], start[MAX_NDIM], global[MAX_NDIM]; /* this rank's block, where it starts, the whole */
+    char order;  /* 'C', or 'F': the block's bytes in column-major order, a Fortran array's */
 } field;
 
 /* The distinct time steps sent, an open-addressing hash set (FINALIZE
@@ -171,13 +174,33 @@ static void sb_json_string(strbuf *sb, const char *text) {
     sb_printf(sb, "\"");
 }
 
-/* {"name":["float32",[count]],...} */
+/* [a,b,...] */
+static void sb_dims(strbuf *sb, const size_t *dims, int ndim) {
+    sb_printf(sb, "[");
+    for (int d = 0; d < ndim; d++)
+        sb_printf(sb, d ? ",%zu" : "%zu", dims[d]);
+    sb_printf(sb, "]");
+}
+
+/* {"name":["float32",[count]],...}, a block's ["float32",[shape],{"start":[...],"global":[...],"order":"C"}] */
 static void sb_fields(strbuf *sb) {
     sb_printf(sb, "{");
     for (size_t i = 0; i < client.nfields; i++) {
+        const field *f = &client.fields[i];
         sb_printf(sb, i ? "," : "");
-        sb_json_string(sb, client.fields[i].name);
-        sb_printf(sb, ":[\"%s\",[%zu]]", DTYPE_NAMES[client.fields[i].dtype], client.fields[i].count);
+        sb_json_string(sb, f->name);
+        sb_printf(sb, ":[\"%s\",", DTYPE_NAMES[f->dtype]);
+        if (f->ndim == 0) {
+            sb_dims(sb, &f->count, 1);
+        } else {
+            sb_dims(sb, f->shape, f->ndim);
+            sb_printf(sb, ",{\"start\":");
+            sb_dims(sb, f->start, f->ndim);
+            sb_printf(sb, ",\"global\":");
+            sb_dims(sb, f->global, f->ndim);
+            sb_printf(sb, ",\"order\":\"%c\"}", f->order);
+        }
+        sb_printf(sb, "]");
     }
     sb_printf(sb, "}");
 }
@@ -947,7 +970,8 @@ static int communicator(MPI_Comm comm, const char *who, int *rank, int *size) {
     return MELISSA_DL_OK;
 }
 
-int melissa_dl_init(const char *name, int dtype, size_t local_count, MPI_Comm comm) {
+/* Declare a field (``block``: its block, with ndim > 0; NULL: a 1-D slice of ``local_count`` elements). */
+static int declare(const char *name, int dtype, size_t local_count, const field *block, MPI_Comm comm) {
     if (name == NULL || name[0] == '\0')
         return fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_init: the field name is NULL or empty");
     if (dtype != MELISSA_DL_FLOAT32 && dtype != MELISSA_DL_FLOAT64)
@@ -991,8 +1015,16 @@ int melissa_dl_init(const char *name, int dtype, size_t local_count, MPI_Comm co
         client.size = size;
         client.phase = DECLARED;
     }
-    client.fields[client.nfields++] = (field){copy, dtype, local_count, 0};
+    field *f = &client.fields[client.nfields++];
+    *f = block != NULL ? *block : (field){0};
+    f->name = copy;
+    f->dtype = dtype;
+    f->count = local_count;
     return MELISSA_DL_OK;
+}
+
+int melissa_dl_init(const char *name, int dtype, size_t local_count, MPI_Comm comm) {
+    return declare(name, dtype, local_count, NULL, comm);
 }
 
 int melissa_dl_init_fortran(const char *name, int dtype, int64_t local_count, MPI_Fint comm) {
@@ -1000,6 +1032,52 @@ int melissa_dl_init_fortran(const char *name, int dtype, int64_t local_count, MP
         return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': negative element count %lld", name ? name : "",
                     (long long)local_count);
     return melissa_dl_init(name, dtype, (size_t)local_count, MPI_Comm_f2c(comm));
+}
+
+/* A block's dimensions checked (each below 2^32, the block inside the global shape) into ``block``; ``order``:
+ * 'C' or 'F'. */
+static int block_of(const char *name, int ndim, const int64_t *global, const int64_t *start, const int64_t *shape,
+                    char order, field *block, size_t *count) {
+    if (ndim < 1 || ndim > MAX_NDIM)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': %d dimensions: a block's global shape, start and shape "
+                    "have 1 to %d each, as many", name ? name : "", ndim, MAX_NDIM);
+    if (global == NULL || start == NULL || shape == NULL)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': a NULL global shape, start or shape", name ? name : "");
+    *block = (field){.ndim = ndim, .order = order};
+    *count = 1;
+    for (int d = 0; d < ndim; d++) {
+        if (global[d] < 0 || start[d] < 0 || shape[d] < 0 || global[d] > UINT32_MAX || start[d] > global[d] ||
+            shape[d] > global[d] - start[d])
+            return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': axis %d: a block of %lld from %lld does not fit in "
+                        "%lld", name ? name : "", d, (long long)shape[d], (long long)start[d], (long long)global[d]);
+        block->global[d] = (size_t)global[d];
+        block->start[d] = (size_t)start[d];
+        block->shape[d] = (size_t)shape[d];
+        *count *= (size_t)shape[d];
+    }
+    return MELISSA_DL_OK;
+}
+
+int melissa_dl_init_block(const char *name, int dtype, int ndim, const size_t *global_shape, const size_t *start,
+                          const size_t *shape, MPI_Comm comm) {
+    int64_t dims[3][MAX_NDIM];
+    const size_t *given[3] = {global_shape, start, shape};
+    for (int k = 0; k < 3; k++)
+        for (int d = 0; given[k] != NULL && d < ndim && d < MAX_NDIM; d++)
+            dims[k][d] = given[k][d] > INT64_MAX ? -1 : (int64_t)given[k][d];
+    field block;
+    size_t count;
+    int code = block_of(name, ndim, global_shape ? dims[0] : NULL, start ? dims[1] : NULL, shape ? dims[2] : NULL,
+                        'C', &block, &count);
+    return code == MELISSA_DL_OK ? declare(name, dtype, count, &block, comm) : code;
+}
+
+int melissa_dl_init_block_fortran(const char *name, int dtype, int ndim, const int64_t *global_shape,
+                                  const int64_t *start, const int64_t *shape, MPI_Fint comm) {
+    field block;
+    size_t count;
+    int code = block_of(name, ndim, global_shape, start, shape, 'F', &block, &count);
+    return code == MELISSA_DL_OK ? declare(name, dtype, count, &block, MPI_Comm_f2c(comm)) : code;
 }
 
 /* -- persistent workers ------------------------------------------------- */
@@ -1272,7 +1350,10 @@ static int send_field(const char *name, int64_t time_step, const void *data, siz
     size_t offset = 0;
     do { /* one message per part; an empty slice is one message too */
         size_t size = bytes - offset < PART_BYTES ? bytes - offset : PART_BYTES;
-        pack_header(header, KIND_DATA, step, f->id, dtype, &count, 1, bytes, offset);
+        if (f->ndim)
+            pack_header(header, KIND_DATA, step, f->id, dtype, f->shape, f->ndim, bytes, offset);
+        else
+            pack_header(header, KIND_DATA, step, f->id, dtype, &count, 1, bytes, offset);
         code = send_message(owner_rank(step), header, bytes ? (const char *)data + offset : data, size);
         offset += size;
     } while (code == MELISSA_DL_OK && offset < bytes);

@@ -104,6 +104,12 @@ static void handshake_mistakes(const float *data) {
     report("send before init", melissa_dl_send_float("field", 0, data, (size_t)count));
     report("finalize before init", melissa_dl_finalize());
     report("unknown dtype", melissa_dl_init("field", 7, (size_t)count, MPI_COMM_WORLD));
+    size_t whole[2] = {4, 8}, start[2] = {2, 0}, shape[2] = {3, 8};
+    report("block outside", melissa_dl_init_block("field", MELISSA_DL_FLOAT32, 2, whole, start, shape, MPI_COMM_WORLD));
+    report("block of 7 axes",
+           melissa_dl_init_block("field", MELISSA_DL_FLOAT32, 7, whole, start, shape, MPI_COMM_WORLD));
+    report("block without start", melissa_dl_init_block("field", MELISSA_DL_FLOAT32, 2, whole, NULL, shape,
+                                                          MPI_COMM_WORLD));
     handshake("wrong token", "MELISSA_TOKEN", "00000000000000000000000000000000", NULL);
     handshake("unknown simulation", "MELISSA_SIMULATION_ID", "99", NULL); /* an unknown field would fail it for good */
     setenv("MELISSA_CLIENT_TIMEOUT", "0.5", 1);

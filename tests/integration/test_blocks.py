@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,25 @@ def recorded_study(tmp_path: Path, name: str, command: list[str], client_ranks: 
     return {key: sample["p"] for key, sample in samples.items()}
 
 
+def expected(simulation: int, step: int, whole: tuple[int, ...]) -> np.ndarray:
+    """What every block program sends: 10 s + 0.5 t + sum_d (d + 1) 0.01 i_d at global index i."""
+    indices = np.meshgrid(*(np.arange(n) for n in whole), indexing="ij")
+    return (10 * simulation + 0.5 * step + sum((d + 1) * 0.01 * i for d, i in enumerate(indices))).astype(np.float32)
+
+
+def assert_blocks_make_one_ranks_fields(
+    tmp_path: Path, command: Callable[[tuple[int, ...]], list[str]], dims: tuple[int, ...], whole: tuple[int, ...]
+) -> None:
+    """The study of ``command(dims)`` on the ranks of ``dims`` receives, value for value, what the same program on
+    one rank sends, and that is the global array the program computes."""
+    blocked = recorded_study(tmp_path, "blocks", command(dims), int(np.prod(dims)))
+    single = recorded_study(tmp_path, "one", command((1,) * len(dims)), 1)
+    for (s, t), field in single.items():
+        assert field.shape == whole and field.dtype == np.float32
+        np.testing.assert_array_equal(blocked[s, t], field, err_msg=f"simulation {s}, step {t}")
+        np.testing.assert_allclose(field, expected(s, t, whole), rtol=1e-6, err_msg=f"simulation {s}, step {t}")
+
+
 @pytest.mark.parametrize(
     "dims, whole, layout",
     [((2, 2), (13, 9), []), ((2, 2, 2), (7, 6, 5), ["--fortran"])],
@@ -52,12 +72,18 @@ def test_uneven_blocks_of_a_python_simulation_make_the_fields_of_one_rank(
 ) -> None:
     """Each rank sends the interior of its array with a halo (a non-contiguous view, Fortran-ordered in 3-D)."""
     command = [sys.executable, BLOCK_SIM, "--global", *map(str, whole), "--steps", str(STEPS), *layout, "--dims"]
-    blocked = recorded_study(tmp_path, "blocks", [*command, *map(str, dims)], int(np.prod(dims)))
-    single = recorded_study(tmp_path, "one", [*command, *["1"] * len(dims)], 1)
-    for key, field in single.items():
-        assert field.shape == whole and field.dtype == np.float32
-        np.testing.assert_array_equal(blocked[key], field, err_msg=str(key))
-    assert len({field.tobytes() for field in single.values()}) == SIMULATIONS * STEPS  # each sample its own
+    assert_blocks_make_one_ranks_fields(tmp_path, lambda grid: [*command, *map(str, grid)], dims, whole)
+
+
+@pytest.mark.parametrize("program", ["block_client", "block_client_f"], ids=["C", "Fortran, column-major"])
+@pytest.mark.parametrize("dims, whole", [((2, 2), (13, 9)), ((2, 2, 2), (7, 6, 5))], ids=["2-D 2x2", "3-D 2x2x2"])
+def test_uneven_blocks_of_a_c_or_fortran_simulation_make_the_fields_of_one_rank(
+    tmp_path: Path, native: Path, program: str, dims: tuple[int, ...], whole: tuple[int, ...]
+) -> None:
+    """melissa_dl_init_block: the C program sends its blocks in C order, the Fortran one the interior of its array
+    with halos as the compiler passes the section, column-major, in its own axis order."""
+    command = [str(native / program), str(STEPS), str(len(whole)), *map(str, whole)]
+    assert_blocks_make_one_ranks_fields(tmp_path, lambda grid: [*command, *map(str, grid)], dims, whole)
 
 
 def test_overlapping_blocks_fail_the_simulation_at_the_handshake_with_one_line_naming_the_ranks_and_region(

@@ -146,6 +146,12 @@ def test_c_client_mistakes_get_clear_codes_and_the_server_keeps_running(
         ("send before init", "3 field 'field': no field is declared: call melissa_dl_init first"),
         ("finalize before init", "3 nothing to finalize: no field is declared"),
         ("unknown dtype", "2 field 'field': dtype 7 is neither MELISSA_DL_FLOAT32 (0) nor MELISSA_DL_FLOAT64 (1)"),
+        ("block outside", "2 field 'field': axis 0: a block of 3 from 2 does not fit in 4"),
+        (
+            "block of 7 axes",
+            "2 field 'field': 7 dimensions: a block's global shape, start and shape have 1 to 6 each, as many",
+        ),
+        ("block without start", "2 field 'field': a NULL global shape, start or shape"),
         ("wrong token", f"7 {refused_token}"),
         (
             "send after that",
