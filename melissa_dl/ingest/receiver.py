@@ -226,6 +226,7 @@ class Receiver(ServerSocketThread):
         return None if done is None or passes is None else (done, passes)
 
     def report(self) -> ReceiverReport:
+        passes = self._passes()  # the buffer's lock, not under ours: a put holds it and then takes ours (_commit)
         with self._lock:
             progress = self._assembler.take_progress()
             report = ReceiverReport(
@@ -238,7 +239,7 @@ class Receiver(ServerSocketThread):
                 duplicate_frames=self._assembler.duplicates,
                 rejected=self.rejections.counts(),
                 buffer_size=len(self.buffer),
-                passes=self._passes(),
+                passes=passes,
             )
             self._blocked = False
         return report
