@@ -6,8 +6,8 @@ simulations at once, each solving on a grid ``--refine`` times finer than it sen
 the cores busy while training runs; ``--simulations`` of them, a Reservoir of ``--capacity`` samples. The same
 study once per thread count: the default (what the server picks: the log says), torch's own default (what
 ``torch.get_num_threads()`` says in a fresh process: one thread per core, in every rank), and 1, 2 and every
-core. The figure is training's batches per second over the study (``report.json``), which the simulations
-set the length of.
+core. The figure is training's batches per second while simulations run (``progress.jsonl``: from the first
+status with a batch to the last with a simulation running), the part of a study where they share the cores.
 
 Prints ``RESULT threads_default``: the default's batches/s over torch's own default's (target >= 1.3), and
 ``RESULT threads_default_vs_best``: over the best of 1, 2 and every core (target >= 0.9).
@@ -37,6 +37,7 @@ def study(folder: Path, args: argparse.Namespace, threads: int | None) -> tuple[
         shutil.copy(HEAT / name, folder / name)
     config = json.loads((HEAT / "config.json").read_text())
     config.update(output_dir=str(folder / "output"), plots=False)
+    config["server"]["status_interval"] = 0.5
     config["study"].update(simulations=args.simulations, validation={"simulations": 2, "seed": 1})
     config["buffer"].update(capacity_samples=args.capacity)
     config["launcher"]["command"] = [sys.executable, "heat.py", "--refine", str(args.refine)]
@@ -57,7 +58,17 @@ def study(folder: Path, args: argparse.Namespace, threads: int | None) -> tuple[
     chosen = CHOSEN.search(done.stdout + done.stderr)
     if report is None or report["simulations"]["done"] != args.simulations + 2 or chosen is None:
         sys.exit(f"bench/threads.py: the study with threads={threads} failed:\n{done.stdout[-3000:]}{done.stderr}")
-    return report["training"]["batches_per_s"], int(chosen.group(1))
+    return contended_rate(folder / "output" / "progress.jsonl"), int(chosen.group(1))
+
+
+def contended_rate(history: Path) -> float:
+    """Batches per second from the first status with a batch to the last with a simulation running."""
+    statuses = [json.loads(line) for line in history.read_text().splitlines()]
+    running = [s for s in statuses if s["simulations"]["running"] > 0 and s["training"]["batches"] > 0]
+    first, last = running[0], running[-1]
+    if last["elapsed_s"] <= first["elapsed_s"]:
+        sys.exit(f"bench/threads.py: too few statuses while simulations ran in {history}")
+    return (last["training"]["batches"] - first["training"]["batches"]) / (last["elapsed_s"] - first["elapsed_s"])
 
 
 def torch_default() -> int:
@@ -73,7 +84,7 @@ def torch_default() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--simulations", type=int, default=12)
+    parser.add_argument("--simulations", type=int, default=16)
     parser.add_argument("--refine", type=int, default=4, help="each simulation solves on a grid this much finer")
     parser.add_argument("--capacity", type=int, default=256, help="samples of each rank's Reservoir")
     args = parser.parse_args()
