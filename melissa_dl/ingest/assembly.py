@@ -246,7 +246,9 @@ class Assembler:
             stream = self._streams[sim] = _Stream(csize)
         for fid, name in enumerate(self.spec.fields):
             declared = {r: (stream.layouts[r][fid], stream.blocks[r][fid]) for r in stream.layouts if r != crank}
-            joined(f"simulation {sim}, field '{name}'", {**declared, crank: (layouts[fid], blocks[fid])}, csize)
+            joined(f"simulation {sim}, field '{name}'", {**declared, crank: (layouts[fid], blocks[fid])}, csize, crank)
+        if crank in stream.layouts and (stream.layouts[crank], stream.blocks[crank]) != (layouts, blocks):
+            self._forget_pieces(sim, stream)  # held under the declaration it replaces: they would not fit
         stream.layouts[crank] = layouts
         stream.blocks[crank] = blocks
         stream.finalized.pop(crank, None)  # a relaunched attempt announces its steps anew
@@ -400,6 +402,13 @@ class Assembler:
 
     def _release(self, key: tuple[int, int]) -> None:
         self.partial_bytes -= self._partial.pop(key, 0)
+
+    def _forget_pieces(self, sim: int, stream: _Stream) -> None:
+        """Free the pieces of ``sim``'s incomplete steps (a client rank declared its fields anew)."""
+        for step in {*stream.pending, *(key[0] for key in stream.parts)}:
+            self._release((sim, step))
+        stream.pending.clear()
+        stream.parts.clear()
 
     def _drop(self, sim: int) -> None:
         """Forget a simulation's stream and free its pending pieces."""

@@ -276,12 +276,12 @@ class HandshakeServer(ServerSocketThread):
                     "with the same rank: an MPI simulation that did not pass comm= to Client?)",
                     "twice",
                 )
-            self._check_pins(where, {**ranks, crank: slices}, csize)
+            self._check_pins(where, {**ranks, crank: slices}, csize, crank)
             ranks[crank] = slices
             if nonce is not None:
                 nonces[crank] = nonce
 
-    def _check_pins(self, where: str, ranks: dict[int, dict[str, Declared]], csize: int) -> None:
+    def _check_pins(self, where: str, ranks: dict[int, dict[str, Declared]], csize: int, new: int) -> None:
         """Slices must join, and blocks tile, into each field's pinned layout; the first complete simulation pins
         unpinned fields."""
         complete = len(ranks) == csize
@@ -289,7 +289,7 @@ class HandshakeServer(ServerSocketThread):
         for name in self._fields:
             declared = {r: ranks[r][name] for r in sorted(ranks)}
             at = f"{where}, field '{name}'"
-            wholes[name] = whole = joined(at, declared, csize)
+            wholes[name] = whole = joined(at, declared, csize, new)
             pinned = self._pins.get(name)
             if pinned is None:
                 continue

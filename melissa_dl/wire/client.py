@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import secrets
 import time
@@ -105,7 +106,12 @@ def _block(name: str, field: tuple[Any, ...]) -> Block | None:
             f"field '{name}': the third element must be a Block(start, global_shape), got {block!r} (an array of any "
             "layout, a Fortran-ordered one too, is sent as its values in C order)"
         )
-    return block
+    try:  # numpy's integers too (a decomposition computed with numpy), which JSON does not take
+        return Block(
+            tuple(operator.index(n) for n in block.start), tuple(operator.index(n) for n in block.global_shape)
+        )
+    except TypeError:
+        raise ClientError(f"field '{name}': a block's start and global shape are integers, got {block!r}") from None
 
 
 def _require(environ: Mapping[str, str], name: str) -> str:

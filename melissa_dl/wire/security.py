@@ -72,10 +72,11 @@ BIND_TIMEOUT = 5.0  # a previous handler's endpoint is released asynchronously
 
 # The largest hello (and DECLARE payload) a socket reads: a fixed part with room
 # for odd but harmless input, plus each field's JSON-escaped name and a
-# declaration of six 10-digit dimensions. It is also what a peer that has not
+# declaration of six 10-digit dimensions with a block's start and global shape
+# of as many (melissa_dl.wire.blocks). It is also what a peer that has not
 # logged in may make the handshake socket read (the cap applies to the login).
 HELLO_BASE_BYTES = 64 << 10
-HELLO_FIELD_BYTES = 128
+HELLO_FIELD_BYTES = 320
 
 # what a mechanism adds to a message part on the wire (CURVE: command name, nonce, MAC and flags, 33 bytes);
 # a part over the cap ends its connection and is lost, so the cap must never cut a legitimate part

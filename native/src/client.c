@@ -1053,6 +1053,9 @@ static int block_of(const char *name, int ndim, const int64_t *global, const int
         block->global[d] = (size_t)global[d];
         block->start[d] = (size_t)start[d];
         block->shape[d] = (size_t)shape[d];
+        if (shape[d] && *count > UINT32_MAX / (size_t)shape[d])
+            return fail(MELISSA_DL_ERR_ARGUMENT, "field '%s': a block of more than 2^32 - 1 elements",
+                        name ? name : "");
         *count *= (size_t)shape[d];
     }
     return MELISSA_DL_OK;

@@ -662,3 +662,19 @@ def test_a_client_rank_whose_block_overlaps_anothers_is_refused_at_its_declarati
         "shape",
         "simulation 0, field 'u': the blocks of client ranks 0 and 1 overlap in [1:2, 0:3]",
     )
+
+
+def test_a_client_rank_that_declares_other_blocks_drops_the_pieces_held_under_the_old_ones() -> None:
+    """Pieces received under a declaration would not fit the one that replaces it: the step starts again."""
+    assembler = Assembler(make_spec(fields=("u", "v"), parameters=np.zeros((1, 1))))
+    sender = Sender(0)
+    four = {"u": ("float32", (4,), Block((0,), (4,))), "v": ("float32", (4,), Block((0,), (4,)))}
+    two = {"u": ("float32", (2,), Block((0,), (2,))), "v": ("float32", (2,), Block((0,), (2,)))}
+    assembler.handle(sender.control(Kind.DECLARE, block_declaration(four)))
+    assert assembler.handle(sender.data(0, "u", np.arange(4, dtype=np.float32))) is None
+    assert assembler.partial_bytes == 16
+    assembler.handle(sender.control(Kind.DECLARE, block_declaration(two)))
+    assert assembler.partial_bytes == 0
+    assert assembler.handle(sender.data(0, "u", np.arange(2, dtype=np.float32))) is None
+    sample = assembler.handle(sender.data(0, "v", np.ones(2, dtype=np.float32)))
+    assert_fields(sample, {"u": np.arange(2, dtype=np.float32), "v": np.ones(2, dtype=np.float32)})

@@ -3,13 +3,15 @@ block is read and placed (issue 54, item 1)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 import pytest
 
-from melissa_dl.errors import ProtocolError
+from melissa_dl.errors import ClientError, ProtocolError
 from melissa_dl.wire.blocks import Block, block_array, check_tiling, joined, parse_block, place
+from melissa_dl.wire.client import _block
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,3 +131,27 @@ def test_a_fortran_block_is_read_column_major_and_placed_in_the_codes_axis_order
     place(assembled, block, array)
     np.testing.assert_array_equal(assembled[1:4, 0:2], whole[1:4, 0:2])
     assert parse_block(WHERE, ["float64", [3, 2], block.to_json()], (3, 2)) == block
+
+
+def test_a_new_ranks_block_is_checked_against_the_others_only() -> None:
+    """The others' blocks were checked against each other when they came: an overlap between two of them is not
+    looked for again (a simulation of n ranks costs O(n^2) pairs), one with the new rank's is."""
+    overlapping = {**quarters(), 3: ((51, 50), Block((50, 50), (101, 101)))}  # ranks 2 and 3 overlap
+    assert check_tiling(WHERE, {r: b for r, b in overlapping.items() if r != 2}, complete=False, new=1)
+    with pytest.raises(ProtocolError, match="the blocks of client ranks 2 and 3 overlap"):
+        check_tiling(WHERE, overlapping, complete=False, new=3)
+
+
+def test_blocks_of_two_dtypes_are_refused_as_such() -> None:
+    declared = {0: (("float32", (50, 51)), quarters()[0][1]), 1: (("float64", (50, 50)), quarters()[1][1])}
+    with pytest.raises(ProtocolError, match="client rank 1's block is float64, rank 0 float32\\[50, 51\\]: one dtype"):
+        joined(WHERE, declared, 4, new=1)
+
+
+def test_the_python_client_takes_numpys_integers_in_a_block_and_refuses_other_numbers() -> None:
+    block = _block("p", ("float32", (2, 3), Block((np.int64(4), np.int32(0)), (np.int64(6), 3))))
+    assert block == Block((4, 0), (6, 3)) and json.dumps(block.to_json())
+    with pytest.raises(ClientError, match="field 'p': a block's start and global shape are integers"):
+        _block("p", ("float32", (2,), Block((0.5,), (3,))))  # type: ignore[arg-type]
+    with pytest.raises(ClientError, match="the third element must be a Block"):
+        _block("p", ("float32", (2,), ((0,), (3,))))
