@@ -404,8 +404,8 @@ class Assembler:
         self.partial_bytes -= self._partial.pop(key, 0)
 
     def _forget_pieces(self, sim: int, stream: _Stream) -> None:
-        """Free the pieces of ``sim``'s incomplete steps (a client rank declared its fields anew)."""
-        for step in {*stream.pending, *(key[0] for key in stream.parts)}:
+        """Free the pieces of ``sim``'s incomplete steps (every step with a part has its ``pending`` entry)."""
+        for step in stream.pending:
             self._release((sim, step))
         stream.pending.clear()
         stream.parts.clear()
@@ -414,8 +414,7 @@ class Assembler:
         """Forget a simulation's stream and free its pending pieces."""
         stream = self._streams.pop(sim, None)
         if stream is not None:
-            for step in stream.pending:
-                self._release((sim, step))
+            self._forget_pieces(sim, stream)
 
     def start_attempt(self, sim: int, attempt: int) -> None:
         """A newer attempt of ``sim`` runs: the older one's pieces are dropped and its frames refused from now on."""
