@@ -2,8 +2,9 @@
 
 A rank's ``Assembler`` (the server's receiver without its socket) is handed the messages of ``--steps`` steps of
 one 3-D float32 field of ``--mib`` MiB from 8 client ranks, each rank's piece in parts of ``PART_BYTES`` as the
-clients send it: either 8 axis-0 slabs (stacked with one concatenation) or a 2x2x2 decomposition in blocks
-(placed into the global array, one strided copy each). The two alternate, ``--repeat`` times; the median of each.
+clients send it: either 8 axis-0 slabs (each gathered from its parts, then stacked with one concatenation) or a
+2x2x2 decomposition in blocks (each part written straight into the global array by a few strided copies). The
+two alternate, ``--repeat`` times; the median of each.
 
     RESULT blocks_assembly ratio=<slabs' seconds per step / blocks'> target=0.9 ...
 

@@ -18,7 +18,10 @@ it sits in and make the buffer's byte count a lie. A slice larger than
 ``PART_BYTES`` arrives in parts (:mod:`melissa_dl.wire.protocol`): its array is
 allocated at the first part, counted in the budget from then on, and filled
 part by part (each offset once). Slices of MPI-parallel
-clients are concatenated along axis 0 in client-rank order. Every assembled
+clients are concatenated along axis 0 in client-rank order once the step is
+whole; blocks are written straight into their field's global array, made at
+the step's first piece of the field and counted in the budget from then on
+(:mod:`melissa_dl.wire.blocks`). Every assembled
 field must match the study's pinned dtype and shape (from the configuration,
 or from the first complete sample), so one odd simulation cannot break a batch.
 """
@@ -37,7 +40,7 @@ from melissa_dl.buffers.sample import Sample
 from melissa_dl.errors import ProtocolError
 from melissa_dl.ingest.finite import all_finite, prepare
 from melissa_dl.ingest.ledger import Ledger
-from melissa_dl.wire.blocks import Block, block_array, joined, parse_block, place
+from melissa_dl.wire.blocks import Block, destination, joined, parse_block, write_flat
 from melissa_dl.wire.protocol import (
     PART_BYTES,
     Header,
@@ -130,12 +133,21 @@ class _Stream:
     finalized: dict[int, int] = field(default_factory=dict)  # client rank -> steps announced
     pending: dict[int, dict[tuple[int, int], np.ndarray]] = field(default_factory=dict)  # step -> whole pieces
     parts: dict[tuple[int, int, int], _Parts] = field(default_factory=dict)  # (step, field, client rank) -> a slice
+    wholes: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (step, field) -> its blocks' array
+
+    def placed(self, block: Block | None) -> bool:
+        """Whether a field declared in ``block``s is written into a global array as it comes (one rank's block in
+        C order is the field itself: it is taken as it came, as a slice is)."""
+        return block is not None and (self.client_size > 1 or block.order == "F")
 
     def drop_parts(self, step: int) -> int:
-        """Forget the slices of ``step`` still arriving in parts; returns how many there were."""
+        """Forget the slices of ``step`` still arriving in parts and its blocks' arrays; returns how many slices
+        there were."""
         keys = [key for key in self.parts if key[0] == step]
         for key in keys:
             del self.parts[key]
+        for whole in [whole for whole in self.wholes if whole[0] == step]:
+            del self.wholes[whole]
         return len(keys)
 
 
@@ -269,24 +281,24 @@ class Assembler:
         if (sim, step) in self.ledger:
             self.duplicates += 1
             return None
+        values = np.frombuffer(payload, dtype=dtype)
+        if self.spec.reject_non_finite and values.dtype.kind == "f" and not all_finite(values):
+            stream.parts.pop((step, fid, crank), None)  # the slice, sent again, starts afresh
+            raise ProtocolError(f"{where}: NaN or infinite values", "non_finite")  # one would poison the model
         pending = stream.pending.setdefault(step, {})
-        block = stream.blocks[crank][fid]
-        if header.payload_bytes <= PART_BYTES:
-            array = block_array(payload, dtype, shape, block)
-            held = array.nbytes  # counted in the budget once the step waits for other pieces
-        else:
-            if (fid, crank) in pending:
-                raise ProtocolError(f"{where}: this slice is already pending", "duplicate")
-            whole = self._gather(stream, header, payload, where, block)
-            if whole is None:
-                return None
-            array, held = whole, 0  # counted from its first part
-        if self.spec.reject_non_finite and array.dtype.kind == "f" and not all_finite(array):
-            raise ProtocolError(f"{where}: NaN or infinite values", "non_finite")
         if (fid, crank) in pending:
             raise ProtocolError(f"{where}: this slice is already pending", "duplicate")
-        if array.nbytes < COPY_FROM:
-            array = array.copy()
+        block = stream.blocks[crank][fid]
+        if header.payload_bytes > PART_BYTES or stream.placed(block):
+            piece = self._part(stream, header, values, where, block)
+            if piece is None:
+                return None
+            array, held = piece, 0  # counted from its first part
+        else:
+            array = values.reshape(shape)
+            held = array.nbytes  # counted in the budget once the step waits for other pieces
+            if array.nbytes < COPY_FROM:
+                array = array.copy()
         pending[(fid, crank)] = array
         if held:
             self.bytes_received += len(payload)
@@ -296,7 +308,7 @@ class Assembler:
             return None
         del stream.pending[step]
         self._release((sim, step))
-        fields = self._join(pending, stream)
+        fields = self._join(step, pending, stream)
         self._check_pins(sim, step, fields)
         return Sample(sim, step, self.spec.parameters[sim], fields)
 
@@ -328,47 +340,50 @@ class Assembler:
             raise ProtocolError(f"{where}: {header.payload_bytes} bytes for {dtype}{list(shape)}", "malformed")
         return where, stream, (dtype, shape)
 
-    def _gather(
-        self, stream: _Stream, header: Header, payload: bytes | memoryview, where: str, block: Block | None
+    def _part(
+        self, stream: _Stream, header: Header, values: np.ndarray, where: str, block: Block | None
     ) -> np.ndarray | None:
-        """Copy one part of a slice into place (its bytes in the order the client sent them); the slice once its
-        last part is in."""
+        """Write one part of a piece where it belongs, in the order the client sent its values: into the slice's
+        own array, or a block's straight into its region of the field's global array (made at the step's first
+        piece of the field). The piece once its last part is in."""
         sim, step, key = header.simulation_id, header.time_step, (header.time_step, header.field_id, header.client_rank)
         piece = stream.parts.get(key)
         if piece is None:
-            array = np.empty(header.shape, header.dtype, order="F" if block and block.order == "F" else "C")
-            piece = stream.parts[key] = _Parts(array, set(parts(header.payload_bytes)))
-            self._hold((sim, step), piece.array.nbytes)
+            if stream.placed(block):
+                assert block is not None
+                whole, made = stream.wholes.get(key[:2]), 0
+                if whole is None:
+                    whole = stream.wholes[key[:2]] = np.empty(block.global_shape, header.dtype)
+                    made = whole.nbytes
+                target = destination(whole, block, header.shape)
+            else:
+                target = np.empty(header.shape, header.dtype)
+                made = target.nbytes
+            piece = stream.parts[key] = _Parts(target, set(parts(header.payload_bytes)))
+            self._hold((sim, step), made)
             if (sim, step) not in self._partial:
                 return None  # alone over the budget: evicted at once, and counted
         if header.offset not in piece.missing:
             raise ProtocolError(f"{where}: the part at offset {header.offset} is already pending", "duplicate")
-        octets = piece.array.ravel(order="K").view(np.uint8)  # a view, in memory order
-        octets[header.offset : header.offset + len(payload)] = np.frombuffer(payload, np.uint8)
+        write_flat(piece.array, header.offset // values.itemsize, values)
         piece.missing.discard(header.offset)
-        self.bytes_received += len(payload)
+        self.bytes_received += values.nbytes
         if piece.missing:
             return None
-        del stream.parts[key]  # refused by the caller if not finite: its bytes stay counted with the step
+        del stream.parts[key]
         return piece.array
 
-    def _join(self, pending: Mapping[tuple[int, int], np.ndarray], stream: _Stream) -> dict[str, np.ndarray]:
-        """Each field whole: its client ranks' blocks placed in the global array, or their slices stacked on axis
-        0 in rank order (one rank's slice or block as it came, in C order)."""
+    def _join(self, step: int, pending: Mapping[tuple[int, int], np.ndarray], stream: _Stream) -> dict[str, np.ndarray]:
+        """Each field whole: the global array its blocks were written into, or its client ranks' slices stacked on
+        axis 0 in rank order (one rank's slice as it came)."""
         size, fields = stream.client_size, {}
         for fid, name in enumerate(self.spec.fields):
-            pieces = [pending[(fid, r)] for r in range(size)]
-            blocks = [stream.blocks[r][fid] for r in range(size)]
-            if blocks[0] is None:
-                fields[name] = pieces[0] if size == 1 else np.concatenate(pieces)
-            elif size == 1 and pieces[0].shape == blocks[0].global_shape:
-                fields[name] = np.ascontiguousarray(pieces[0])
-            else:
-                whole = np.empty(blocks[0].global_shape, pieces[0].dtype)
-                for block, piece in zip(blocks, pieces):
-                    assert block is not None  # every rank's or none (``joined``)
-                    place(whole, block, piece)
+            whole = stream.wholes.pop((step, fid), None)
+            if whole is not None:
                 fields[name] = whole
+            else:
+                pieces = [pending[(fid, r)] for r in range(size)]
+                fields[name] = pieces[0] if size == 1 else np.concatenate(pieces)
         return fields
 
     def _check_pins(self, sim: int, step: int, fields: dict[str, np.ndarray]) -> None:
@@ -409,6 +424,7 @@ class Assembler:
             self._release((sim, step))
         stream.pending.clear()
         stream.parts.clear()
+        stream.wholes.clear()
 
     def _drop(self, sim: int) -> None:
         """Forget a simulation's stream and free its pending pieces."""

@@ -15,8 +15,10 @@ The blocks of one field must tile its global shape: every rank declares a
 block (or every rank none), all of one global shape, each inside it, no two
 overlapping, and together covering it. The handshake refuses anything else
 (:func:`check_tiling`), naming the ranks and the region, and so does each
-server rank for the declarations it receives. Placing a block is one strided
-copy into the global array (:func:`place`).
+server rank for the declarations it receives. A block's values, in parts as
+they come, are written straight into the field's global array (its
+:func:`destination`, :func:`write_flat`): one strided copy per part, no copy
+of the block of its own.
 """
 
 from __future__ import annotations
@@ -189,13 +191,34 @@ def joined(where: str, declared: Mapping[int, Declared], client_size: int, new: 
     return dtype, (sum(declared[r][0][1][0] for r in ranks), *shape[1:]) if client_size > 1 else shape
 
 
-def block_array(payload: Any, dtype: str, shape: tuple[int, ...], block: Block | None) -> np.ndarray:
-    """A received block's values in its declared axis order (a view of ``payload``)."""
-    order = block.order if block is not None else "C"
-    return np.frombuffer(payload, dtype=dtype).reshape(shape, order=order)  # type: ignore[call-overload]
+def destination(whole: np.ndarray, block: Block, shape: tuple[int, ...]) -> np.ndarray:
+    """The view of the global array that a block of ``shape`` fills, its axes in the order its values are sent
+    (reversed for a column-major block), so that the values fill it in C order."""
+    view = whole[tuple(slice(s, s + n) for s, n in zip(block.start, shape))]
+    return view.T if block.order == "F" else view
 
 
-def place(whole: np.ndarray, block: Block, array: np.ndarray) -> None:
-    """Copy a rank's block into the global array."""
-    if array.size:
-        whole[tuple(slice(s, s + n) for s, n in zip(block.start, array.shape))] = array
+def write_flat(target: np.ndarray, first: int, values: np.ndarray) -> None:
+    """Copy ``values`` into ``target`` (a view, strided in any way) from its element ``first`` on, in C order.
+
+    A part of a block is a run of its elements that may start and end inside a row: it is cut, axis by axis,
+    into a partial row at each end and a box of whole rows between them, so that it costs a few strided copies
+    (at most two per axis) straight into the global array, not a copy of the block and another to place it."""
+    if not values.size:
+        return
+    if target.ndim == 1 or target.flags.c_contiguous:
+        target.reshape(-1)[first : first + values.size] = values  # a view: 1-D, or contiguous
+        return
+    inner = math.prod(target.shape[1:])
+    row, skip = divmod(first, inner)
+    done = 0
+    if skip:
+        done = min(inner - skip, values.size)
+        write_flat(target[row], skip, values[:done])
+        row += 1
+    rows = (values.size - done) // inner
+    if rows:
+        target[row : row + rows] = values[done : done + rows * inner].reshape(rows, *target.shape[1:])
+        done, row = done + rows * inner, row + rows
+    if done < values.size:
+        write_flat(target[row], 0, values[done:])

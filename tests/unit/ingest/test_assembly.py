@@ -513,7 +513,9 @@ def test_parts_out_of_place_are_refused_and_the_slice_still_completes() -> None:
     assert_fields(assembler.handle(last), arrays)
 
 
-def test_a_slice_in_parts_is_checked_for_non_finite_values_once_whole() -> None:
+def test_a_slice_in_parts_is_refused_at_its_non_finite_part_and_may_be_sent_again() -> None:
+    """Each part is checked as it comes, before it is written: the refused slice is forgotten, and sent again it
+    starts afresh."""
     assembler = Assembler(make_spec(max_message_bytes=8 * PART_BYTES))
     sender = Sender(0)
     assembler.handle(sender.declare(PARTED_LAYOUTS))
@@ -678,3 +680,23 @@ def test_a_client_rank_that_declares_other_blocks_drops_the_pieces_held_under_th
     assert assembler.handle(sender.data(0, "u", np.arange(2, dtype=np.float32))) is None
     sample = assembler.handle(sender.data(0, "v", np.ones(2, dtype=np.float32)))
     assert_fields(sample, {"u": np.arange(2, dtype=np.float32), "v": np.ones(2, dtype=np.float32)})
+
+
+def test_a_field_in_blocks_counts_its_global_array_from_its_first_piece_and_is_evicted_whole() -> None:
+    """Blocks are written straight into the field's global array, made at the step's first piece: the budget
+    counts all of it from then on, and an evicted step frees it."""
+    rejections = RejectionLog()
+    assembler = Assembler(make_spec(fields=("u",), parameters=np.zeros((1, 1)), max_partial_bytes=100), rejections)
+    senders = [Sender(0, rank, size=2) for rank in range(2)]
+    for rank, sender in enumerate(senders):
+        block = Block((0, 3 * rank), (4, 6))
+        assembler.handle(sender.control(Kind.DECLARE, block_declaration({"u": ("float32", (4, 3), block)})))
+    wholes = {step: np.arange(24, dtype=np.float32).reshape(4, 6) + 100 * step for step in (0, 1)}
+    assert assembler.handle(senders[0].data(0, "u", wholes[0][:, :3])) is None
+    assert assembler.partial_bytes == 96  # the whole 4x6 field, from rank 0's 4x3 block
+    assert assembler.handle(senders[0].data(1, "u", wholes[1][:, :3])) is None  # step 0 goes
+    assert assembler.partial_bytes == 96 and rejections.counts() == {"incomplete": 1}
+    sample = assembler.handle(senders[1].data(1, "u", wholes[1][:, 3:]))
+    assert sample is not None and sample.time_step == 1
+    np.testing.assert_array_equal(sample.fields["u"], wholes[1])
+    assert assembler.partial_bytes == 0

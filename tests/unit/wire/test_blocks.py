@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from melissa_dl.errors import ClientError, ProtocolError
-from melissa_dl.wire.blocks import Block, block_array, check_tiling, joined, parse_block, place
+from melissa_dl.wire.blocks import Block, check_tiling, destination, joined, parse_block, write_flat
 from melissa_dl.wire.client import _block
 
 pytestmark = pytest.mark.timeout(60)
@@ -123,14 +123,31 @@ def test_a_fortran_block_is_read_column_major_and_placed_in_the_codes_axis_order
     memory, column-major; the field keeps the code's axis order, field[i, j] == p(i + 1, j + 1)."""
     whole = np.arange(20.0).reshape(5, 4)  # what the code's global p holds, p(i + 1, j + 1) = whole[i, j]
     block = Block((1, 0), (5, 4), order="F")
-    memory = np.asfortranarray(whole[1:4, 0:2]).ravel(order="K").tobytes()  # column-major, as Fortran sends it
-    array = block_array(memory, "float64", (3, 2), block)
-    np.testing.assert_array_equal(array, whole[1:4, 0:2])
-    assert np.shares_memory(array, np.frombuffer(memory, np.uint8))  # a view, no copy
+    memory = np.asfortranarray(whole[1:4, 0:2]).ravel(order="K")  # column-major, as Fortran sends it
     assembled = np.zeros((5, 4))
-    place(assembled, block, array)
+    write_flat(destination(assembled, block, (3, 2)), 0, memory)
     np.testing.assert_array_equal(assembled[1:4, 0:2], whole[1:4, 0:2])
+    assert assembled.sum() == whole[1:4, 0:2].sum()  # nothing written outside the block
     assert parse_block(WHERE, ["float64", [3, 2], block.to_json()], (3, 2)) == block
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_a_blocks_values_written_in_parts_of_any_size_land_where_one_copy_would_put_them(order: str) -> None:
+    """Parts start and end inside rows, planes, or span several: each is cut into a few strided copies straight
+    into the global array, and together they put every value where placing the whole block puts it."""
+    rng = np.random.default_rng(7)
+    start, shape, whole_shape = (1, 2, 3), (4, 5, 6), (7, 9, 11)
+    block = Block(start, whole_shape, order=order)
+    values = rng.random(shape)
+    memory = (np.asfortranarray(values) if order == "F" else values).ravel(order="K")
+    expected = np.zeros(whole_shape)
+    expected[1:5, 2:7, 3:9] = values
+    for part in (1, 5, 6, 7, 29, 30, 31, 119, 120):
+        assembled = np.zeros(whole_shape)
+        target = destination(assembled, block, shape)
+        for first in range(0, memory.size, part):
+            write_flat(target, first, memory[first : first + part])
+        np.testing.assert_array_equal(assembled, expected, err_msg=f"parts of {part} elements")
 
 
 def test_a_new_ranks_block_is_checked_against_the_others_only() -> None:
