@@ -174,9 +174,10 @@ def after_data(reports: Sequence[ReceiverReport]) -> dict[str, Any] | None:
 def _after_data(state: str, passes: dict[str, Any] | None) -> str:
     """What training does once the data has ended, and at the end why it ended."""
     if state == "running":
-        return (
-            "" if passes is None else f", after the data: pass {min(passes['passes_done']) + 1} of {passes['passes']}"
-        )
+        if passes is None:
+            return ""
+        under_way = min(min(passes["passes_done"]) + 1, passes["passes"])  # every rank done: the last, ending
+        return f", after the data: pass {under_way} of {passes['passes']}"
     if state != "finished":
         return ""
     if passes is None:

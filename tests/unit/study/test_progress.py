@@ -82,6 +82,11 @@ def test_passes_after_the_data_are_shown_as_the_slowest_rank_is_and_said_at_the_
     board.update(start + 2.0, study(4, 0, 0), ranks, 80, {"batches": 20, "loss": 0.5, "validation_loss": None})
     assert json.loads((tmp_path / STATUS).read_text())["training"]["after_data"] == {"passes": 5, "passes_done": [2, 1]}
     assert "training 20 batches, 10.0 batch/s, loss 0.5, after the data: pass 2 of 5" in show_status(tmp_path)
+    every_rank_done = [ReceiverReport(samples=10, passes=(5, 5))] * 2  # the moment before training ends
+    board.update(
+        start + 4.0, study(4, 0, 0), every_rank_done, 80, {"batches": 25, "loss": 0.4, "validation_loss": None}
+    )
+    assert "after the data: pass 5 of 5" in show_status(tmp_path)
     ranks = [ReceiverReport(samples=10, passes=(5, 5)), ReceiverReport(samples=10, passes=(4, 5))]
     board.finish(study(4, 0, 0), ranks, 100, {"batches": 25, "loss": 0.4, "validation_loss": None})
     assert (
