@@ -38,7 +38,9 @@ run).
 With ``--device cuda`` every tensor of both sides lives on the GPU, the
 timers wait for the GPU, the RESULT names end in ``_cuda``, the bound is the
 GPU's own copy bandwidth, and there is no FBGEMM baseline (its CPU build
-only) nor breakdown (the GPU takes the torch path: ``torch_step``).
+only) nor breakdown (the GPU runs the Triton kernels of
+``melissa_dl.embeddings.gpu_loops``, or torch's ops where Triton is missing, as
+the first line says). ``step_us`` is our side's time per batch (lookup and step).
 
     python bench/sparse_optim.py [--rows 1000000] [--dim 64] [--batch 4096] [--batches 60] [--repeat 7] [--threads 1]
                                  [--device cpu|cuda]
@@ -55,7 +57,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from melissa_dl.embeddings import row_kernels
+from melissa_dl.embeddings import gpu_kernels, row_kernels
 from melissa_dl.embeddings.sparse_optim import SparseOptimizer, make_sparse_optimizer
 
 OPTIMIZERS = ("sgd", "adagrad", "rowadagrad", "adam")
@@ -211,6 +213,9 @@ def main() -> None:
         )
     )
     suffix = "_cuda" if cuda else ""
+    if cuda:
+        kernels = "Triton kernels" if opts["sgd"]._on_gpu and gpu_kernels.load() else "torch's ops (no Triton)"
+        print(f"sparse step on the GPU: {kernels}")
 
     results: list[str] = []
     for d, dist in enumerate(("uniform", "zipf")):
@@ -255,7 +260,8 @@ def main() -> None:
             )
             results.append(
                 f"RESULT sparse_{name}_{dist}{suffix} ratio={ratio:.2f} target={TARGETS.get(name, '-')} "
-                f"rows_per_s={rate:.0f} baseline_rows_per_s={base_rate:.0f} bound_share={rate / bound:.3f}"
+                f"rows_per_s={rate:.0f} baseline_rows_per_s={base_rate:.0f} bound_share={rate / bound:.3f} "
+                f"step_us={statistics.median(ours_t[name]) / len(ids) * 1e6:.1f}"
             )
     print("\n".join(results))
 

@@ -4,12 +4,19 @@ class the ``clock`` fixture returns is in ``clocks.py``)."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from clocks import Clock
+
+if not Path("/dev/nvidiactl").exists():
+    # no GPU: the GPU kernels' tests run Triton's interpreter on CPU tensors, which must be on before triton is
+    # first imported (its own library functions are made at import, interpreted or compiled)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -6,7 +6,10 @@ gradient per occurrence of an id. Gradients of an id that appears several times 
 **summed** before its row is updated (as autograd, torch, PBG and FBGEMM do),
 never averaged: the update is non-linear, so duplicates must be merged first.
 
-On CPU the update is bound by random row access, not arithmetic. Where it
+On a CUDA shard, where Triton is installed, each optimizer's step is two
+Triton kernels over the ids sorted on the device (:mod:`melissa_dl.embeddings.gpu_kernels`):
+each row's gradients summed in float32 and the row and its state updated in
+one pass, with no host wait. On CPU the update is bound by random row access, not arithmetic. Where it
 can (a CPU float32/float64 shard, numba installed), each optimizer runs one
 compiled pass (:mod:`melissa_dl.embeddings.row_loops`) over the ids sorted with their
 positions: it sums a repeated id's gradients as it reaches them and updates
@@ -28,8 +31,9 @@ eager, after 32 s of compilation.
 
 A new optimizer is a subclass with ``name`` and ``_update`` (torch ops
 alone), in a file of its own, plus one line in ``SPARSE_OPTIMIZERS``; a
-compiled loop (``_fused``) is an optional fast path, which a test holds to
-the torch path.
+compiled loop (``_fused``) and a GPU kernel (``_gpu_fused``) are optional fast
+paths, which tests hold to the torch path. A 16-bit table keeps its state in
+float32 (``state_dtype``), and every path sums its gradients in float32.
 """
 
 from __future__ import annotations
@@ -37,16 +41,25 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from melissa_dl.config.registry import load
-from melissa_dl.embeddings import row_kernels
+from melissa_dl.embeddings import gpu_kernels, row_kernels
 from melissa_dl.errors import ConfigError
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def state_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype of an optimizer's state and of the summed gradients: float32 for a 16-bit table (a bfloat16
+    accumulator stops growing), else the table's."""
+    return torch.float32 if weight.element_size() < 4 else weight.dtype
 
 
 def _scatter(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
@@ -70,6 +83,7 @@ class SparseOptimizer(ABC):
         self.weight: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self._compiled = False  # whether the shard and its state fit the compiled loops
+        self._on_gpu = False  # whether they fit the GPU kernels
 
     def bind(self, weight: torch.Tensor) -> None:
         """Attach the shard and allocate its state (zeros: pages are only touched when used)."""
@@ -80,15 +94,17 @@ class SparseOptimizer(ABC):
         self.state = self._new_state(weight)
         # the loops load at the first step
         self._compiled = self.has_fused_loop() and row_kernels.fits(weight, *self.state.values())
+        self._on_gpu = self.has_gpu_loop() and gpu_kernels.fits(weight, *self.state.values())
 
     def _new_state(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state tensors of a freshly bound shard (none by default)."""
         return {}
 
-    def step(self, ids: torch.Tensor, grads: torch.Tensor) -> int:
+    def step(self, ids: torch.Tensor, grads: torch.Tensor) -> int | torch.Tensor:
         """Apply one update to the rows ``ids`` (1-D int64, repeats allowed) from their gradients ``grads``
         (``[len(ids), dim]``): the gradients of a repeated id are summed, then each distinct row is updated
-        once. Returns how many rows were updated."""
+        once. Returns how many rows were updated (from the GPU kernels a 0-d tensor on the device, so that the
+        step does not wait for it; they skip an id outside the shard, which the torch path refuses)."""
         weight = self.weight
         assert weight is not None, "bind() before step()"
         assert ids.dtype == torch.int64 and ids.dim() == 1, "ids: 1-D int64"
@@ -98,6 +114,8 @@ class SparseOptimizer(ABC):
         if not ids.numel():
             return 0
         ids, grads = ids.contiguous(), grads.detach().contiguous()
+        if self._on_gpu and (loops := gpu_kernels.load()) is not None:
+            return self._gpu_fused(loops, ids, grads)
         kernels = row_kernels.load() if self._compiled else None
         # the compiled loops do not check their indices: rows outside the shard get no keys, and the torch path
         # refuses them
@@ -112,7 +130,9 @@ class SparseOptimizer(ABC):
         low, high = rows[[0, -1]].tolist()  # one wait for a GPU, not two
         if low < 0 or high >= len(weight):
             raise IndexError(f"{self.name}: rows {low}..{high} outside the {len(weight)} of the shard")
-        self._update(weight, rows, grads.new_zeros((len(rows), grads.shape[1])).index_add_(0, inverse, grads))
+        dtype = state_dtype(weight)
+        summed = grads.new_zeros((len(rows), grads.shape[1]), dtype=dtype).index_add_(0, inverse, grads.to(dtype))
+        self._update(weight, rows, summed)
         return len(rows)
 
     @abstractmethod
@@ -130,6 +150,16 @@ class SparseOptimizer(ABC):
     def has_fused_loop(cls) -> bool:
         """Whether the class has its own compiled loop (``_fused``)."""
         return cls._fused is not SparseOptimizer._fused
+
+    def _gpu_fused(self, loops: ModuleType, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        """Optional fast path on the GPU: the same update by ``gpu_loops.step``; the rows it updated, on the
+        device. An optimizer without one takes ``_update`` there."""
+        raise NotImplementedError(f"{self.name} has no GPU kernel")  # not reached: see has_gpu_loop
+
+    @classmethod
+    def has_gpu_loop(cls) -> bool:
+        """Whether the class has its own GPU kernel (``_gpu_fused``)."""
+        return cls._gpu_fused is not SparseOptimizer._gpu_fused
 
     def _arrays(self) -> list[np.ndarray]:
         """Numpy views of the shard and its state, made at each step: ``share_memory_()`` moves a tensor's memory
@@ -175,6 +205,10 @@ class SGD(SparseOptimizer):
         (weight,) = self._arrays()
         return kernels.sgd(weight, keys, grads, self.lr)
 
+    def _gpu_fused(self, loops: ModuleType, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None
+        return loops.step(loops.SGD, self.weight, None, ids, grads, self.lr)
+
 
 class Adagrad(SparseOptimizer):
     """Per-element Adagrad, as ``torch.optim.Adagrad`` with sparse gradients.
@@ -193,7 +227,7 @@ class Adagrad(SparseOptimizer):
         self.eps = float(eps)
 
     def _new_state(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"sum": torch.zeros_like(weight)}
+        return {"sum": torch.zeros_like(weight, dtype=state_dtype(weight))}
 
     def _update(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> None:
         acc = self.state["sum"].index_select(0, rows)
@@ -209,6 +243,10 @@ class Adagrad(SparseOptimizer):
         weight, total = self._arrays()
         return kernels.adagrad(weight, total, keys, grads, self.lr, self.eps)
 
+    def _gpu_fused(self, loops: ModuleType, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None
+        return loops.step(loops.ADAGRAD, self.weight, self.state["sum"], ids, grads, self.lr, self.eps)
+
 
 class RowAdagrad(Adagrad):
     """Adagrad with one accumulator per row, as in PyTorch-BigGraph.
@@ -221,7 +259,7 @@ class RowAdagrad(Adagrad):
     name = "rowadagrad"  # shares Adagrad's hyperparameters, not its state or update
 
     def _new_state(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"sum": weight.new_zeros(weight.shape[0])}
+        return {"sum": weight.new_zeros(weight.shape[0], dtype=state_dtype(weight))}
 
     def _update(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> None:
         acc = self.state["sum"].index_select(0, rows)
@@ -236,6 +274,10 @@ class RowAdagrad(Adagrad):
     def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
         weight, total = self._arrays()
         return kernels.row_adagrad(weight, total, keys, grads, self.lr, self.eps)
+
+    def _gpu_fused(self, loops: ModuleType, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None
+        return loops.step(loops.ROW_ADAGRAD, self.weight, self.state["sum"], ids, grads, self.lr, self.eps)
 
 
 class Adam(SparseOptimizer):
@@ -263,7 +305,7 @@ class Adam(SparseOptimizer):
         self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
 
     def _new_state(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"moments": weight.new_zeros(weight.shape[0], 2, weight.shape[1])}
+        return {"moments": weight.new_zeros(weight.shape[0], 2, weight.shape[1], dtype=state_dtype(weight))}
 
     def _update(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> None:
         moments = self.state["moments"].index_select(0, rows)
@@ -279,6 +321,11 @@ class Adam(SparseOptimizer):
     def _fused(self, kernels: row_kernels.Kernels, keys: row_kernels.SortedKeys, grads: np.ndarray) -> int:
         weight, moments = self._arrays()
         return kernels.adam(weight, moments, keys, grads, self.beta1, self.beta2, self._step_size(), self.eps)
+
+    def _gpu_fused(self, loops: ModuleType, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None
+        moments, size = self.state["moments"], self._step_size()
+        return loops.step(loops.ADAM, self.weight, moments, ids, grads, size, self.eps, self.beta1, self.beta2)
 
     def _step_size(self) -> float:
         """The learning rate with both moments' bias corrections at step ``t``."""

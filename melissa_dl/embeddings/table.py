@@ -235,8 +235,9 @@ class ShardedEmbedding(nn.Module):
         self._lookups.append(lookup)
         return _Gather.apply(self._anchor, rows, index, lookup)
 
-    def apply_gradients(self) -> int:
-        """Update the rows of every lookup since the last call from their gradients; rows updated here.
+    def apply_gradients(self) -> int | torch.Tensor:
+        """Update the rows of every lookup since the last call from their gradients; rows updated here (on the
+        device from the GPU kernels).
 
         A lookup whose output got no gradient counts as a zero gradient (its
         collectives still run). With no lookup at all (on every rank) nothing

@@ -187,7 +187,7 @@ class Trainer:
         self.validation_set: list[Any] = []  # this rank's share of the held-out samples, from begin()
         self.dense = Dense(self)
         self.summary = TrainingSummary()
-        self.rows_updated = 0  # embedding rows this rank updated since the last TensorBoard point
+        self.rows_updated: int | torch.Tensor = 0  # embedding rows this rank updated since the last TensorBoard point
         self.last_loss: float | None = None  # this rank's training loss at the last TensorBoard point
         self._last_log = (time.monotonic(), 0)  # time, batches
         self.losses = LossLog() if learning else None  # per sample, for a sampler that learns
@@ -277,7 +277,7 @@ class Trainer:
             "memory/rss_mb": rss_megabytes(),
         }
         if self.tables:
-            values["embeddings/rows_updated"] = self.rows_updated
+            values["embeddings/rows_updated"] = int(self.rows_updated)  # a GPU kernel's count is read here only
         self.metrics.point(step, values)
         self.rows_updated = 0
         self.last_loss = loss
