@@ -51,7 +51,7 @@ demo: install $(if $(filter-out python,$(SOLVER)),native)
 # (failed under CI=true).
 test: install-test lint
 	-scripts/system-packages install native slurm
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(if $(ALONE),-m "not alone") tests/unit tests/integration
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30 $(if $(ALONE),-m "not alone") tests/unit tests/integration
 	$(if $(ALONE),$(BIN)/python -m pytest -m alone tests/integration)
 	$(BIN)/mpirun -n 1 $(BIN)/python -m pytest tests/mpi
 	$(BIN)/mpirun -n 2 $(BIN)/python -m pytest tests/mpi
