@@ -246,7 +246,7 @@ class Assembler:
                 raise ProtocolError(f"simulation {sim}: field '{name}' not declared", "unknown_field")
             where = f"simulation {sim}, field '{name}'"
             layouts[fid] = check_layout(where, decl, self.spec.max_message_bytes)
-            blocks[fid] = parse_block(where, decl, layouts[fid][1])
+            blocks[fid] = parse_block(where, decl, layouts[fid][1], self.spec.max_partial_bytes)
             if self.spec.reject_non_finite:
                 prepare(*layouts[fid])
         unknown = set(fields) - set(self.spec.fields)
@@ -283,7 +283,7 @@ class Assembler:
             return None
         values = np.frombuffer(payload, dtype=dtype)
         if self.spec.reject_non_finite and values.dtype.kind == "f" and not all_finite(values):
-            stream.parts.pop((step, fid, crank), None)  # the slice, sent again, starts afresh
+            self._forget_piece(sim, stream, (step, fid, crank))  # the slice, sent again, starts afresh
             raise ProtocolError(f"{where}: NaN or infinite values", "non_finite")  # one would poison the model
         pending = stream.pending.setdefault(step, {})
         if (fid, crank) in pending:
@@ -417,6 +417,15 @@ class Assembler:
 
     def _release(self, key: tuple[int, int]) -> None:
         self.partial_bytes -= self._partial.pop(key, 0)
+
+    def _forget_piece(self, sim: int, stream: _Stream, key: tuple[int, int, int]) -> None:
+        """Drop the piece of ``sim`` still arriving in parts at ``key`` (step, field, client rank), and the bytes
+        its own array counts (a block's region of its field's global array has none of its own)."""
+        step, fid, crank = key
+        piece = stream.parts.pop(key, None)
+        if piece is not None and not stream.placed(stream.blocks[crank][fid]):
+            self._partial[(sim, step)] -= piece.array.nbytes
+            self.partial_bytes -= piece.array.nbytes
 
     def _forget_pieces(self, sim: int, stream: _Stream) -> None:
         """Free the pieces of ``sim``'s incomplete steps (every step with a part has its ``pending`` entry)."""

@@ -88,6 +88,7 @@ class HandshakeServer(ServerSocketThread):
         bind_simulation: bool,
         max_message_bytes: int,
         bind_address: str,
+        max_partial_bytes: int = 1 << 28,
         client_size: int = 1,
         layouts: dict[str, Layout] | None = None,
         port: int = 0,
@@ -105,6 +106,7 @@ class HandshakeServer(ServerSocketThread):
         self._fields = list(fields)
         self._simulations = simulations
         self._max_message_bytes = max_message_bytes
+        self._max_partial_bytes = max_partial_bytes
         self._accept = {
             "ok": True,
             "endpoints": [data for data, _ in endpoints],
@@ -143,6 +145,7 @@ class HandshakeServer(ServerSocketThread):
             bind_simulation=server.bind_simulation_to_server_rank,
             max_message_bytes=server.max_message_bytes,
             bind_address=bind_address,
+            max_partial_bytes=server.max_partial_bytes,
             client_size=launcher.client_ranks,
             layouts=study.field_layouts,
             port=server.handshake_port,
@@ -264,7 +267,8 @@ class HandshakeServer(ServerSocketThread):
             if name not in fields:
                 raise ProtocolError(f"{where}: field '{name}' missing", "missing_field")
             layout = check_layout(f"{where}, field '{name}'", fields[name], self._max_message_bytes)
-            slices[name] = (layout, parse_block(f"{where}, field '{name}'", fields[name], layout[1]))
+            block = parse_block(f"{where}, field '{name}'", fields[name], layout[1], self._max_partial_bytes)
+            slices[name] = (layout, block)
         with self._lock:
             ranks = self._admitted.setdefault(sim, {})
             nonces = self._nonces.setdefault(sim, {})

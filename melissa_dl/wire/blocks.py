@@ -33,7 +33,7 @@ import numpy as np
 
 from melissa_dl.config.limits import MAX_NDIM
 from melissa_dl.errors import ProtocolError
-from melissa_dl.wire.protocol import Layout, describe
+from melissa_dl.wire.protocol import Layout, describe, payload_bytes
 
 ORDERS = ("C", "F")
 CORNERS_SEARCHED = 100_000  # candidate corners examined to name a gap; beyond, the gap is only counted
@@ -59,8 +59,10 @@ def region(start: Sequence[int], shape: Sequence[int]) -> str:
     return "[" + ", ".join(f"{s}:{s + n}" for s, n in zip(start, shape)) + "]"
 
 
-def parse_block(where: str, decl: Any, shape: tuple[int, ...]) -> Block | None:
-    """The block a field declaration ``[dtype, shape(, block)]`` gives (None: an axis-0 slice); ``where`` names it."""
+def parse_block(where: str, decl: Any, shape: tuple[int, ...], max_whole_bytes: int) -> Block | None:
+    """The block a field declaration ``[dtype, shape(, block)]`` gives (None: an axis-0 slice); ``where`` names it.
+    A step's global array is held whole until its last block is in, so it may not exceed ``max_whole_bytes``
+    (``server.max_partial_bytes``): a rank would otherwise allocate what one client's declaration asks."""
     if len(decl) == 2:
         return None
     extra = decl[2]
@@ -76,6 +78,13 @@ def parse_block(where: str, decl: Any, shape: tuple[int, ...]) -> Block | None:
     if not len(start) == len(whole) == len(shape):
         raise ProtocolError(
             f"{where}: block of {len(shape)} dimensions, start of {len(start)}, global shape of {len(whole)}", "shape"
+        )
+    size = payload_bytes(decl[0], tuple(whole))
+    if size > max_whole_bytes:
+        raise ProtocolError(
+            f"{where}: a global array of {size} bytes a step exceeds server.max_partial_bytes={max_whole_bytes} "
+            "(a step's blocks are assembled in it)",
+            "oversize",
         )
     return Block(tuple(start), tuple(whole), order)
 
@@ -194,7 +203,8 @@ def joined(where: str, declared: Mapping[int, Declared], client_size: int, new: 
 def destination(whole: np.ndarray, block: Block, shape: tuple[int, ...]) -> np.ndarray:
     """The view of the global array that a block of ``shape`` fills, its axes in the order its values are sent
     (reversed for a column-major block), so that the values fill it in C order."""
-    view = whole[tuple(slice(s, s + n) for s, n in zip(block.start, shape))]
+    region: tuple[Any, ...] = (..., *(slice(s, s + n) for s, n in zip(block.start, shape)))
+    view = whole[region]  # the Ellipsis: a view of a 0-d array too, not a copy of its value
     return view.T if block.order == "F" else view
 
 

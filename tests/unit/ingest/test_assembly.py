@@ -526,8 +526,10 @@ def test_a_slice_in_parts_is_refused_at_its_non_finite_part_and_may_be_sent_agai
     for frames in head:
         assert assembler.handle(frames) is None
     refused(assembler, last, "non_finite", "step 0, field 'u', client rank 0: NaN or infinite values")
+    assert assembler.partial_bytes == 0  # the refused slice's array is no longer held nor counted
     for frames in parts_of(sender, 0, "u", arrays["u"]):  # the same slice, finite: a fresh start
         assembler.handle(frames)
+    assert assembler.partial_bytes == u.nbytes
     assert_fields(assembler.handle(sender.data(0, "v", arrays["v"])), arrays)
 
 
@@ -700,3 +702,17 @@ def test_a_field_in_blocks_counts_its_global_array_from_its_first_piece_and_is_e
     assert sample is not None and sample.time_step == 1
     np.testing.assert_array_equal(sample.fields["u"], wholes[1])
     assert assembler.partial_bytes == 0
+
+
+def test_a_block_whose_global_array_exceeds_the_partial_budget_is_refused_at_its_declaration() -> None:
+    """One client rank's declaration must not make the rank allocate its global array: it is refused, in one line,
+    before any piece comes (the rank would otherwise fail on ``np.empty``)."""
+    assembler = Assembler(make_spec(fields=("u",), parameters=np.zeros((1, 1)), max_partial_bytes=1 << 20))
+    huge = block_declaration({"u": ("float64", (1, 1), Block((0, 0), (1 << 31, 1 << 31)))})
+    refused(
+        assembler,
+        Sender(0, 0, size=2).control(Kind.DECLARE, huge),
+        "oversize",
+        "simulation 0, field 'u': a global array of 36893488147419103232 bytes a step exceeds "
+        "server.max_partial_bytes=1048576",
+    )

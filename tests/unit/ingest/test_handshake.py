@@ -96,6 +96,11 @@ DETERMINISTIC: dict[str, tuple[dict[str, Any], str, str]] = {
     "missing field": (hello(fields={"u": GOOD["u"]}), "missing_field", "field 'v' missing"),
     "dtype outside the protocol": (hello(fields={**GOOD, "u": ["complex64", [4]]}), "dtype", "'complex64'"),
     "oversize": (hello(fields={**GOOD, "u": ["float32", [1 << 20]]}), "oversize", "4194304 bytes per step"),
+    "oversize global array": (
+        hello(fields={**GOOD, "u": ["float32", [4, 8], {"start": [0, 0], "global": [1 << 16, 1 << 16]}]}),
+        "oversize",
+        "field 'u': a global array of 17179869184 bytes a step exceeds server.max_partial_bytes=268435456",
+    ),
     "forgot comm=": (
         hello(client_size=2, client_rank=1),
         "client_size",

@@ -111,11 +111,15 @@ def test_a_gap_is_only_refused_once_every_rank_has_declared() -> None:
         (["float32", [2, 2], {"start": [0, 0], "global": [4, 4], "order": "X"}], "its order 'C' or 'F'"),
         (["float32", [2, 2], {"start": [0, 0], "global": [4, 4], "extra": 1}], "expected a block"),
         (["float32", [2, 2], [0, 0]], "expected a block"),
+        (  # a rank must not allocate what one client's declaration asks: 64 GiB here
+            ["float64", [1, 1], {"start": [0, 0], "global": [1 << 16, 1 << 17]}],
+            "a global array of 68719476736 bytes a step exceeds server.max_partial_bytes=268435456",
+        ),
     ],
 )
 def test_malformed_blocks_are_refused(decl: list[Any], message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
-        parse_block(WHERE, decl, tuple(decl[1]))
+        parse_block(WHERE, decl, tuple(decl[1]), 1 << 28)
 
 
 def test_a_fortran_block_is_read_column_major_and_placed_in_the_codes_axis_order() -> None:
@@ -128,7 +132,14 @@ def test_a_fortran_block_is_read_column_major_and_placed_in_the_codes_axis_order
     write_flat(destination(assembled, block, (3, 2)), 0, memory)
     np.testing.assert_array_equal(assembled[1:4, 0:2], whole[1:4, 0:2])
     assert assembled.sum() == whole[1:4, 0:2].sum()  # nothing written outside the block
-    assert parse_block(WHERE, ["float64", [3, 2], block.to_json()], (3, 2)) == block
+    assert parse_block(WHERE, ["float64", [3, 2], block.to_json()], (3, 2), 160) == block
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_a_zero_dimensional_block_is_written_into_its_array_not_a_copy(order: str) -> None:
+    assembled = np.zeros(())
+    write_flat(destination(assembled, Block((), (), order), ()), 0, np.array([2.5]))
+    assert assembled == 2.5
 
 
 @pytest.mark.parametrize("order", ["C", "F"])
