@@ -40,9 +40,10 @@ def test_a_thousand_idle_connections_under_a_low_descriptor_limit_are_refused_no
     if min(soft, hard) < 1400:
         pytest.skip(f"this test opens 1,100 connections; the open-file limit here is {soft}")
     port = free_port()
+    go = tmp_path / "go"  # the simulations' first step waits for it: the study outlasts the connections, at any load
     config = study_config(
         output,
-        [sys.executable, TOY_SIM, "--steps", "20", "--step-delay", "0.1"],
+        [sys.executable, TOY_SIM, "--steps", "20", "--step-delay", "0.1", "--go", str(go)],
         study={"time_steps": 20},
         server={"handshake_port": port},
     )
@@ -52,13 +53,14 @@ def test_a_thousand_idle_connections_under_a_low_descriptor_limit_are_refused_no
         command, env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        idle = connect_idle(port, 1100, time.monotonic() + 60)
+        idle = connect_idle(port, 1100, time.monotonic() + 90)  # under launcher.simulation_timeout (120 s)
+        go.touch()
         log, _ = server.communicate(timeout=120)
     finally:
         server.kill()
     for connection in idle:
         connection.close()
-    assert len(idle) == 1100
+    assert len(idle) == 1100, log[-3000:]
     assert server.returncode == 0, log
     report = json.loads((output / "report.json").read_text())
     assert report["samples_received"] == 80 and report["simulations"]["done"] == 4
