@@ -29,6 +29,7 @@ from mpi4py import MPI
 
 from launcher import Launcher, Sampler
 from melissa_dl.buffers.kinds import Buffer
+from melissa_dl.buffers.windows import Windowing
 from melissa_dl.checkpoint.manager import CheckpointManager
 from melissa_dl.checkpoint.recovery import (
     DENSE,
@@ -127,8 +128,10 @@ class Server:
             else None
         )
         passes = config.training.epochs_after_data if config.training is not None else None
-        self.buffer = Buffer.from_config(config.buffer, self.rank, passes)
-        spec = StreamSpec.from_config(config.server, study, self.parameters, self.token, self.rank, self.size)
+        window = config.training.window if config.training is not None else None
+        spec = StreamSpec.from_config(config.server, study, self.parameters, self.token, self.rank, self.size, window)
+        windowing = Windowing(window.length, window.stride, spec.route.owner, self.rank) if window else None
+        self.buffer = Buffer.from_config(config.buffer, self.rank, passes, windowing)
         self.bind_address, self.host = addresses(config.server.interface)
         self.receiver = Receiver.from_config(config.server, spec, self.buffer, self.bind_address, self.security)
         # the rank's TensorBoard writer (none without training), which the trainer, the study and the stream write
@@ -270,6 +273,7 @@ class Server:
             self.bind_address,
             self.security,
             next_work,
+            config.training.window if config.training is not None else None,
         )
         server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
         held_out = config.study.validation.count  # counted as the status lines and the report count them

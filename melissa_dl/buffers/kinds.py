@@ -44,8 +44,11 @@ from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+import numpy as np
+
 from melissa_dl.buffers.rows import Rows
 from melissa_dl.buffers.sample import Sample
+from melissa_dl.buffers.windows import Window, Windowing, WindowStore
 from melissa_dl.config.registry import BUFFERS, load
 from melissa_dl.errors import BufferClosed, ConfigError
 
@@ -53,11 +56,12 @@ if TYPE_CHECKING:
     from melissa_dl.config.sections import BufferConfig
 
 T = TypeVar("T")
+VICTIM_DRAWS = 8  # served windows a full Reservoir of windows compares before evicting one
 
 
 @dataclass(slots=True)
 class _Entry:
-    sample: Sample
+    sample: Sample | Window
     served: int = 0
     row: int = -1  # of its processed outputs, when the buffer keeps them (``keep_processed``)
     nbytes: int = field(init=False)  # the sample's, here so that freeing a batch does not visit the samples
@@ -85,6 +89,7 @@ class Buffer(ABC):
         pseudo_epochs: int = 1,
         passes_after_data: int | None = None,
         options: Any = None,
+        windowing: Windowing | None = None,
     ) -> None:
         self.options = options
         self.passes_after_data = passes_after_data
@@ -106,11 +111,15 @@ class Buffer(ABC):
         self._rows: Rows | None = None
         self._passes_left: int | None = None  # after the data, in passes: those not finished yet
         self._cursor = 0  # in passes: the next entry of this pass to serve
+        self._windows = WindowStore(windowing) if windowing is not None else None  # entries are its windows
 
     @staticmethod
-    def from_config(section: BufferConfig, rank: int, passes_after_data: int | None = None) -> Buffer:
+    def from_config(
+        section: BufferConfig, rank: int, passes_after_data: int | None = None, windowing: Windowing | None = None
+    ) -> Buffer:
         """Rank ``rank``'s buffer, of the kind the section chooses (each rank draws from its own seed), serving
-        what it holds ``passes_after_data`` times once the data has ended (None: its kind's drain)."""
+        what it holds ``passes_after_data`` times once the data has ended (None: its kind's drain), and windows of
+        steps as its samples with ``windowing``."""
         return make_buffer(
             section.kind,
             capacity_samples=section.capacity_samples,
@@ -120,6 +129,7 @@ class Buffer(ABC):
             pseudo_epochs=section.pseudo_epochs,
             passes_after_data=passes_after_data,
             options=section.options_of.get(section.kind),
+            windowing=windowing,
         )
 
     # ----------------------------------------------------------- public API
@@ -153,8 +163,13 @@ class Buffer(ABC):
             finally:
                 if blocked:
                     self._blocked.remove(nb)
-            self._insert(self._entry(sample, prepared if rows is self._rows else None))
-            self._nbytes += nb
+            if self._windows is not None:
+                for window in self._windows.add(sample):
+                    self._insert(_Entry(window))
+                self._nbytes = self._windows.nbytes
+            else:
+                self._insert(self._entry(sample, prepared if rows is self._rows else None))
+                self._nbytes += nb
             self._total_put += 1
             if on_insert is not None:
                 on_insert()
@@ -162,8 +177,8 @@ class Buffer(ABC):
                 self._cond.notify_all()
             return True
 
-    def get_batch(self, size: int, timeout: float | None = None) -> list[Sample] | None:
-        """Up to ``size`` distinct samples; [] at end of stream, None on timeout."""
+    def get_batch(self, size: int, timeout: float | None = None) -> list[Sample | Window] | None:
+        """Up to ``size`` distinct samples (with windows: ``Window``s); [] at end of stream, None on timeout."""
         return self._take(size, timeout, lambda entries: [e.sample for e in entries])
 
     def get_processed(self, size: int, timeout: float | None = None) -> tuple[Any, Any] | list[Any] | None:
@@ -180,6 +195,7 @@ class Buffer(ABC):
         with self._cond:
             self._rows = Rows(process, self._cap_samples or 64, pin_memory)
             for entry in self._entries:
+                assert isinstance(entry.sample, Sample), "a buffer of windows keeps no processed rows"
                 entry.row = self._rows.add(entry.sample, self._rows.prepare(entry.sample))
 
     def _take(self, size: int, timeout: float | None, form: Callable[[Sequence[_Entry]], T]) -> T | list[Any] | None:
@@ -208,6 +224,9 @@ class Buffer(ABC):
     def close(self) -> None:
         """Reception is over: wake every waiter so the buffer drains, or serves its passes after the data."""
         with self._cond:
+            if self._windows is not None:  # no window is made any more
+                self._windows.end_all()
+                self._nbytes = self._windows.nbytes
             if not self._closed and self._passes_left is None:  # else: passes a checkpoint resumed, reopened
                 self._on_close()
                 if self.passes_after_data is not None and self._entries:
@@ -216,6 +235,33 @@ class Buffer(ABC):
                     self._new_pass()
             self._closed = True
             self._cond.notify_all()
+
+    def end_simulation(self, simulation_id: int) -> None:
+        """The simulation ended (done or failed): with windows, its steps that no window holds leave."""
+        if self._windows is not None:
+            with self._cond:
+                self._windows.end(simulation_id)
+                self._nbytes = self._windows.nbytes
+                if self._blocked:
+                    self._cond.notify_all()
+
+    def lacks(self, simulation_id: int, steps: np.ndarray) -> np.ndarray:
+        """Which of ``steps`` (received on some rank) this rank must receive again: with windows, after a restart on
+        another number of ranks, those a window still to be made here spans and that it does not hold."""
+        if self._windows is None:
+            return np.zeros(len(steps), dtype=bool)
+        with self._cond:
+            return self._windows.lacks(simulation_id, steps)
+
+    @property
+    def windowed(self) -> bool:
+        """Its entries are windows of steps (``melissa_dl.buffers.windows``)."""
+        return self._windows is not None
+
+    @property
+    def held_steps(self) -> int:
+        """Steps held: with windows, each once however many windows span it."""
+        return self._held()
 
     @property
     def passes_done(self) -> int | None:
@@ -273,6 +319,7 @@ class Buffer(ABC):
             return {
                 "kind": self.kind,
                 "entries": [{**e.sample.state(), "served": e.served} for e in self._entries],
+                "windows": self._windows.state() if self._windows is not None else None,
                 "total_put": self._total_put,
                 "total_served": self._total_served,
                 "put_wait_seconds": self._put_wait,
@@ -291,11 +338,7 @@ class Buffer(ABC):
             self._entries = self._new_container()
             if self._rows is not None:
                 self._rows = Rows(self._rows.process, self._cap_samples or 64, self._rows.pin_memory)
-            for d in state["entries"]:
-                entry = self._entry(Sample.from_state(d))
-                entry.served = d["served"]
-                self._entries.append(entry)
-            self._nbytes = sum(e.sample.nbytes for e in self._entries)
+            self._load_entries(state)
             self._total_put = state["total_put"]
             self._total_served = state["total_served"]
             self._put_wait = state["put_wait_seconds"]
@@ -309,14 +352,37 @@ class Buffer(ABC):
                 self._after_load()
             self._cond.notify_all()
 
+    def _load_entries(self, state: dict[str, Any]) -> None:
+        """The entries of ``state``, in its order, and their bytes."""
+        if self._windows is not None:
+            starts = [(d["simulation_id"], d["time_step"]) for d in state["entries"]]
+            entries = [_Entry(window) for window in self._windows.load(state["windows"], starts)]
+            self._nbytes = self._windows.nbytes
+        else:
+            entries = [self._entry(Sample.from_state(d)) for d in state["entries"]]
+            self._nbytes = sum(e.sample.nbytes for e in entries)
+        for entry, d in zip(entries, state["entries"]):
+            entry.served = d["served"]
+            self._entries.append(entry)
+
     def load_resharded(self, olds: Sequence[dict[str, Any]], rank: int, size: int) -> None:
         """Rank ``rank`` of ``size``, from the buffers of a checkpoint of another number of ranks (``olds``, their
-        states), before the receiver starts (not atomic: nothing puts yet): an equal share of their samples,
-        never-served first, counted as put here. A kind with state of its own overrides this to share that state
-        as well."""
-        entries = [entry for old in olds for entry in old["entries"]][rank::size]
+        states), before the receiver starts (not atomic: nothing puts yet): an equal share of their samples
+        (windows: those whose start this rank owns now, with the steps they span and those of the windows still to
+        be made here), never-served first, counted as put here. A kind with state of its own overrides this to
+        share that state as well."""
+        windows = None
+        if self._windows is not None:
+            windows, entries = self._windows.resharded(olds)
+        else:
+            entries = [entry for old in olds for entry in old["entries"]][rank::size]
         entries.sort(key=lambda entry: entry["served"] > 0)
-        self.load_state_dict({**self.state_dict(), "entries": entries, "total_put": len(entries)})  # passes anew
+        state = {**self.state_dict(), "entries": entries, "windows": windows, "total_put": len(entries)}
+        self.load_state_dict(state)  # passes anew
+        if self._windows is not None:
+            with self._cond:
+                for window in self._windows.make_complete():
+                    self._insert(_Entry(window))
 
     # ------------------------------------------------------------ machinery
     def _block(self, deadline: float | None) -> float | None:
@@ -330,11 +396,18 @@ class Buffer(ABC):
             self._cond.wait(deadline - start)
         return time.monotonic() - start
 
+    def _held(self) -> int:
+        return self._windows.held if self._windows is not None else len(self._entries)
+
     def _fits(self, nb: int) -> bool:
-        n = len(self._entries)
+        """Room for ``nb`` bytes more; always, while it has nothing to serve (else reception would wait forever:
+        with windows, on steps that make no window yet)."""
+        if not self._entries:
+            return True
+        n = self._held()
         if self._cap_samples is not None and n >= self._cap_samples:
             return False
-        return self._cap_bytes is None or n == 0 or self._nbytes + nb <= self._cap_bytes
+        return self._cap_bytes is None or self._nbytes + nb <= self._cap_bytes
 
     def _servable(self, size: int) -> int | None:
         """How many entries a get of ``size`` takes now, or None while it must wait for more."""
@@ -411,7 +484,11 @@ class Buffer(ABC):
         return entry
 
     def _forget(self, entries: Sequence[_Entry]) -> None:
-        """Entries left: their bytes and rows are free again."""
+        """Entries left: their bytes and rows are free again (with windows: the steps no window needs any more)."""
+        if self._windows is not None:
+            self._windows.release([entry.sample for entry in entries])  # type: ignore[misc]
+            self._nbytes = self._windows.nbytes
+            return
         self._nbytes -= sum([entry.nbytes for entry in entries])
         if self._rows is not None:
             self._rows.release([entry.row for entry in entries])
@@ -530,7 +607,16 @@ class ReservoirBuffer(Buffer):
 
     def _make_room(self, nb: int) -> None:
         while not self._fits(nb) and self._n_fresh < len(self._entries):
-            self._forget([self._remove(self._rng.randrange(self._n_fresh, len(self._entries)))])
+            self._forget([self._remove(self._victim())])
+
+    def _victim(self) -> int:
+        """A served entry's place, at random; with windows, of a few drawn, the one whose leaving frees the most
+        steps (a window's steps leave only with the last window spanning them: a random window frees few)."""
+        if self._windows is None:
+            return self._rng.randrange(self._n_fresh, len(self._entries))
+        places = [self._rng.randrange(self._n_fresh, len(self._entries)) for _ in range(VICTIM_DRAWS)]
+        frees = self._windows.frees
+        return max(places, key=lambda i: frees(self._entries[i].sample))  # type: ignore[arg-type]
 
     def _after_load(self) -> None:
         """Open: never-served entries first (a checkpoint taken while draining has them anywhere). Closed:
@@ -552,6 +638,7 @@ def make_buffer(
     pseudo_epochs: int = 1,
     passes_after_data: int | None = None,
     options: Any = None,
+    windowing: Windowing | None = None,
 ) -> Buffer:
     """The buffer of kind ``kind`` (a name of the registry's ``BUFFERS``), its module loaded now."""
     found: type[Buffer] = load(BUFFERS, kind, "buffer.kind")
@@ -563,4 +650,5 @@ def make_buffer(
         pseudo_epochs=pseudo_epochs,
         passes_after_data=passes_after_data,
         options=options,
+        windowing=windowing,
     )

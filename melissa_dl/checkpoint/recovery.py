@@ -73,6 +73,7 @@ FIXED_KEYS = (
     "training.module",
     "training.class_name",
     "training.options",
+    "training.window",
 )
 
 # The parts a server checkpoints (file ``<name>.pt``): on every rank, and written by rank 0 only.

@@ -492,6 +492,47 @@ class LauncherConfig:
 
 
 @dataclass
+class WindowConfig:
+    inputs: int = option(minimum=1, doc="Consecutive steps a window gives the model as input.")
+    targets: int = option(1, minimum=0, doc="Consecutive steps after them, the window's targets.")
+    stride: int = option(1, minimum=1, doc="A window starts at every step whose number is a multiple of `stride`.")
+    block: int = option(
+        64,
+        minimum=1,
+        doc="Consecutive steps of a simulation routed to one server rank, in turn over the ranks; each rank also "
+        "receives the window's length less one steps after its block, so that every window starting in the block "
+        "is whole there. At least the window's length.",
+    )
+
+    @property
+    def length(self) -> int:
+        """Steps in one window: its inputs and its targets."""
+        return self.inputs + self.targets
+
+    @property
+    def routing(self) -> dict[str, int]:
+        """The routing of the steps (``wire.protocol.Route``'s ``block`` and ``overlap``) that keeps every window
+        on one rank."""
+        return {"block": self.block, "overlap": self.length - 1}
+
+    def check(self, config: Config) -> None:
+        _require(
+            self.block >= self.length, "training.window.block", f"{self.block} is shorter than a window ({self.length})"
+        )
+        steps = config.study.time_steps
+        _require(
+            steps is None or steps >= self.length,
+            "training.window",
+            f"a window of {self.length} steps is longer than the simulations (study.time_steps={steps})",
+        )
+        _require(
+            config.study.sampler != "adaptive",
+            "training.window",
+            "the adaptive sampler learns from each step's loss, and windows are trained, not steps",
+        )
+
+
+@dataclass
 class TrainingConfig:
     module: str = option(doc="Python file defining the TrainingModule, relative to the config file.")
     class_name: str = option(doc="Name of the TrainingModule subclass in that file.")
@@ -515,6 +556,11 @@ class TrainingConfig:
         doc="torch's intra- and inter-op threads per rank; null: the cores this rank may run on, less the simulation "
         "ranks the launcher may run at once on that host (`job_limit` x `client_ranks`, local schedulers only), "
         "shared with the other server ranks there (docs/how-to/tune-throughput.md#threads).",
+    )
+    window: WindowConfig | None = option(
+        None,
+        doc="Samples that are windows of consecutive steps of one simulation, stacked along a leading time axis, "
+        "for autoregressive surrogates (docs/how-to/windows.md); null: a sample is one step.",
     )
     epochs_after_data: int | None = option(
         None,

@@ -28,6 +28,7 @@ or from the first complete sample), so one odd simulation cannot break a batch.
 
 from __future__ import annotations
 
+import functools
 import hmac
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -46,10 +47,10 @@ from melissa_dl.wire.protocol import (
     Header,
     Kind,
     Layout,
+    Route,
     check_layout,
     decode_json,
     describe,
-    owner_rank,
     parts,
     payload_bytes,
     quote,
@@ -59,7 +60,7 @@ from melissa_dl.wire.protocol import (
 from melissa_dl.wire.rejections import RejectionLog
 
 if TYPE_CHECKING:
-    from melissa_dl.config.sections import ServerConfig, StudyConfig
+    from melissa_dl.config.sections import ServerConfig, StudyConfig, WindowConfig
 
 COPY_FROM = 1 << 16  # smaller payloads are copied out of ZeroMQ's shared receive chunks
 
@@ -80,10 +81,17 @@ class StreamSpec:
     max_partial_bytes: int = 1 << 28
     layouts: Mapping[str, Layout] | None = None  # pinned dtype and whole shape per field, if configured
     trained: int | None = None  # the simulations trained on; those after them (held out for validation) are not
+    block: int = 1  # consecutive steps routed to one rank (``Route``)
+    overlap: int = 0  # steps of the next run its rank also receives: with windows, a window's length less one
+    consecutive: bool = False  # windows of steps are trained: a simulation's steps must come in order, none skipped
 
     @property
     def simulations(self) -> int:
         return len(self.parameters)
+
+    @functools.cached_property
+    def route(self) -> Route:
+        return Route(self.server_size, self.bind_simulation, self.block, self.overlap)
 
     def held_out(self, simulation: int) -> bool:
         """Whether ``simulation`` is one of the held-out ones (``study.validation``): its samples are not trained on."""
@@ -96,9 +104,17 @@ class StreamSpec:
 
     @classmethod
     def from_config(
-        cls, server: ServerConfig, study: StudyConfig, parameters: np.ndarray, token: bytes, rank: int, size: int
+        cls,
+        server: ServerConfig,
+        study: StudyConfig,
+        parameters: np.ndarray,
+        token: bytes,
+        rank: int,
+        size: int,
+        window: WindowConfig | None = None,
     ) -> StreamSpec:
-        """Rank ``rank`` of ``size``'s view of the study the ``server`` and ``study`` sections describe."""
+        """Rank ``rank`` of ``size``'s view of the study the ``server`` and ``study`` sections describe, its steps
+        routed so that each ``window`` lies on one rank."""
         return cls(
             fields=study.field_names,
             parameters=parameters,
@@ -112,6 +128,8 @@ class StreamSpec:
             max_partial_bytes=server.max_partial_bytes,
             layouts=study.field_layouts,
             trained=study.simulations,
+            consecutive=window is not None,
+            **(window.routing if window is not None else {}),
         )
 
 
@@ -310,6 +328,8 @@ class Assembler:
         self._release((sim, step))
         fields = self._join(step, pending, stream)
         self._check_pins(sim, step, fields)
+        if self.spec.consecutive:
+            self._check_order(sim, step)
         return Sample(sim, step, self.spec.parameters[sim], fields)
 
     def _check_data(self, header: Header) -> tuple[str, _Stream, Layout]:
@@ -317,7 +337,7 @@ class Assembler:
         sim, step, crank, fid = header.simulation_id, header.time_step, header.client_rank, header.field_id
         spec = self.spec
         where = f"simulation {sim}, step {step}"
-        if owner_rank(sim, step, spec.server_size, spec.bind_simulation) != spec.server_rank:
+        if spec.server_rank not in spec.route.ranks(sim, step):
             raise ProtocolError(f"{where}: sent to rank {spec.server_rank}, not its owner", "routing")
         if spec.time_steps is not None and step >= spec.time_steps:
             raise ProtocolError(
@@ -396,6 +416,19 @@ class Assembler:
                     f"simulation {sim}, step {step}, field '{name}': {describe((layout[0].name, layout[1]))}, "
                     f"the study's samples are {describe((pinned[0].name, pinned[1]))}",
                     "shape",
+                )
+
+    def _check_order(self, sim: int, step: int) -> None:
+        """A window is consecutive steps: a step this rank holds must follow the one before it, when that one is
+        routed here too. (Steps of one connection arrive in the order they were sent, so only the simulation can
+        break it.)"""
+        last = self.ledger.last(sim)
+        if last is not None and step and self.spec.server_rank in self.spec.route.ranks(sim, step - 1):
+            if last != step - 1:
+                raise ProtocolError(
+                    f"simulation {sim}, step {step}: sent after step {last}; windows of steps (training.window) need "
+                    "every step, in order",
+                    "order",
                 )
 
     # -- memory held for incomplete steps and replaced attempts ---------------

@@ -6,8 +6,9 @@ A client rank sends one JSON object::
      "client_size": 2, "fields": {"temperature": ["float32", [16, 32]]}, "nonce": "<hex>"}
 
 and receives ``{"ok": true, "endpoints": [...], "acks": [...], "fields": [...],
-"bind_simulation": false}`` (each server rank's data socket and delivery
-service, :mod:`melissa_dl.ingest.delivery`) or ``{"ok": false, "kind": ..., "error": ...}``.
+"bind_simulation": false, "block": 1, "overlap": 0}`` (each server rank's data socket and delivery
+service, :mod:`melissa_dl.ingest.delivery`; the routing, ``wire.protocol.Route``) or
+``{"ok": false, "kind": ..., "error": ...}``.
 A persistent worker (``launcher.persistent``) asks for its next simulation
 with ``{"protocol": 4, "token": "<hex>", "worker": "3:0", "last": "12:0"}``
 (``last``: the simulation and attempt it was last told, null at first, so
@@ -53,6 +54,7 @@ from melissa_dl.wire.blocks import Declared, joined, parse_block
 from melissa_dl.wire.protocol import (
     PROTOCOL_VERSION,
     Layout,
+    Route,
     check_layout,
     decode_json,
     describe,
@@ -63,7 +65,7 @@ from melissa_dl.wire.protocol import (
 from melissa_dl.wire.security import Security, hello_bytes
 
 if TYPE_CHECKING:
-    from melissa_dl.config.sections import LauncherConfig, ServerConfig, StudyConfig
+    from melissa_dl.config.sections import LauncherConfig, ServerConfig, StudyConfig, WindowConfig
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,8 @@ class HandshakeServer(ServerSocketThread):
         port: int = 0,
         security: Security | None = None,
         next_work: Callable[[str, str | None], dict[str, Any]] | None = None,
+        block: int = 1,
+        overlap: int = 0,
     ) -> None:
         super().__init__(
             "handshake",
@@ -112,7 +116,7 @@ class HandshakeServer(ServerSocketThread):
             "endpoints": [data for data, _ in endpoints],
             "acks": [ack for _, ack in endpoints],
             "fields": self._fields,
-            "bind_simulation": bind_simulation,
+            **Route(len(endpoints), bind_simulation, block, overlap).answer(),
         }
         self._client_size = client_size
         self._pins: dict[str, Layout] = dict(layouts or {})  # whole (joined) layout of each field
@@ -134,6 +138,7 @@ class HandshakeServer(ServerSocketThread):
         bind_address: str,
         security: Security,
         next_work: Callable[[str, str | None], dict[str, Any]] | None = None,
+        window: WindowConfig | None = None,
     ) -> HandshakeServer:
         """Rank 0's handshake socket for the study the sections describe, sending clients to ``endpoints`` (each
         rank's data and delivery endpoints) and persistent workers to ``next_work``'s simulations."""
@@ -151,6 +156,7 @@ class HandshakeServer(ServerSocketThread):
             port=server.handshake_port,
             security=security,
             next_work=next_work,
+            **(window.routing if window is not None else {}),
         )
 
     def expect(self, simulation_id: int, attempt: int | None) -> None:

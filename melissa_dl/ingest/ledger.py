@@ -35,6 +35,7 @@ class Ledger:
         self._first: dict[int, bytearray] = {}  # simulation -> bitmap of steps 0 .. CHUNK_STEPS - 1
         self._later: dict[int, dict[int, bytearray]] = {}  # simulation -> chunk index (1 and on) -> bitmap
         self._counts: dict[int, int] = {}
+        self._last: dict[int, int] = {}  # simulation -> its highest step
         self._total = 0
 
     def add(self, simulation_id: int, time_step: int) -> bool:
@@ -50,6 +51,8 @@ class Ledger:
             return False
         bits[byte] |= 1 << mask
         self._counts[simulation_id] = self._counts.get(simulation_id, 0) + 1
+        if time_step > self._last.get(simulation_id, -1):
+            self._last[simulation_id] = time_step
         self._total += 1
         return True
 
@@ -64,6 +67,10 @@ class Ledger:
 
     def total(self) -> int:
         return self._total
+
+    def last(self, simulation_id: int) -> int | None:
+        """The simulation's highest step recorded (None: none)."""
+        return self._last.get(simulation_id)
 
     def steps(self, simulation_id: int) -> list[int]:
         return self._step_array(simulation_id).tolist()
@@ -81,7 +88,7 @@ class Ledger:
         return {s: self._step_array(s).astype(_STEP).tobytes() for s in self._counts}
 
     def load_state_dict(self, state: dict[int, bytes]) -> None:
-        self._first, self._later, self._counts, self._total = {}, {}, {}, 0
+        self._first, self._later, self._counts, self._last, self._total = {}, {}, {}, {}, 0
         for simulation_id, steps in state.items():
             self._add_steps(simulation_id, np.frombuffer(steps, dtype=_STEP))
 
@@ -133,6 +140,7 @@ class Ledger:
             if old is not None:
                 merged[: len(old)] |= np.frombuffer(old, dtype=np.uint8)
             self._keep(simulation_id, chunk, bytearray(merged[: int(np.flatnonzero(merged)[-1]) + 1].tobytes()))
+        self._last[simulation_id] = max(self._last.get(simulation_id, -1), int(steps[-1]))
         count = sum(int.from_bytes(b, "little").bit_count() for b in self._chunks(simulation_id).values())
         self._total += count - self._counts.get(simulation_id, 0)
         self._counts[simulation_id] = count

@@ -25,7 +25,6 @@ from melissa_dl.ingest.assembly import Assembler, Delivery, Progress, StreamSpec
 from melissa_dl.ingest.connections import POLL_MS, ConnectionGuard, ServerSocketThread
 from melissa_dl.ingest.delivery import DeliveryServer
 from melissa_dl.ingest.ledger import Ledger
-from melissa_dl.wire.protocol import owner_rank
 from melissa_dl.wire.rejections import merge_rejections
 from melissa_dl.wire.security import Security, hello_bytes
 
@@ -172,13 +171,13 @@ class Receiver(ServerSocketThread):
         them) and of the held-out ones, and on rank 0 the old ranks' counters added up."""
         spec = self.spec
         streams = [old.read(rank) for rank in range(old.size)]
+        self.buffer.load_resharded([stream["buffer"] for stream in streams], spec.server_rank, spec.server_size)
         ledger = Ledger()
-        for stream in streams:
+        for stream in streams:  # with windows, a step this rank lacks for a window to make is received again
             ledger.merge(
                 stream["ledger"],
-                lambda sim, steps: owner_rank(sim, steps, spec.server_size, spec.bind_simulation) == spec.server_rank,
+                lambda sim, steps: spec.route.holds(spec.server_rank, sim, steps) & ~self.buffer.lacks(sim, steps),
             )
-        self.buffer.load_resharded([stream["buffer"] for stream in streams], spec.server_rank, spec.server_size)
         held_out = [entry for stream in streams for entry in stream.get("held_out", [])]
         first = spec.server_rank == 0  # the old ranks' counters, added up once
         self._load_received(
@@ -201,6 +200,8 @@ class Receiver(ServerSocketThread):
                 self._assembler.start_attempt(sim, attempt)
             for sim in finished:
                 self._assembler.finish(sim)
+        for sim in finished:  # the buffer's lock, not under ours (``report``)
+            self.buffer.end_simulation(sim)
 
     def check(self) -> None:
         """Re-raise in the caller's thread an exception that killed the receiver or its delivery service."""

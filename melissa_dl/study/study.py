@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EXIT_GRACE = 5.0  # seconds a simulation that exited 0 has for its finalize messages to be counted
-REPEATED_REFUSALS = DETERMINISTIC | {"non_finite", "time_step", "undeclared"}  # kinds a relaunch sends again
+REPEATED_REFUSALS = DETERMINISTIC | {"non_finite", "time_step", "undeclared", "order"}  # kinds a relaunch sends again
 LEARNING_GRACE = 5.0  # seconds without a new loss, nothing running, before a waiting sampler gets partial statistics
 GIVE_UP_AFTER = 3  # failed simulations, and no success, before the study stops (at least the first wave's)
 CLIENT_ERROR = "ClientError"  # in the last line of an attempt's output: a mistake in the simulation's use of the API

@@ -120,6 +120,7 @@ def _follow(trial: Trial, launcher: Launcher, receiver: Receiver, handshake: Han
     while True:
         receiver.check()
         while sample := receiver.buffer.get_batch(1, timeout=POLL):
+            assert isinstance(sample[0], Sample)  # its buffer takes steps, not windows
             trial.take(sample[0])
             last_activity = time.monotonic()
         report = receiver.report()

@@ -13,9 +13,9 @@ timeout, so that it can keep the ranks' bookkeeping going while data is late.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -23,22 +23,43 @@ from torch.utils.data import IterableDataset, default_collate
 
 from melissa_dl.buffers.kinds import Buffer
 from melissa_dl.buffers.sample import Sample
+from melissa_dl.buffers.windows import Window, stacked
 
 END = object()  # what next_batch returns once reception is over and the buffer drained
 
 
-def collate(items: list[Any]) -> Any:
-    """Stack per-sample outputs (tensors, numpy arrays, numbers, or tuples/dicts of them)."""
+def collate(items: list[Any], views_of: Sequence[np.ndarray] = ()) -> Any:
+    """Stack per-sample outputs (tensors, numpy arrays, numbers, or tuples/dicts of them). Numpy arrays that are
+    evenly spaced views of one of the arrays ``views_of`` (a batch of windows, ``buffers.windows.stacked``) are
+    taken as one strided view of it, without a copy."""
     first = items[0]
     if isinstance(first, np.ndarray):
-        return torch.from_numpy(np.stack(items))
+        return torch.from_numpy(_strided(items, views_of) if views_of else np.stack(items))
     if isinstance(first, torch.Tensor):
         return torch.stack(items)
     if isinstance(first, (tuple, list)):
-        return type(first)(collate(list(column)) for column in zip(*items))
+        return type(first)(collate(list(column), views_of) for column in zip(*items))
     if isinstance(first, dict):
-        return {key: collate([item[key] for item in items]) for key in first}
+        return {key: collate([item[key] for item in items], views_of) for key in first}
     return default_collate(items)
+
+
+def _strided(items: list[np.ndarray], views_of: Sequence[np.ndarray]) -> np.ndarray:
+    """``items`` stacked: a view when they are views of one of ``views_of`` laid out at one distance from each
+    other, none overlapping the next (the arrays are the batch's own: a view shares no sample's memory)."""
+    first = items[0]
+    base = first.base
+    same = any(base is array for array in views_of) and all(
+        item.base is base and item.shape == first.shape and item.strides == first.strides and item.dtype == first.dtype
+        for item in items
+    )
+    if same and len(items) > 1 and all(stride > 0 for stride in first.strides):
+        starts = [item.__array_interface__["data"][0] for item in items]
+        gap = starts[1] - starts[0]
+        extent = first.itemsize + sum((n - 1) * stride for n, stride in zip(first.shape, first.strides))
+        if gap >= extent and all(b - a == gap for a, b in zip(starts, starts[1:])):
+            return np.lib.stride_tricks.as_strided(first, (len(items), *first.shape), (gap, *first.strides))
+    return np.stack(items)
 
 
 @dataclass(frozen=True)
@@ -68,8 +89,8 @@ class StreamDataset(IterableDataset):
         self.buffer = buffer
         self.process = process
         self.batch_size = batch_size
-        self.deterministic = deterministic
-        if deterministic:
+        self.deterministic = deterministic and not buffer.windowed  # rows per window would hold each step again
+        if self.deterministic:
             buffer.keep_processed(process, pin_memory)
 
     def next_batch(self, timeout: float | None = None) -> Batch | object | None:
@@ -85,7 +106,10 @@ class StreamDataset(IterableDataset):
         if not samples:
             return END
         ids = np.array([(s.simulation_id, s.time_step) for s in samples], dtype=np.int64)
-        return Batch(collate([self.process(s) for s in samples]), ids)
+        if not self.buffer.windowed:
+            return Batch(collate([self.process(s) for s in cast(list[Sample], samples)]), ids)
+        windows, arrays = stacked(cast(list[Window], samples))
+        return Batch(collate([self.process(w) for w in windows], arrays), ids)
 
     def __iter__(self) -> Iterator[Batch]:
         while isinstance(batch := self.next_batch(), Batch):

@@ -47,6 +47,7 @@ class TrainingModule(nn.Module, ABC):
 
     rank: int = 0  # set by the server before any hook runs
     world_size: int = 1
+    window: Any = None  # ``training.window`` (``inputs``, ``targets``, ``stride``), or None: a sample is a step
     deterministic_process: bool = False
     """True when ``process`` depends on the sample alone (no randomness, no state that changes) and returns
     the same shapes and dtypes for every sample: the server then runs it once per sample, as the sample

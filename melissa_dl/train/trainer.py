@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from melissa_dl.buffers.windows import Window, stacked, windows_of
 from melissa_dl.checkpoint.snapshots import BackgroundCopies, Live, copy_to_cpu
 from melissa_dl.config.sections import TrainingConfig
 from melissa_dl.embeddings.table import ShardedEmbedding, set_default_collectives, shard_range
@@ -166,6 +167,10 @@ class Trainer:
     ) -> None:
         """``simulations``: the simulation ranks the launcher may run at once on rank 0's node, whose cores they
         share with the server's ranks there (``set_threads``)."""
+        if learning and training.window is not None:
+            raise ConfigError(
+                "training.window: the study's sampler learns from each step's loss, and windows are trained, not steps"
+            )
         self.training = training  # the section
         self.copies = copies  # the checkpoints' copies of this state: waited for before each optimizer step
         self.comm = comm
@@ -179,7 +184,7 @@ class Trainer:
         set_default_collectives(self.collectives)  # the user's ShardedEmbeddings shard over these ranks
         module_class = load_module_class(base_dir / training.module, training.class_name)
         self.module: TrainingModule = module_class(**training.options)
-        self.module.rank, self.module.world_size = self.rank, self.size
+        self.module.rank, self.module.world_size, self.module.window = self.rank, self.size, training.window
         self.module.to(self.device)
         self.tables = {name: m for name, m in self.module.named_modules() if isinstance(m, ShardedEmbedding)}
         self.optimizer = self.module.configure_optimizer()
@@ -196,11 +201,16 @@ class Trainer:
         """Take this rank's share of the held-out samples (here, once the study runs: a module may solve them,
         and the simulations need not wait for it); open the curves where the restored run left them; validate
         the untrained model. (A resumed run may have the study's held-out set already: ``take_held_out``.)"""
-        self.validation_set += self._share(list(self.module.validation_samples()))
+        self.validation_set += self._share(self._samples_of(list(self.module.validation_samples())))
         # a resumed run replaces what a dead one logged after its checkpoint (taken after batch b's points)
         self.metrics.open(purge_step=self.summary.batches + 1)
         if self.summary.batches == 0:  # a resumed run validates where an uninterrupted one would
             self.validate_unless_done()
+
+    def _samples_of(self, steps: list[Sample]) -> list[Sample] | list[Window]:
+        """Held-out steps as the samples the model trains on: with ``training.window``, every window they hold."""
+        window = self.training.window
+        return steps if window is None else windows_of(steps, window.length, window.stride)
 
     def _share(self, held_out: list[Any]) -> list[Any]:
         """This rank's share of ``held_out``: equal shares, so that every rank runs as many validation batches
@@ -213,9 +223,10 @@ class Trainer:
         on it at once (unless a resumed run already was)."""
         gathered = [sample for part in self.comm.allgather(samples) for sample in part]
         gathered.sort(key=lambda sample: (sample.simulation_id, sample.time_step))  # the same order on every rank
-        self.validation_set += self._share(gathered)
+        held_out = self._samples_of(gathered)
+        self.validation_set += self._share(held_out)
         if self.rank == 0:
-            logger.info("held-out set: %d samples of the study's validation simulations", len(gathered))
+            logger.info("held-out set: %d samples of the study's validation simulations", len(held_out))
         if not self.summary.held_out_validated:
             self.summary.held_out_validated = True
             self.validate()
@@ -304,8 +315,10 @@ class Trainer:
         totals = np.zeros(2)  # sum of loss x samples, samples
         chunk = self.training.validation_batch_size
         for i in range(0, len(self.validation_set), chunk):
-            samples = self.validation_set[i : i + chunk]
-            batch = to_device(collate([self.module.process(s) for s in samples]), self.device)
+            samples, views_of = self.validation_set[i : i + chunk], list[np.ndarray]()
+            if self.training.window is not None:
+                samples, views_of = stacked(samples)
+            batch = to_device(collate([self.module.process(s) for s in samples], views_of), self.device)
             totals += (float(self.module.validation_step(batch).mean()) * len(samples), len(samples))
         self.comm.Allreduce(MPI.IN_PLACE, totals)
         if totals[1] == 0:

@@ -39,6 +39,7 @@ import json
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -146,12 +147,56 @@ def keepalive(client_timeout: float) -> float:
     return min(MAX_KEEPALIVE, client_timeout / 4)
 
 
-def owner_rank(simulation_id: int, time_step: Any, server_size: int, bind_simulation: bool) -> Any:
-    """The server rank that receives and assembles step ``time_step`` of a simulation (an int; for an array of
-    steps, an array of ranks unless the simulation is bound to one)."""
-    if bind_simulation:
-        return simulation_id % server_size
-    return (simulation_id + time_step) % server_size
+@dataclass(frozen=True)
+class Route:
+    """Which server ranks receive step ``time_step`` of a simulation.
+
+    Steps go round-robin over the ``size`` ranks in runs of ``block`` consecutive steps (the owner of step t is
+    ``(s + t // block) mod size``; a run of one step spreads a simulation's steps over every rank), or all to
+    ``s mod size`` with ``bind_simulation``. With ``overlap``, each run's owner also receives the first
+    ``overlap`` steps of the next run: windows of consecutive steps (``training.window``) then start and end on
+    one rank without binding a simulation to it.
+    """
+
+    size: int
+    bind_simulation: bool = False
+    block: int = 1
+    overlap: int = 0
+
+    def owner(self, simulation_id: int, time_step: Any) -> Any:
+        """The rank that owns the step (an int; for an array of steps, an array of ranks unless the simulation is
+        bound to one)."""
+        if self.bind_simulation:
+            return simulation_id % self.size
+        return (simulation_id + time_step // self.block) % self.size
+
+    def ranks(self, simulation_id: int, time_step: int) -> tuple[int, ...]:
+        """Every rank the step is sent to: its owner, then the previous run's owner when the step is in that
+        run's overlap."""
+        owner = self.owner(simulation_id, time_step)
+        if self.bind_simulation or self.size == 1 or time_step < self.block or time_step % self.block >= self.overlap:
+            return (owner,)
+        return owner, (owner - 1) % self.size
+
+    def holds(self, rank: int, simulation_id: int, steps: np.ndarray) -> np.ndarray:
+        """Whether ``rank`` receives each of ``steps`` (an array)."""
+        steps = np.asarray(steps, dtype=np.int64)
+        held = np.broadcast_to(self.owner(simulation_id, steps) == rank, steps.shape)
+        if self.bind_simulation or self.size == 1 or not self.overlap:
+            return held
+        copied = (steps >= self.block) & (steps % self.block < self.overlap)
+        return held | (copied & ((simulation_id + steps // self.block - 1) % self.size == rank))
+
+    def answer(self) -> dict[str, Any]:
+        """What the handshake's answer tells a client of the routing."""
+        return {"bind_simulation": self.bind_simulation, "block": self.block, "overlap": self.overlap}
+
+    @classmethod
+    def from_answer(cls, answer: dict[str, Any]) -> Route:
+        """The routing a handshake's answer gives, over its ranks' endpoints."""
+        return cls(
+            len(answer["endpoints"]), bool(answer["bind_simulation"]), int(answer["block"]), int(answer["overlap"])
+        )
 
 
 def quote(value: Any) -> str:

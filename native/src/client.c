@@ -109,6 +109,8 @@ static struct {
     uint64_t *sent;  /* messages sent to each server rank, as its delivery service counts them */
     size_t nlinks;
     bool bind_simulation;
+    uint64_t block;   /* consecutive steps routed to one rank */
+    uint64_t overlap; /* steps of the next block its rank also receives (windows of steps) */
     step_set steps;
     char broken[MESSAGE_BYTES]; /* why the connection failed, while BROKEN */
 } client;
@@ -378,10 +380,22 @@ static bool steps_add(step_set *set, uint32_t step) {
 
 /* -- frames -------------------------------------------------------------- */
 
+/* The rank that owns a step: blocks of steps in turn over the ranks, or the simulation's rank when bound. */
 static size_t owner_rank(uint32_t time_step) {
     uint64_t order = client.bind_simulation ? client.env.simulation_id
-                                            : (uint64_t)client.env.simulation_id + time_step;
+                                            : (uint64_t)client.env.simulation_id + time_step / client.block;
     return (size_t)(order % client.nlinks);
+}
+
+/* The ranks a step goes to (returns how many): its owner, then the previous block's owner when the step is in
+   that block's overlap (wire.protocol.Route). */
+static int step_ranks(uint32_t time_step, size_t ranks[2]) {
+    ranks[0] = owner_rank(time_step);
+    if (client.bind_simulation || client.nlinks == 1 || time_step < client.block ||
+        time_step % client.block >= client.overlap)
+        return 1;
+    ranks[1] = (ranks[0] + client.nlinks - 1) % client.nlinks;
+    return 2;
 }
 
 static uint8_t *put(uint8_t *at, uint64_t value, int bytes) {
@@ -766,9 +780,13 @@ static int accept_reply(const json_value *reply) {
     const json_value *acks = mdl_json_get(reply, "acks");
     const json_value *fields = mdl_json_get(reply, "fields");
     const json_value *bind = mdl_json_get(reply, "bind_simulation");
+    const json_value *block = mdl_json_get(reply, "block");
+    const json_value *overlap = mdl_json_get(reply, "overlap");
     bool ok = endpoints && acks && fields && bind && endpoints->type == JSON_ARRAY && endpoints->size > 0 &&
               acks->type == JSON_ARRAY && acks->size == endpoints->size && fields->type == JSON_ARRAY &&
-              bind->type == JSON_BOOL;
+              bind->type == JSON_BOOL && block && block->type == JSON_NUMBER && block->number >= 1 &&
+              block->number <= UINT32_MAX && overlap && overlap->type == JSON_NUMBER && overlap->number >= 0 &&
+              overlap->number <= block->number;
     for (size_t i = 0; ok && i < endpoints->size; i++)
         ok = endpoints->items[i].type == JSON_STRING && acks->items[i].type == JSON_STRING;
     for (size_t f = 0; ok && f < client.nfields; f++) {
@@ -783,6 +801,8 @@ static int accept_reply(const json_value *reply) {
         return fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: the handshake answer lacks endpoints, fields or routing",
                     client.env.simulation_id);
     client.bind_simulation = bind->boolean;
+    client.block = (uint64_t)block->number;
+    client.overlap = (uint64_t)overlap->number;
     client.links = calloc(endpoints->size, sizeof *client.links);
     client.asks = calloc(endpoints->size, sizeof *client.asks);
     client.sent = calloc(endpoints->size, sizeof *client.sent);
@@ -1357,7 +1377,10 @@ static int send_field(const char *name, int64_t time_step, const void *data, siz
             pack_header(header, KIND_DATA, step, f->id, dtype, f->shape, f->ndim, bytes, offset);
         else
             pack_header(header, KIND_DATA, step, f->id, dtype, &count, 1, bytes, offset);
-        code = send_message(owner_rank(step), header, bytes ? (const char *)data + offset : data, size);
+        size_t ranks[2];
+        int n = step_ranks(step, ranks);
+        for (int i = 0; code == MELISSA_DL_OK && i < n; i++)
+            code = send_message(ranks[i], header, bytes ? (const char *)data + offset : data, size);
         offset += size;
     } while (code == MELISSA_DL_OK && offset < bytes);
     if (code == MELISSA_DL_OK && !steps_add(&client.steps, step))
@@ -1393,8 +1416,12 @@ int melissa_dl_finalize(void) {
     if (code == MELISSA_DL_OK && counts == NULL)
         code = fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
     for (size_t i = 0; code == MELISSA_DL_OK && i < client.steps.capacity; i++)
-        if (client.steps.slots[i] != EMPTY_SLOT)
-            counts[owner_rank((uint32_t)client.steps.slots[i])]++;
+        if (client.steps.slots[i] != EMPTY_SLOT) {
+            size_t ranks[2];
+            int n = step_ranks((uint32_t)client.steps.slots[i], ranks);
+            for (int r = 0; r < n; r++)
+                counts[ranks[r]]++;
+        }
     for (size_t r = 0; code == MELISSA_DL_OK && r < client.nlinks; r++)
         code = send_finalize(r, counts);
     if (code == MELISSA_DL_OK)

@@ -19,7 +19,7 @@ import zmq
 from fuzz import fuzz
 
 from melissa_dl.wire.client import Client
-from melissa_dl.wire.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, owner_rank, simulation_key
+from melissa_dl.wire.protocol import PROTOCOL_VERSION, Header, Kind, Route, encode_json, simulation_key
 from melissa_dl.wire.security import configure_client
 
 SHAPE = (4, 8)
@@ -100,7 +100,7 @@ def bad_frames(context: zmq.Context, endpoints: list[str], token: bytes, sim: in
         return [Header(kind, frame_key, simulation, 0, step, 0, 1, field, dtype, shape, len(payload)).pack(), payload]
 
     def send(message: list[bytes], step: int = 0) -> None:
-        sockets[owner_rank(sim, step, size, False)].send_multipart(message)
+        sockets[Route(size).owner(sim, step)].send_multipart(message)
 
     declaration = encode_json({"fields": {"field": GOOD}})
     send(frame())  # undeclared: no DECLARE on this connection yet
@@ -117,7 +117,7 @@ def bad_frames(context: zmq.Context, endpoints: list[str], token: bytes, sim: in
     send(frame(shape=(8, 4)))  # shape
     send(frame(payload=np.full(SHAPE, np.nan, dtype=np.float32).tobytes()))  # non_finite
     send(frame(step=steps), step=steps)  # time_step
-    sockets[(owner_rank(sim, 0, size, False) + 1) % size].send_multipart(frame())  # routing (only with 2+ ranks)
+    sockets[(Route(size).owner(sim, 0) + 1) % size].send_multipart(frame())  # routing (only with 2+ ranks)
     for socket in sockets:
         socket.close(linger=10_000)
 

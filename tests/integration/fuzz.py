@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from melissa_dl.wire.protocol import PROTOCOL_VERSION, Header, Kind, encode_json, owner_rank, simulation_key
+from melissa_dl.wire.protocol import PROTOCOL_VERSION, Header, Kind, Route, encode_json, simulation_key
 
 SHAPE = (4, 8)
 GOOD = ["float32", list(SHAPE)]
@@ -191,9 +191,7 @@ def fuzz(
         pushes.append(push)
     frame_fuzzer = FrameFuzzer(rng, token, sim, steps)
     for _ in range(frames):
-        target = (
-            pushes[rng.randrange(len(pushes))] if rng.random() < 0.3 else pushes[owner_rank(sim, 0, len(pushes), False)]
-        )
+        target = pushes[rng.randrange(len(pushes))] if rng.random() < 0.3 else pushes[Route(len(pushes)).owner(sim, 0)]
         target.send_multipart(frame_fuzzer.mutant())
         tally["data_frames"] += 1
     hello_fuzzer = HelloFuzzer(rng, token.hex(), sim)

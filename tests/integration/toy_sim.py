@@ -8,7 +8,8 @@ announcing its steps. ``--step-delay`` paces the steps, so that a test can
 interrupt the server in the middle of a study, and ``--go FILE`` holds the
 first step until FILE exists (of every simulation but ``--go-now``; ``{simulation}``
 in FILE stands for the simulation's id, so that each may have a file of its own). Simulation ``--odd-simulation``
-declares and sends ``--odd-dtype`` and ``--odd-shape`` instead. ``--argv SIMULATION ATTEMPT PARAMETERS...``
+declares and sends ``--odd-dtype`` and ``--odd-shape`` instead; ``--skip-simulation`` never sends its step
+``--skip-step``. ``--argv SIMULATION ATTEMPT PARAMETERS...``
 (from ``launcher.command`` placeholders) must say what the environment says, and the simulation prints
 ``slot TOY_SLOT``.
 """
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--odd-dtype", default="float32")
     parser.add_argument("--odd-shape", type=int, nargs="+")
     parser.add_argument("--nan-at", type=int, default=-1, help="send NaN values from this step on")
+    parser.add_argument("--skip-simulation", type=int, default=-1, help="a simulation that skips --skip-step")
+    parser.add_argument("--skip-step", type=int, default=-1)
     parser.add_argument("--go", help="a file to wait for before the first step")
     parser.add_argument("--go-now", type=int, default=-1, help="a simulation that does not wait for --go")
     parser.add_argument("--argv", type=float, nargs="+", help="simulation, attempt, parameters: checked")
@@ -71,6 +74,8 @@ def main() -> None:
             client.close()
             return
         time.sleep(args.step_delay)
+        if client.simulation_id == args.skip_simulation and t == args.skip_step:
+            continue
         value = client.simulation_id * 1000 + t + rank * 0.5 if not 0 <= args.nan_at <= t else np.nan
         client.send("field", t, np.full(shape, value, dtype=dtype))
     client.finalize()

@@ -425,7 +425,8 @@ def test_every_section_that_checks_itself_is_found_without_a_list() -> None:
     from melissa_dl.config import sections as config_module
 
     config = parse_config(edited({("launcher", "slurm"): {}}), BASE)
-    config.training = config_module.TrainingConfig(module="model.py", class_name="Model")  # an optional section
+    window = config_module.WindowConfig(inputs=2)  # optional sections
+    config.training = config_module.TrainingConfig(module="model.py", class_name="Model", window=window)
     reached = {type(section) for section in config_module.sections(config)}
     checking = {
         cls
@@ -482,3 +483,33 @@ def test_the_python_client_refuses_what_the_configuration_refuses_in_one_line(
     with pytest.raises(ClientError) as info:
         Client({"u": ("float32", (4,))}, environ=environ)
     assert str(info.value) == f"{name}={value!r} is not {expected}"
+
+
+@pytest.mark.parametrize(
+    "window, changes, message",
+    [
+        ({"inputs": 4, "targets": 1, "block": 4}, {}, "training.window.block: 4 is shorter than a window (5)"),
+        (
+            {"inputs": 4},
+            {("study", "time_steps"): 3},
+            "training.window: a window of 5 steps is longer than the simulations (study.time_steps=3)",
+        ),
+        ({"inputs": 4}, {("study", "sampler"): "adaptive"}, "training.window: the adaptive sampler learns"),
+        ({"inputs": 0}, {}, "training.window.inputs: must be at least 1"),
+        ({"targets": 1}, {}, "training.window.inputs: missing required key"),
+    ],
+)
+def test_windows_are_checked(tmp_path: Path, window: dict[str, Any], changes: dict, message: str) -> None:
+    (tmp_path / "m.py").write_text("")
+    data = edited({("training",): {"module": "m.py", "class_name": "M", "window": window}, **changes})
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, tmp_path)
+    assert str(info.value).startswith(message)
+
+
+def test_a_window_is_its_inputs_and_targets_and_routes_its_steps_to_one_rank(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text("")
+    window = {"inputs": 3, "targets": 2, "stride": 2, "block": 16}
+    config = parse_config(edited({("training",): {"module": "m.py", "class_name": "M", "window": window}}), tmp_path)
+    assert config.training is not None and config.training.window is not None
+    assert (config.training.window.length, config.training.window.routing) == (5, {"block": 16, "overlap": 4})

@@ -60,6 +60,8 @@ def test_a_good_hello_gets_the_data_and_delivery_endpoints() -> None:
         "acks": ["tcp://a:3", "tcp://a:4"],
         "fields": FIELDS,
         "bind_simulation": False,
+        "block": 1,
+        "overlap": 0,
     }
 
 

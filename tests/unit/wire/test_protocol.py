@@ -7,6 +7,7 @@ import hmac
 import itertools
 import struct
 
+import numpy as np
 import pytest
 
 from melissa_dl.errors import ProtocolError
@@ -19,10 +20,10 @@ from melissa_dl.wire.protocol import (
     PROTOCOL_VERSION,
     Header,
     Kind,
+    Route,
     check_layout,
     decode_json,
     encode_json,
-    owner_rank,
     payload_bytes,
     simulation_key,
     unpack_header,
@@ -179,7 +180,7 @@ def test_simulation_key_is_a_deterministic_per_attempt_credential() -> None:
 @pytest.mark.parametrize("server_size", [1, 2, 3, 5])
 def test_owner_rank_spreads_steps_over_all_ranks(server_size: int) -> None:
     for sim in range(7):
-        owners = [owner_rank(sim, step, server_size, False) for step in range(4 * server_size)]
+        owners = [Route(server_size).owner(sim, step) for step in range(4 * server_size)]
         assert all(0 <= r < server_size for r in owners)
         # consecutive steps of one simulation visit every rank in turn, and simulations start staggered
         assert sorted(owners[:server_size]) == list(range(server_size))
@@ -190,14 +191,36 @@ def test_owner_rank_spreads_steps_over_all_ranks(server_size: int) -> None:
 @pytest.mark.parametrize("server_size", [1, 2, 3, 5])
 def test_owner_rank_binds_every_step_to_s_mod_k(server_size: int) -> None:
     for sim in range(12):
-        assert {owner_rank(sim, step, server_size, True) for step in range(50)} == {sim % server_size}
+        assert {Route(server_size, bind_simulation=True).owner(sim, step) for step in range(50)} == {sim % server_size}
 
 
 def test_owner_rank_examples() -> None:
-    assert owner_rank(3, 4, 4, False) == 3
-    assert owner_rank(3, 4, 4, True) == 3
-    assert owner_rank(3, 6, 4, False) == 1
-    assert owner_rank((1 << 32) - 1, (1 << 32) - 1, 3, False) == ((1 << 33) - 2) % 3
+    assert Route(4).owner(3, 4) == 3
+    assert Route(4, bind_simulation=True).owner(3, 4) == 3
+    assert Route(4).owner(3, 6) == 1
+    assert Route(3).owner((1 << 32) - 1, (1 << 32) - 1) == ((1 << 33) - 2) % 3
+    assert Route(3).ranks(5, 7) == (0,)  # without windows, one rank per step
+
+
+@pytest.mark.parametrize("server_size", [1, 2, 3])
+def test_routing_with_windows_gives_each_rank_its_blocks_and_the_next_blocks_first_steps(server_size: int) -> None:
+    """Blocks of 8 steps go round the ranks; each block's rank also gets the next block's first 3 steps (a window
+    of 4 less one), and ``holds`` says the same as ``ranks``."""
+    route = Route(server_size, block=8, overlap=3)
+    for sim in range(4):
+        for step in range(64):
+            block = step // 8
+            expected = [(sim + block) % server_size]
+            if server_size > 1 and block and step % 8 < 3:
+                expected.append((sim + block - 1) % server_size)
+            assert list(route.ranks(sim, step)) == expected
+            for rank in range(server_size):
+                assert bool(route.holds(rank, sim, np.array([step]))[0]) == (rank in expected)
+        # every window of 4 steps has all its steps on the rank of its first
+        for start in range(61):
+            owner = route.owner(sim, start)
+            assert all(owner in route.ranks(sim, s) for s in range(start, start + 4))
+    assert Route(2, bind_simulation=True, block=8, overlap=3).ranks(1, 9) == (1,)
 
 
 @pytest.mark.parametrize(
