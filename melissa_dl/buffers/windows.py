@@ -114,9 +114,14 @@ class WindowStore:
         for window in windows:
             sim = window.simulation_id
             timeline = self._timelines[sim]
+            steps = timeline.steps
             for step in range(window.time_step, window.time_step + length):
-                timeline.steps[step].users -= 1
-                self._free_if_unneeded(sim, timeline, step)
+                held = steps[step]
+                held.users -= 1
+                if not held.users and (timeline.ended or not self._needed(sim, timeline, step)):
+                    del steps[step]
+                    self.held -= 1
+                    self.nbytes -= held.sample.nbytes
             self._drop_if_done(sim, timeline)
 
     def frees(self, window: Window) -> int:

@@ -98,6 +98,10 @@ def write_report(report: dict[str, Any], path: Path) -> None:
             f"{first:.4g} -> {last:.4g} ({first / last:.1f}x lower)" if first and last else "not measured",
             f"model saved to {training['model']}" if training["model"] else "no model written: no simulation succeeded",
         )
+        if training.get("rollout"):  # with windows: the held-out trajectories rolled out
+            batches, errors = training["rollout"][-1]
+            said = ", ".join(f"{error:.4g} at {horizon}" for horizon, error in errors.items())
+            logger.info("rollout error (relative L2) after %d batches: %s", batches, said)
     for sim in report["per_simulation"]:
         if sim["state"] != State.DONE.value or sim["attempts"] > 1:
             logger.info(

@@ -30,10 +30,11 @@ from __future__ import annotations
 import difflib
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -77,8 +78,37 @@ class TrainingModule(nn.Module, ABC):
         return self.training_step(batch)
 
     def validation_samples(self) -> Sequence[Sample]:
-        """Held-out samples for validation; none by default (no validation)."""
+        """Held-out samples for validation; none by default (no validation). With ``training.window``: steps, of
+        which every whole window is validated on and every trajectory rolled out."""
         return ()
+
+    def advance(self, window: Sample) -> Mapping[str, Any]:
+        """With ``training.window``: the ``targets`` steps that follow ``window``, whose fields hold the ``inputs``
+        most recent steps (``[inputs, ...]``: true ones at first, then the model's own predictions), as
+        ``[targets, ...]`` arrays or tensors per field. Called without gradients, in ``eval()`` mode, by the
+        default ``rollout``; a module without it (or its own ``rollout``) is not rolled out."""
+        raise NotImplementedError
+
+    def rollout(self, first: Sample, steps: int) -> dict[str, np.ndarray]:
+        """The model's predictions of the ``steps`` steps after ``first`` (whose fields hold a trajectory's first
+        ``inputs`` steps), ``[steps, ...]`` per field: by default ``advance``, its predictions fed back."""
+        inputs = next(iter(first.fields.values())).shape[0]
+        history = {name: list(array) for name, array in first.fields.items()}
+        predicted: dict[str, list[np.ndarray]] = {name: [] for name in first.fields}
+        made = 0
+        while made < steps:
+            window = {name: np.stack(steps_so_far[-inputs:]) for name, steps_so_far in history.items()}
+            after = self.advance(Sample(first.simulation_id, first.time_step + made, first.parameters, window))
+            for name, values in after.items():
+                values = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+                history[name] += list(values)
+                predicted[name] += list(values)
+            made += len(next(iter(after.values())))
+        return {name: np.stack(values[:steps]) for name, values in predicted.items()}
+
+    def rolls_out(self) -> bool:
+        """Whether the module defines ``advance`` or its own ``rollout``."""
+        return type(self).advance is not TrainingModule.advance or type(self).rollout is not TrainingModule.rollout
 
 
 def load_module_class(path: Path, class_name: str) -> type[TrainingModule]:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from melissa_dl.buffers.windows import Window, stacked, windows_of
+from melissa_dl.buffers.windows import stacked, windows_of
 from melissa_dl.checkpoint.snapshots import BackgroundCopies, Live, copy_to_cpu
 from melissa_dl.config.sections import TrainingConfig
 from melissa_dl.embeddings.table import ShardedEmbedding, set_default_collectives, shard_range
@@ -43,6 +43,7 @@ from melissa_dl.study.learning import LossLog, Records
 from melissa_dl.train.data_parallel import make_data_parallel
 from melissa_dl.train.dataset import Batch, collate
 from melissa_dl.train.module import TrainingModule, load_module_class
+from melissa_dl.train.rollout import HORIZONS, at_horizons, rollout_errors, trajectories
 
 if TYPE_CHECKING:
     from melissa_dl.buffers.sample import Sample
@@ -137,6 +138,7 @@ class TrainingSummary:
     samples: int = 0  # on this rank
     duration_s: float = 0.0
     validation: list[tuple[int, float]] = field(default_factory=list)
+    rollout: tuple[tuple[int, dict[str, float]], ...] = ()  # with windows: (batches, error at each horizon)
     held_out_validated: bool = False  # the study's held-out set has been validated on (a resumed run: before)
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,6 +150,7 @@ class TrainingSummary:
             "validation": [[b, loss] for b, loss in self.validation],
             "first_validation_loss": losses[0] if losses else None,
             "last_validation_loss": losses[-1] if losses else None,
+            **({"rollout": [[b, errors] for b, errors in self.rollout]} if self.rollout else {}),
         }
 
 
@@ -190,6 +193,7 @@ class Trainer:
         self.optimizer = self.module.configure_optimizer()
         self.parallel = make_data_parallel(self.module, self.optimizer, self.collectives)
         self.validation_set: list[Any] = []  # this rank's share of the held-out samples, from begin()
+        self.trajectories: list[Sample] = []  # with windows: every held-out trajectory, rolled out by validate()
         self.dense = Dense(self)
         self.summary = TrainingSummary()
         self.rows_updated: int | torch.Tensor = 0  # embedding rows this rank updated since the last TensorBoard point
@@ -201,16 +205,25 @@ class Trainer:
         """Take this rank's share of the held-out samples (here, once the study runs: a module may solve them,
         and the simulations need not wait for it); open the curves where the restored run left them; validate
         the untrained model. (A resumed run may have the study's held-out set already: ``take_held_out``.)"""
-        self.validation_set += self._share(self._samples_of(list(self.module.validation_samples())))
+        self._hold_out(list(self.module.validation_samples()))
         # a resumed run replaces what a dead one logged after its checkpoint (taken after batch b's points)
         self.metrics.open(purge_step=self.summary.batches + 1)
         if self.summary.batches == 0:  # a resumed run validates where an uninterrupted one would
             self.validate_unless_done()
 
-    def _samples_of(self, steps: list[Sample]) -> list[Sample] | list[Window]:
-        """Held-out steps as the samples the model trains on: with ``training.window``, every window they hold."""
+    def _hold_out(self, steps: list[Sample]) -> int:
+        """Held-out steps (the same on every rank) as the samples the model trains on, this rank's share of them
+        joining the validation set (with ``training.window``: every window they hold, and their trajectories for
+        the rollouts); how many samples they make."""
         window = self.training.window
-        return steps if window is None else windows_of(steps, window.length, window.stride)
+        if window is None:
+            self.validation_set += self._share(steps)
+            return len(steps)
+        windows = windows_of(steps, window.length, window.stride)
+        self.validation_set += self._share(windows)
+        if self.module.rolls_out():
+            self.trajectories += trajectories(steps, window.inputs)
+        return len(windows)
 
     def _share(self, held_out: list[Any]) -> list[Any]:
         """This rank's share of ``held_out``: equal shares, so that every rank runs as many validation batches
@@ -223,10 +236,9 @@ class Trainer:
         on it at once (unless a resumed run already was)."""
         gathered = [sample for part in self.comm.allgather(samples) for sample in part]
         gathered.sort(key=lambda sample: (sample.simulation_id, sample.time_step))  # the same order on every rank
-        held_out = self._samples_of(gathered)
-        self.validation_set += self._share(held_out)
+        made = self._hold_out(gathered)
         if self.rank == 0:
-            logger.info("held-out set: %d samples of the study's validation simulations", len(held_out))
+            logger.info("held-out set: %d samples of the study's validation simulations", made)
         if not self.summary.held_out_validated:
             self.summary.held_out_validated = True
             self.validate()
@@ -321,6 +333,8 @@ class Trainer:
             batch = to_device(collate([self.module.process(s) for s in samples], views_of), self.device)
             totals += (float(self.module.validation_step(batch).mean()) * len(samples), len(samples))
         self.comm.Allreduce(MPI.IN_PLACE, totals)
+        if self.trajectories:
+            self._validate_rollouts()
         if totals[1] == 0:
             return
         loss = totals[0] / totals[1]
@@ -328,6 +342,29 @@ class Trainer:
         self.metrics.scalar("validation/loss", loss, self.summary.batches)
         if self.rank == 0:
             logger.info("validation loss %.6g after %d batches", loss, self.summary.batches)
+
+    def _validate_rollouts(self) -> None:
+        """The held-out trajectories rolled out (``train.rollout``), their mean errors at each horizon (a collective:
+        each rank rolls its share out, or every trajectory where a sharded table's lookups are collectives)."""
+        assert self.training.window is not None
+        inputs, batches = self.training.window.inputs, self.summary.batches
+        mine = self.trajectories if self.tables else self.trajectories[self.rank :: self.size]
+        totals = np.zeros((len(HORIZONS), 2))  # sum of the errors, trajectories
+        for trajectory in mine:
+            totals += at_horizons(rollout_errors(self.module, trajectory, inputs))
+        self.comm.Allreduce(MPI.IN_PLACE, totals)
+        found = {h: float(s / n) for h, (s, n) in zip(HORIZONS, totals) if n}
+        self.summary.rollout += ((batches, found),)
+        for horizon, error in found.items():
+            self.metrics.scalar(f"validation/rollout_{horizon}", error, batches)
+        if self.rank == 0:
+            said = ", ".join(f"{error:.4g} at {h}" for h, error in found.items())
+            logger.info(
+                "rollout error (relative L2, %d trajectories) %s after %d batches",
+                len(self.trajectories),
+                said,
+                batches,
+            )
 
     def model_state(self) -> dict[str, Any] | None:
         """On rank 0 (None elsewhere; a collective): the module's state on the CPU with every embedding table whole,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from support import HERE, TOY_SIM, committed, run_server, server_command, start, study_config, wait_for
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_fault_tolerance import processes_mentioning
 
 from melissa_dl.runtime.status import EXIT_FAILED_SIMULATIONS
@@ -95,3 +96,31 @@ def test_a_simulation_that_skips_a_step_is_refused_in_one_line_and_every_other_w
     expected = every_window_once()
     expected[2, 5:] = 0  # windows 5.. of simulation 2 need its step 7 or a step refused after it
     np.testing.assert_array_equal(trained_windows(output), expected)
+
+
+@pytest.mark.parametrize("increment", [1.0, 0.0])
+def test_held_out_simulations_are_rolled_out_and_their_errors_reported(
+    tmp_path: Path, output: Path, increment: float
+) -> None:
+    """Two held-out simulations (ids 6 and 7), rolled out from their first 2 steps over the 10 others by a model
+    that adds ``increment`` to the last step: toy_sim's rule (no error), or a model that stands still (its error
+    at horizon h is h over the true value)."""
+    config = windows_config(output)
+    config["study"]["validation"] = {"simulations": 2}
+    config["training"]["options"] = {"simulations": SIMULATIONS + 2, "steps": STEPS, "increment": increment}
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0 and run.report is not None, run.log
+    rollouts = run.report["training"]["rollout"]
+    assert rollouts and all(set(errors) == {"1", "10", "end"} for _, errors in rollouts)
+    _, last = rollouts[-1]
+    if increment:
+        assert last == {"1": 0.0, "10": 0.0, "end": 0.0}
+    else:
+        truth = {h: [1000.0 * s + INPUTS - 1 + h for s in (6, 7)] for h in (1, 10)}
+        expected = {str(h): np.mean([h / value for value in truth[h]]) for h in (1, 10)}
+        assert last["1"] == pytest.approx(expected["1"]) and last["10"] == pytest.approx(expected["10"])
+        assert last["end"] == last["10"]  # 12 steps: the end is 10 steps after the first 2
+    assert "rollout error (relative L2)" in run.log
+    events = EventAccumulator(str(output / "tensorboard" / "rank0"))
+    events.Reload()
+    assert {"validation/rollout_1", "validation/rollout_10", "validation/rollout_end"} <= set(events.Tags()["scalars"])

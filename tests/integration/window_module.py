@@ -5,7 +5,9 @@ window was trained: each window's loss adds exactly 1 to its cell (the
 ranks' losses are averaged, so each counts ``world_size`` times), so the
 final model says whether a window was trained once, twice or never, across
 kills and restarts. ``process`` checks that a window is its simulation's
-consecutive steps (toy_sim's step t of simulation s is ``1000 s + t``).
+consecutive steps (toy_sim's step t of simulation s is ``1000 s + t``);
+``advance`` predicts the next step as the last one plus ``increment``
+(toy_sim's own rule for 1), for the rollouts of held-out simulations.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from melissa_dl import Sample, TrainingModule
 
 
 class Windows(TrainingModule):
-    def __init__(self, simulations: int, steps: int) -> None:
+    def __init__(self, simulations: int, steps: int, increment: float = 1.0) -> None:
         super().__init__()
         self.seen = nn.Parameter(torch.zeros(simulations, steps))
+        self.increment = increment
 
     def configure_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1.0)
@@ -35,3 +38,6 @@ class Windows(TrainingModule):
 
     def training_step(self, batch: torch.Tensor) -> torch.Tensor:
         return -self.seen[batch[:, 0], batch[:, 1]].sum() * self.world_size
+
+    def advance(self, window: Sample) -> dict[str, np.ndarray]:
+        return {"field": window.fields["field"][-1:] + self.increment}
