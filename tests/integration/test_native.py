@@ -259,10 +259,12 @@ def data_sockets(
     level: str = "token",
     max_message_bytes: int = 1 << 20,
     next_work: Callable[[str, str | None], dict[str, Any]] | None = None,
+    block: int = 1,
+    overlap: int = 0,
 ) -> Iterator[tuple[dict[str, str], list[RawRank], HandshakeServer]]:
     """A handshake service for simulation 3 of a study with the field "field" (persistent workers asking
-    ``next_work``), and two raw ranks standing for two server ranks; yields the client's environment, the ranks
-    and the handshake service."""
+    ``next_work``; steps routed in ``block``s, with ``overlap``), and two raw ranks standing for two server ranks;
+    yields the client's environment, the ranks and the handshake service."""
     security = Security.generate(level, token, 10.0)
     ranks = [RawRank(security) for _ in range(2)]
     for rank in ranks:
@@ -278,6 +280,8 @@ def data_sockets(
         bind_address="127.0.0.1",
         security=security,
         next_work=next_work,
+        block=block,
+        overlap=overlap,
     )
     handshake.expect(3, 0)
     try:
@@ -330,6 +334,29 @@ def test_the_c_client_sends_the_python_clients_bytes(native: Path, token_bytes: 
     assert kinds == [[Kind.DECLARE, *[Kind.DATA] * (n * per_step), Kind.FINALIZE] for n in steps]
     offsets = [unpack_header(message[0]).offset for message in from_c[0][1:-1]]
     assert offsets == [offset for _ in range(steps[0]) for offset in parts(4 * count)]
+
+
+def test_with_windows_the_c_client_sends_each_blocks_steps_and_the_next_blocks_first_to_the_same_ranks(
+    native: Path,
+) -> None:
+    """Blocks of 4 steps, 2 copied: simulation 3's blocks go to ranks 1, 0, 1 (steps 0-3, 4-7, 8-9), and rank 1
+    also gets steps 4 and 5, rank 0 steps 8 and 9; both clients send the same messages, and each FINALIZE counts
+    the copies."""
+    token = bytes(range(32))
+    with data_sockets(token, False, block=4, overlap=2) as (environ, ranks, handshake):
+        done = run_c_client(native, environ, "--steps", "10", "--count", "6")
+        assert done.returncode == 0, done.stdout + done.stderr
+        from_c = receive_until_finalize(ranks)
+        handshake.expect(3, 0)
+        with Client({"field": ("float32", (6,))}, environ=environ) as client:
+            for t in range(10):
+                client.send("field", t, np.full(6, 3000 + t, np.float32))
+        from_python = receive_until_finalize(ranks)
+    assert from_c == from_python
+    steps = [[unpack_header(m[0]).time_step for m in messages[1:-1]] for messages in from_c]
+    assert steps == [[4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, 5, 8, 9]]
+    finalized = [json.loads(bytes(messages[-1][1])) for messages in from_c]
+    assert finalized == [{"steps": 6}, {"steps": 8}]
 
 
 def test_names_are_escaped_in_json_both_ways(native: Path) -> None:
