@@ -192,6 +192,7 @@ class Assembler:
         self.rejections = RejectionLog() if rejections is None else rejections
         self.ledger = Ledger()
         self.duplicates = 0
+        self.copies = 0  # steps of the ledger that another rank owns (windows: the next block's first steps)
         self.bytes_received = 0
         self.partial_bytes = 0
         self._streams: dict[int, _Stream] = {}
@@ -502,6 +503,8 @@ class Assembler:
     def commit(self, sample: Sample) -> None:
         """Record a sample once the buffer has taken it."""
         self.ledger.add(sample.simulation_id, sample.time_step)
+        if self.spec.overlap and self.spec.route.owner(sample.simulation_id, sample.time_step) != self.spec.server_rank:
+            self.copies += 1
         self._changed.add(sample.simulation_id)
 
     def state_dict(self) -> dict[str, Any]:
@@ -516,6 +519,11 @@ class Assembler:
         """Continue from a checkpoint: its steps count as received and will be dropped on arrival."""
         self.ledger = Ledger()
         self.ledger.load_state_dict(state["ledger"])
+        route, rank = self.spec.route, self.spec.server_rank
+        self.copies = sum(
+            int((route.owner(sim, np.array(self.ledger.steps(sim))) != rank).sum())
+            for sim in (self.ledger.simulations() if self.spec.overlap else ())
+        )
         self.bytes_received = state["bytes_received"]
         self.duplicates = state["duplicates"]
         self._changed.update(self.ledger.simulations())

@@ -44,7 +44,7 @@ class ReceiverReport:
     refused: dict[int, tuple[str, str]] = field(default_factory=dict)  # simulation -> its first frame refused
     blocked: bool = False  # the buffer made the receiver wait since the last report
     bytes_received: int = 0
-    samples: int = 0
+    samples: int = 0  # steps received that this rank owns (with windows, not the copies of another rank's)
     duplicate_frames: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     buffer_size: int = 0
@@ -236,7 +236,7 @@ class Receiver(ServerSocketThread):
                 refused=self._assembler.take_refused(),
                 blocked=self._blocked,
                 bytes_received=self._assembler.bytes_received,
-                samples=self._assembler.ledger.total(),
+                samples=self._assembler.ledger.total() - self._assembler.copies,  # each step once
                 duplicate_frames=self._assembler.duplicates,
                 rejected=self.rejections.counts(),
                 buffer_size=len(self.buffer),

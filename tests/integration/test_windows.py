@@ -61,6 +61,9 @@ def test_a_study_of_windows_on_two_ranks_trains_every_window_once(tmp_path: Path
     assert run.code == 0, run.log
     assert run.report is not None and run.report["simulations"]["done"] == SIMULATIONS
     np.testing.assert_array_equal(trained_windows(output), every_window_once())
+    # each step counted once, though the first 2 of blocks 1 and 2 went to two ranks; a window trained per sample
+    assert run.report["samples_received"] == SIMULATIONS * STEPS
+    assert run.report["samples_consumed"] == SIMULATIONS * (STEPS - INPUTS - TARGETS + 1)
 
 
 def test_a_study_of_windows_killed_on_two_ranks_and_resumed_on_one_trains_every_window_once(

@@ -716,3 +716,56 @@ def test_a_block_whose_global_array_exceeds_the_partial_budget_is_refused_at_its
         "simulation 0, field 'u': a global array of 36893488147419103232 bytes a step exceeds "
         "server.max_partial_bytes=1048576",
     )
+
+
+def windowed_assembler(rank: int = 1, size: int = 2) -> Assembler:
+    """Rank ``rank`` of ``size`` of a study trained on windows of 3 steps, in blocks of 4."""
+    return Assembler(make_spec(server_rank=rank, server_size=size, block=4, overlap=2, consecutive=True))
+
+
+def test_with_windows_a_rank_takes_its_blocks_and_the_next_blocks_first_steps_and_counts_those_copies() -> None:
+    assembler = windowed_assembler()
+    sender = Sender(0)
+    assembler.handle(sender.declare())
+    taken = []
+    for step in range(12):  # simulation 0: blocks 0-3 to rank 0, 4-7 to rank 1, 8-11 to rank 0
+        try:
+            sample = send_step(assembler, sender, step)
+        except ProtocolError as error:
+            assert error.kind == "routing"
+        else:
+            assert sample is not None
+            assembler.commit(sample)
+            taken.append(step)
+    assert taken == [4, 5, 6, 7, 8, 9]
+    assert (assembler.ledger.total(), assembler.copies) == (6, 2)
+    restored = windowed_assembler()
+    restored.load_state_dict(assembler.state_dict())
+    assert restored.copies == 2  # recounted from the ledger
+
+
+def test_with_windows_a_step_that_does_not_follow_the_one_before_it_is_refused() -> None:
+    assembler = windowed_assembler(rank=0, size=1)
+    sender = Sender(1)
+    assembler.handle(sender.declare())
+    for step in (0, 1, 2):
+        sample = send_step(assembler, sender, step)
+        assert sample is not None
+        assembler.commit(sample)
+    with pytest.raises(ProtocolError) as info:
+        send_step(assembler, sender, 4)  # step 3 skipped
+    assert info.value.kind == "order"
+    assert str(info.value) == (
+        "simulation 1, step 4: sent after step 2; windows of steps (training.window) need every step, in order"
+    )
+    sample = send_step(assembler, sender, 3)  # the step it skipped: it follows
+    assert sample is not None and sample.time_step == 3
+
+
+def test_with_windows_the_first_step_of_a_rank_s_block_follows_nothing_on_it() -> None:
+    """Rank 1 of 2 gets simulation 0's steps 4 to 9 only: step 4 is its first, after nothing it holds."""
+    assembler = windowed_assembler()
+    sender = Sender(0)
+    assembler.handle(sender.declare())
+    sample = send_step(assembler, sender, 4)
+    assert sample is not None and sample.time_step == 4
