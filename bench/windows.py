@@ -22,6 +22,11 @@ the windows, the bookkeeping), against the bytes of the steps the windows
 span. RESULT ``windows_memory``, target <= 1.1. (Sending each window as
 its own sample would hold each step ``k + m`` times.)
 
+Balance (no target, no timing): how evenly the routing spreads the windows
+over K = 2, 4 and 8 ranks (blocks of ``--block`` steps) for ``--simulations``
+simulations of ``--steps`` steps and for a single one: the most windows a
+rank makes over the mean, and the share of steps sent twice.
+
     python bench/windows.py [--simulations 16] [--steps 64] [--batch 32] [--repeat 5] [--threads 1]
 """
 
@@ -117,6 +122,17 @@ def memory_ratio(simulations: int, steps: int, length: int) -> tuple[float, int,
     return held / sum(spanned.values()), held, sum(spanned.values())
 
 
+def balance(simulations: int, steps: int, length: int, block: int, ranks: int) -> tuple[float, float]:
+    """The most windows one rank makes over the mean, and the steps sent twice over the steps."""
+    route = Route(ranks, block=block, overlap=length - 1)
+    made = np.zeros(ranks)
+    for sim in range(simulations):
+        for start in range(steps - length + 1):
+            made[route.owner(sim, start)] += 1
+    sent = sum(len(route.ranks(sim, t)) for sim in range(simulations) for t in range(steps))
+    return made.max() / made.mean(), sent / (simulations * steps) - 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulations", type=int, default=16)
@@ -125,6 +141,7 @@ def main() -> None:
     parser.add_argument("--targets", type=int, default=1)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--block", type=int, default=64, help="steps routed to one rank in a row")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both sides")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -154,6 +171,13 @@ def main() -> None:
             f"RESULT windows_pipeline_{kind} ratio={statistics.median(ratios):.3f} target={PIPELINE_TARGET} "
             f"buffer={a:.0f} prestacked={b:.0f} windows/s window={window_bytes}B batch={args.batch}"
         )
+    for ranks in (2, 4, 8):
+        for simulations in (args.simulations, 1):
+            worst, twice = balance(simulations, args.steps * 8, length, args.block, ranks)
+            print(
+                f"balance: {simulations:3d} simulations of {args.steps * 8} steps on {ranks} ranks, blocks of "
+                f"{args.block}: busiest rank {worst:.2f}x the mean, {twice:.1%} of steps sent twice"
+            )
     ratio, held, spanned = memory_ratio(args.simulations, args.steps, length)
     print(
         f"memory: {held / 1e6:.1f} MB allocated for {spanned / 1e6:.1f} MB of steps spanned (one sample per window "

@@ -378,7 +378,8 @@ class Loop:
             raise TrainingStalled(
                 f"training stalled for {stall_timeout:g} s: {self.size - flags[READY]} of {self.size} ranks have "
                 f"no batch while {flags[FULL]} have a full buffer (routing sends them no data: with "
-                "server.bind_simulation_to_server_rank, run at least as many simulations at once as ranks)"
+                "server.bind_simulation_to_server_rank, run at least as many simulations at once as ranks; with "
+                "training.window, also make each rank's buffer hold a block of each, or make the blocks shorter)"
             )
 
     def _log(self, outcome: Outcome, batches: int) -> None:
