@@ -11,8 +11,9 @@ pre-stacked in one ``[simulations, steps, 64, 64]`` tensor (and the
 parameters in ``[simulations, 3]``) and gathers each batch's windows with
 one indexing, ``X[sims, starts + arange(k + m)]``, in the order the buffer
 served them, so both sides copy the same bytes. Refilling the buffer is not
-timed. Sides alternate; each side's figure is the median of ``--repeat``
-repetitions and the ratio the median of the per-pair ratios. RESULT
+timed. Each repetition times at least ``--min-seconds`` of each side; sides
+alternate; each side's figure is the median of ``--repeat`` repetitions and
+the ratio the median of the per-pair ratios. RESULT
 ``windows_pipeline_<kind>``, target 0.8.
 
 Memory: the simulations streamed in turn, a step of each at a time, into an
@@ -27,7 +28,7 @@ over K = 2, 4 and 8 ranks (blocks of ``--block`` steps) for ``--simulations``
 simulations of ``--steps`` steps and for a single one: the most windows a
 rank makes over the mean, and the share of steps sent twice.
 
-    python bench/windows.py [--simulations 16] [--steps 64] [--batch 32] [--repeat 5] [--threads 1]
+    python bench/windows.py [--simulations 16] [--steps 64] [--batch 32] [--repeat 5] [--min-seconds 0.5]
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def main() -> None:
     parser.add_argument("--targets", type=int, default=1)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--min-seconds", type=float, default=0.5, help="timed work per side and repetition")
     parser.add_argument("--block", type=int, default=64, help="steps routed to one rank in a row")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both sides")
     args = parser.parse_args()
@@ -155,9 +157,12 @@ def main() -> None:
     for kind in BUFFERS:
         pipe, base, ratios = [], [], []
         for _ in range(args.repeat):
-            seconds, batches = pipeline_pass(kind, steps, args.inputs, length, args.batch)
-            count = sum(len(b) for b in batches)
-            baseline = baseline_pass(x, p, batches, args.inputs, length)
+            seconds, baseline, count = 0.0, 0.0, 0
+            while seconds < args.min_seconds:  # the baseline gathers what the buffer served, in its order
+                taken, batches = pipeline_pass(kind, steps, args.inputs, length, args.batch)
+                seconds += taken
+                baseline += baseline_pass(x, p, batches, args.inputs, length)
+                count += sum(len(b) for b in batches)
             pipe.append(count / seconds)
             base.append(count / baseline)
             ratios.append(baseline / seconds)
