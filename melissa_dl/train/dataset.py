@@ -68,7 +68,7 @@ def _address(array: np.ndarray) -> int:
     """Where the array's first value is (through ctypes for a contiguous, writable one: four times faster than
     ``__array_interface__``, which a batch of windows would ask per output and per window)."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))  # type: ignore[arg-type]
     except (TypeError, ValueError, BufferError):  # read-only, not contiguous, empty
         return int(array.__array_interface__["data"][0])
 
