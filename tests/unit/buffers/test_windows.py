@@ -268,3 +268,20 @@ def test_windows_of_held_out_steps_are_every_whole_window() -> None:
     steps = [step(9, t) for t in (4, 0, 1, 2, 3, 3, 6, 7, 8)] + [step(1, t) for t in range(3)]
     found = [(w.simulation_id, w.time_step) for w in windows_of(steps, 3, 1)]
     assert found == [(1, 0), (9, 0), (9, 1), (9, 2), (9, 6)]
+
+
+def test_a_simulation_that_ends_shorter_than_a_window_is_named_and_its_steps_leave(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    buffer = windowed("fifo", length=4)
+    for t in range(3):
+        buffer.put(step(6, t))
+    for t in range(5):
+        buffer.put(step(7, t))
+    with caplog.at_level("WARNING"):
+        buffer.end_simulation(6)
+        buffer.end_simulation(7)
+    assert [r.getMessage() for r in caplog.records] == [
+        "simulation 6: its steps 0 to 2 make no window of 4 steps (training.window): none is trained"
+    ]
+    assert buffer.held_steps == 5  # simulation 7's, spanned by its two windows
