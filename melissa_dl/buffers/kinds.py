@@ -377,7 +377,8 @@ class Buffer(ABC):
         else:
             entries = [entry for old in olds for entry in old["entries"]][rank::size]
         entries.sort(key=lambda entry: entry["served"] > 0)
-        state = {**self.state_dict(), "entries": entries, "windows": windows, "total_put": len(entries)}
+        put = len(windows["steps"]) if windows is not None else len(entries)  # the watermark counts steps
+        state = {**self.state_dict(), "entries": entries, "windows": windows, "total_put": put}
         self.load_state_dict(state)  # passes anew
         if self._windows is not None:
             with self._cond:

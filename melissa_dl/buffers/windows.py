@@ -85,6 +85,7 @@ class WindowStore:
         self.held = 0  # steps
         self.nbytes = 0
         self._timelines: dict[int, _Timeline] = {}
+        self._ended: set[int] = set()  # simulations whose timeline left: a step of theirs still coming makes nothing
 
     # -------------------------------------------------------------- stream
     def add(self, sample: Sample) -> list[Window]:
@@ -92,6 +93,8 @@ class WindowStore:
         sim, step = sample.simulation_id, sample.time_step
         timeline = self._timelines.get(sim)
         if timeline is None:
+            if sim in self._ended:  # put while the news of its end came (a failed simulation's last step)
+                return []
             timeline = self._timelines[sim] = _Timeline(step, step)
         timeline.first, timeline.last = min(timeline.first, step), max(timeline.last, step)
         if step in timeline.steps:  # a second copy (a resend after a restart): the first serves
@@ -211,6 +214,7 @@ class WindowStore:
         """An ended simulation's timeline leaves with its last step (its frames are refused from now on)."""
         if timeline.ended and not timeline.steps:
             del self._timelines[sim]
+            self._ended.add(sim)
 
     # ---------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:

@@ -420,17 +420,19 @@ class Assembler:
                 )
 
     def _check_order(self, sim: int, step: int) -> None:
-        """A window is consecutive steps: a step this rank holds must follow the one before it, when that one is
-        routed here too. (Steps of one connection arrive in the order they were sent, so only the simulation can
-        break it.)"""
+        """A window is consecutive steps: once a rank holds a step of the simulation, a step must come after the
+        one before it, when that one is routed here too. (Steps of one connection arrive in the order they were
+        sent; a relaunched attempt sends every step again from its first, those seen dropped, so a step that a
+        restart left out of the ledger on purpose (``Buffer.lacks``) comes after the one before it too.)"""
         last = self.ledger.last(sim)
-        if last is not None and step and self.spec.server_rank in self.spec.route.ranks(sim, step - 1):
-            if last != step - 1:
-                raise ProtocolError(
-                    f"simulation {sim}, step {step}: sent after step {last}; windows of steps (training.window) need "
-                    "every step, in order",
-                    "order",
-                )
+        if last is None or not step or (sim, step - 1) in self.ledger:
+            return
+        if self.spec.server_rank in self.spec.route.ranks(sim, step - 1):
+            raise ProtocolError(
+                f"simulation {sim}, step {step}: sent after step {last} without step {step - 1}; windows of steps "
+                "(training.window) need every step, in order",
+                "order",
+            )
 
     # -- memory held for incomplete steps and replaced attempts ---------------
 
@@ -443,11 +445,13 @@ class Assembler:
             stream = self._streams[sim]
             pieces = len(stream.pending.pop(step, ())) + stream.drop_parts(step)
             self._release((sim, step))
-            self.rejections.reject(
-                "incomplete",
+            message = (
                 f"simulation {sim}, step {step}: {pieces} pieces evicted incomplete ({held} bytes) to keep "
-                f"partial steps under server.max_partial_bytes={self.spec.max_partial_bytes}",
+                f"partial steps under server.max_partial_bytes={self.spec.max_partial_bytes}"
             )
+            self.rejections.reject("incomplete", message)
+            if self.spec.consecutive:  # its next step will be refused for it: the simulation's failure says why
+                self._refused.setdefault(sim, ("incomplete", message))
 
     def _release(self, key: tuple[int, int]) -> None:
         self.partial_bytes -= self._partial.pop(key, 0)
@@ -519,14 +523,20 @@ class Assembler:
         """Continue from a checkpoint: its steps count as received and will be dropped on arrival."""
         self.ledger = Ledger()
         self.ledger.load_state_dict(state["ledger"])
-        route, rank = self.spec.route, self.spec.server_rank
-        self.copies = sum(
-            int((route.owner(sim, np.array(self.ledger.steps(sim))) != rank).sum())
-            for sim in (self.ledger.simulations() if self.spec.overlap else ())
-        )
+        self.copies = self._copies()
         self.bytes_received = state["bytes_received"]
         self.duplicates = state["duplicates"]
         self._changed.update(self.ledger.simulations())
+
+    def _copies(self) -> int:
+        """The ledger's steps that another rank owns (with windows: the next block's first steps), recounted."""
+        if not self.spec.overlap:
+            return 0
+        route, rank, copies = self.spec.route, self.spec.server_rank, 0
+        for sim in self.ledger.simulations():
+            steps = np.array(self.ledger.steps(sim))
+            copies += int(np.count_nonzero(np.broadcast_to(route.owner(sim, steps) != rank, steps.shape)))
+        return copies
 
     # -- bookkeeping ----------------------------------------------------------
 

@@ -32,22 +32,30 @@ END = object()  # what next_batch returns once reception is over and the buffer 
 def collate(items: list[Any], views_of: Sequence[np.ndarray] = ()) -> Any:
     """Stack per-sample outputs (tensors, numpy arrays, numbers, or tuples/dicts of them). Numpy arrays that are
     evenly spaced views of one of the arrays ``views_of`` (a batch of windows, ``buffers.windows.stacked``) are
-    taken as one strided view of it, without a copy."""
+    taken as one strided view of it, without a copy, unless an earlier output of the batch views the same bytes
+    (inputs ``u[:-1]`` and targets ``u[1:]``: an in-place change of one would change the other)."""
+    return _collate(items, views_of, [])
+
+
+def _collate(items: list[Any], views_of: Sequence[np.ndarray], taken: list[tuple[Any, int, int, int]]) -> Any:
     first = items[0]
     if isinstance(first, np.ndarray):
-        return torch.from_numpy(_strided(items, views_of) if views_of else np.stack(items))
+        return torch.from_numpy(_strided(items, views_of, taken) if views_of else np.stack(items))
     if isinstance(first, torch.Tensor):
         return torch.stack(items)
     if isinstance(first, (tuple, list)):
-        return type(first)(collate(list(column), views_of) for column in zip(*items))
+        return type(first)(_collate(list(column), views_of, taken) for column in zip(*items))
     if isinstance(first, dict):
-        return {key: collate([item[key] for item in items], views_of) for key in first}
+        return {key: _collate([item[key] for item in items], views_of, taken) for key in first}
     return default_collate(items)
 
 
-def _strided(items: list[np.ndarray], views_of: Sequence[np.ndarray]) -> np.ndarray:
+def _strided(
+    items: list[np.ndarray], views_of: Sequence[np.ndarray], taken: list[tuple[Any, int, int, int]]
+) -> np.ndarray:
     """``items`` stacked: a view when they are views of one of ``views_of`` laid out at one distance from each
-    other, none overlapping the next (the arrays are the batch's own: a view shares no sample's memory)."""
+    other, none overlapping the next nor the bytes an earlier view of the batch (``taken``: base, first address,
+    extent, distance) took (the arrays are the batch's own: a view shares no sample's memory)."""
     first = items[0]
     base, shape, strides, dtype = first.base, first.shape, first.strides, first.dtype
     if len(items) < 2 or not any(base is array for array in views_of) or not all(s > 0 for s in strides):
@@ -61,6 +69,11 @@ def _strided(items: list[np.ndarray], views_of: Sequence[np.ndarray]) -> np.ndar
     extent = first.itemsize + sum((n - 1) * stride for n, stride in zip(shape, strides))
     if gap < extent or any(b - a != gap for a, b in zip(starts, starts[1:])):
         return np.stack(items)
+    for other, start, length, distance in taken:
+        shift = (starts[0] - start) % gap
+        if other is base and distance == gap and (shift < length or shift + extent > gap):
+            return np.stack(items)
+    taken.append((base, starts[0], extent, gap))
     return np.lib.stride_tricks.as_strided(first, (len(items), *shape), (gap, *strides))
 
 

@@ -99,8 +99,14 @@ class TrainingModule(nn.Module, ABC):
         while made < steps:
             window = {name: np.stack(steps_so_far[-inputs:]) for name, steps_so_far in history.items()}
             after = self.advance(Sample(first.simulation_id, first.time_step + made, first.parameters, window))
+            if set(after) != set(history):
+                raise ValueError(
+                    f"{type(self).__name__}.advance returned {sorted(after)}, not every field {sorted(history)}"
+                )
             for name, values in after.items():
                 values = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+                if len(values) == 0:
+                    raise ValueError(f"{type(self).__name__}.advance predicted no step of '{name}'")
                 history[name] += list(values)
                 predicted[name] += list(values)
             made += len(next(iter(after.values())))

@@ -92,7 +92,10 @@ def test_a_simulation_that_skips_a_step_is_refused_in_one_line_and_every_other_w
     config["launcher"]["max_retries"] = 2
     run = run_server(tmp_path, config, ranks=1)
     assert run.code == EXIT_FAILED_SIMULATIONS and run.report is not None, run.log
-    refusal = "simulation 2, step 8: sent after step 6; windows of steps (training.window) need every step, in order"
+    refusal = (
+        "simulation 2, step 8: sent after step 6 without step 7; windows of steps (training.window) need every step, "
+        "in order"
+    )
     assert refusal in run.log
     per = {entry["id"]: entry for entry in run.report["per_simulation"]}
     assert per[2]["state"] == "failed" and per[2]["attempts"] == 1  # not run again: it would skip the same step

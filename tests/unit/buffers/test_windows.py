@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from melissa_dl.buffers.kinds import Buffer, make_buffer
 from melissa_dl.buffers.sample import Sample
@@ -285,3 +286,20 @@ def test_a_simulation_that_ends_shorter_than_a_window_is_named_and_its_steps_lea
         "simulation 6: its steps 0 to 2 make no window of 4 steps (training.window): none is trained"
     ]
     assert buffer.held_steps == 5  # simulation 7's, spanned by its two windows
+
+
+def test_outputs_that_view_the_same_steps_are_not_one_view_twice() -> None:
+    """Teacher forcing (inputs ``u[:-1]``, targets ``u[1:]``): the targets are copied, so that an in-place change
+    of the inputs cannot change them; the inputs stay a view."""
+    buffer = windowed("fifo", length=4)
+    for t in range(8):
+        buffer.put(step(0, t))
+    batch = buffer.get_batch(4, timeout=1)
+    assert batch is not None
+    samples, arrays = stacked(batch)  # type: ignore[arg-type]
+    inputs, targets = collate([(s.fields["u"][:-1], s.fields["u"][1:]) for s in samples], arrays)
+    assert np.shares_memory(inputs.numpy(), arrays[0]) and not np.shares_memory(targets.numpy(), arrays[0])
+    before = targets.clone()
+    inputs.mul_(0)
+    assert torch.equal(targets, before)
+    assert targets[:, :, 0, 0].tolist() == [[code(0, a + t) for t in (1, 2, 3)] for a in range(4)]

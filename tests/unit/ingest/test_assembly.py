@@ -13,6 +13,7 @@ import pytest
 from melissa_dl.buffers.sample import Sample
 from melissa_dl.errors import ProtocolError
 from melissa_dl.ingest.assembly import COPY_FROM, Assembler, Progress, StreamSpec
+from melissa_dl.ingest.ledger import Ledger
 from melissa_dl.wire.blocks import Block
 from melissa_dl.wire.protocol import PART_BYTES, Header, Kind, encode_json, simulation_key, unpack_header
 from melissa_dl.wire.rejections import RejectionLog
@@ -756,7 +757,8 @@ def test_with_windows_a_step_that_does_not_follow_the_one_before_it_is_refused()
         send_step(assembler, sender, 4)  # step 3 skipped
     assert info.value.kind == "order"
     assert str(info.value) == (
-        "simulation 1, step 4: sent after step 2; windows of steps (training.window) need every step, in order"
+        "simulation 1, step 4: sent after step 2 without step 3; windows of steps (training.window) need every step, "
+        "in order"
     )
     sample = send_step(assembler, sender, 3)  # the step it skipped: it follows
     assert sample is not None and sample.time_step == 3
@@ -769,3 +771,65 @@ def test_with_windows_the_first_step_of_a_rank_s_block_follows_nothing_on_it() -
     assembler.handle(sender.declare())
     sample = send_step(assembler, sender, 4)
     assert sample is not None and sample.time_step == 4
+
+
+def test_with_windows_a_step_the_server_evicted_incomplete_is_the_simulations_refusal_not_the_next_steps_order() -> (
+    None
+):
+    """Client rank 0 runs ahead of client rank 1: step 1 is evicted to keep incomplete steps in budget, so step 2
+    is refused as out of order; the simulation's refusal says why (an eviction, which a relaunch repairs)."""
+    layouts = [{"u": ("float32", (8,)), "v": ("int64", (1, 3))}, {"u": ("float32", (1,)), "v": ("int64", (1, 3))}]
+    assembler = Assembler(make_spec(max_partial_bytes=150, block=4, overlap=2, consecutive=True))
+    ranks = [Sender(0, r, size=2) for r in range(2)]
+    for r, sender in enumerate(ranks):
+        assembler.handle(sender.declare(layouts[r]))
+
+    def send(r: int, t: int) -> Sample | None:
+        done = None
+        for name, array in step_arrays(0, t, layouts[r], r).items():
+            done = assembler.handle(ranks[r].data(t, name, array))
+        return done
+
+    send(0, 0)
+    first = send(1, 0)
+    assert first is not None
+    assembler.commit(first)
+    for t in (1, 2, 3):
+        send(0, t)
+    assert assembler.rejections.counts() == {"incomplete": 1}
+    send(1, 1)  # its other half is gone: it waits again
+    with pytest.raises(ProtocolError) as info:
+        send(1, 2)
+    assert info.value.kind == "order"
+    kind, message = assembler.take_refused()[0]
+    assert kind == "incomplete" and message.startswith("simulation 0, step 1: 2 pieces evicted incomplete")
+
+
+def test_with_windows_a_step_a_restart_left_out_of_the_ledger_comes_again_and_the_stream_goes_on() -> None:
+    """After a restart on another number of ranks, the ledger may hold steps 0-9 and 11-20 (step 10: a copy that
+    never reached its rank): the relaunched simulation's step 10 is taken, then its step 21."""
+    assembler = windowed_assembler(rank=0, size=1)
+    ledger = Ledger()
+    for t in [*range(10), *range(11, 21)]:
+        ledger.add(1, t)
+    assembler.load_state_dict({"ledger": ledger.state_dict(), "bytes_received": 0, "duplicates": 0})
+    sender = Sender(1)
+    assembler.handle(sender.declare())
+    for t in (10, 21):
+        sample = send_step(assembler, sender, t)
+        assert sample is not None and sample.time_step == t
+        assembler.commit(sample)
+
+
+def test_with_windows_and_simulations_bound_to_ranks_nothing_is_a_copy_after_a_restart() -> None:
+    spec = make_spec(server_rank=1, server_size=2, bind_simulation=True, block=4, overlap=2, consecutive=True)
+    assembler = Assembler(spec)
+    sender = Sender(1)
+    assembler.handle(sender.declare())
+    for t in range(6):
+        sample = send_step(assembler, sender, t)
+        assert sample is not None
+        assembler.commit(sample)
+    restored = Assembler(spec)
+    restored.load_state_dict(assembler.state_dict())
+    assert (restored.ledger.total(), restored.copies, assembler.copies) == (6, 0, 0)

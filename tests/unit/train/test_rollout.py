@@ -74,3 +74,27 @@ def test_trajectories_are_each_simulations_consecutive_steps_from_its_first() ->
     found = trajectories(steps, inputs=2)
     assert [(t.simulation_id, t.time_step) for t in found] == [(1, 3)]  # simulation 2 has nothing to predict
     assert found[0].fields["u"][:, 0].tolist() == [3.0, 4.0, 5.0]  # up to the first gap
+
+
+class Broken(Doubling):
+    def __init__(self, answer: dict[str, Any]) -> None:
+        super().__init__()
+        self.answer = answer
+
+    def advance(self, window: Sample) -> dict[str, Any]:
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        ({"u": np.zeros((0, 3))}, "Broken.advance predicted no step of 'u'"),
+        ({"v": np.zeros((1, 3))}, "Broken.advance returned ['v'], not every field ['u']"),
+    ],
+)
+def test_an_advance_that_predicts_nothing_or_not_every_field_is_an_error_not_a_hang(
+    answer: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        Broken(answer).rollout(trajectory([1.0, 2.0]), 3)
+    assert str(info.value) == message
