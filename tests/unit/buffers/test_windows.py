@@ -303,3 +303,13 @@ def test_outputs_that_view_the_same_steps_are_not_one_view_twice() -> None:
     inputs.mul_(0)
     assert torch.equal(targets, before)
     assert targets[:, :, 0, 0].tolist() == [[code(0, a + t) for t in (1, 2, 3)] for a in range(4)]
+
+
+def test_a_step_put_as_its_simulation_ended_is_not_held() -> None:
+    """A failed simulation's last step may be put while the news of its end is taken: it makes nothing."""
+    buffer = windowed("fifo", length=3)
+    buffer.put(step(4, 0))
+    buffer.end_simulation(4)
+    assert buffer.held_steps == 0
+    buffer.put(step(4, 1))
+    assert (buffer.held_steps, buffer.nbytes, len(buffer)) == (0, 0, 0)
