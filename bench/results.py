@@ -56,6 +56,7 @@ TARGET_LABELS = {"sparse_rowadagrad_*_cuda": "the CPU's", "sparse_adam_*_cuda": 
 ORDER = (  # the benchmarks' rows in this order, each named by its bench/<name>.py
     *("ingest", "parts", "pipeline", "online_vs_offline", "sparse_optim", "train_step", "sharded"),
     *("step_overhead", "checkpoint", "spawn", "active_sampling", "scale", "persistent"),
+    *("blocks", "windows", "online_vs_offline_rollout"),
 )
 NO_TARGET = ("none", "-")
 
