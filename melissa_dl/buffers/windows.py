@@ -141,7 +141,7 @@ class WindowStore:
         if timeline is None:
             return
         timeline.ended = True
-        if not self._any_made(timeline) and timeline.first < self.windowing.length and timeline.steps:
+        if not any(timeline.made) and timeline.first < self.windowing.length and timeline.steps:
             logger.warning(
                 "simulation %d: its steps %d to %d make no window of %d steps (training.window): none is trained",
                 simulation_id,
@@ -149,9 +149,7 @@ class WindowStore:
                 timeline.last,
                 self.windowing.length,
             )
-        for step in list(timeline.steps):
-            self._free_if_unneeded(simulation_id, timeline, step)
-        self._drop_if_done(simulation_id, timeline)
+        self._sweep(simulation_id, timeline)
 
     def end_all(self) -> None:
         """The data ended: what no window holds leaves."""
@@ -181,23 +179,24 @@ class WindowStore:
         return all(s in steps for s in range(start, start + self.windowing.length))
 
     def _make(self, sim: int, timeline: _Timeline, start: int) -> Window:
-        held = [timeline.steps[s] for s in range(start, start + self.windowing.length)]
-        for step in held:
-            step.users += 1
+        """A new window, marked made."""
         index = start // self.windowing.stride
         if len(timeline.made) <= index >> 3:
             timeline.made.extend(bytes((index >> 3) + 1 - len(timeline.made)))
         timeline.made[index >> 3] |= 1 << (index & 7)
+        return self._window(sim, timeline, start)
+
+    def _window(self, sim: int, timeline: _Timeline, start: int) -> Window:
+        """The window at ``start``, held by the buffer: its steps count one user more."""
+        held = [timeline.steps[s] for s in range(start, start + self.windowing.length)]
+        for step in held:
+            step.users += 1
         samples = tuple(step.sample for step in held)
         return Window(sim, start, samples[0].parameters, samples)
 
     def _was_made(self, timeline: _Timeline, start: int) -> bool:
         index = start // self.windowing.stride
         return index >> 3 < len(timeline.made) and bool(timeline.made[index >> 3] >> (index & 7) & 1)
-
-    @staticmethod
-    def _any_made(timeline: _Timeline) -> bool:
-        return any(timeline.made)
 
     def _needed(self, sim: int, timeline: _Timeline, step: int) -> bool:
         """Whether a window this rank may still make spans ``step``."""
@@ -209,6 +208,12 @@ class WindowStore:
             del timeline.steps[step]
             self.held -= 1
             self.nbytes -= held.sample.nbytes
+
+    def _sweep(self, sim: int, timeline: _Timeline) -> None:
+        """Every step of the timeline that nothing holds or needs leaves, and the timeline with the last if done."""
+        for step in list(timeline.steps):
+            self._free_if_unneeded(sim, timeline, step)
+        self._drop_if_done(sim, timeline)
 
     def _drop_if_done(self, sim: int, timeline: _Timeline) -> None:
         """An ended simulation's timeline leaves with its last step (its frames are refused from now on)."""
@@ -240,15 +245,9 @@ class WindowStore:
         windows = []
         for sim, start in starts:
             timeline = self._timelines[sim]
-            spanned = [timeline.steps[s] for s in range(start, start + self.windowing.length)]
-            for one in spanned:
-                one.users += 1
-            samples = tuple(one.sample for one in spanned)
-            windows.append(Window(sim, start, samples[0].parameters, samples))
+            windows.append(self._window(sim, timeline, start))
         for sim, timeline in list(self._timelines.items()):
-            for step in list(timeline.steps):
-                self._free_if_unneeded(sim, timeline, step)
-            self._drop_if_done(sim, timeline)
+            self._sweep(sim, timeline)
         return windows
 
     def make_complete(self) -> list[Window]:

@@ -87,7 +87,9 @@ class TrainingModule(nn.Module, ABC):
         most recent steps (``[inputs, ...]``: true ones at first, then the model's own predictions), as
         ``[targets, ...]`` arrays or tensors per field. Called without gradients, in ``eval()`` mode, by the
         default ``rollout``; a module without it (or its own ``rollout``) is not rolled out."""
-        raise NotImplementedError
+        # optional, as validation_step is: ``rolls_out`` tells whether a module overrides it, so this is reached
+        # only by a module that defines ``rollout`` and calls it anyway
+        raise NotImplementedError(f"{type(self).__name__} defines no advance(window)")
 
     def rollout(self, first: Sample, steps: int) -> dict[str, np.ndarray]:
         """The model's predictions of the ``steps`` steps after ``first`` (whose fields hold a trajectory's first
