@@ -88,6 +88,7 @@ EXAMPLE = ROOT / "examples" / "heat_pde"
 PICTURE = ROOT / "bench" / "online_vs_offline.png"
 sys.path.insert(0, str(EXAMPLE))  # the surrogate imports solver.py from its folder
 
+from melissa_dl.runtime.status import EXIT_STOPPED  # noqa: E402
 from melissa_dl.study.plots import read_losses  # noqa: E402
 from melissa_dl.train.module import load_module_class  # noqa: E402
 
@@ -197,6 +198,34 @@ def cpus(cores: list[int]) -> str:
     return ",".join(map(str, cores))
 
 
+def run_for_budget(command: list[str], config: Path, seconds: float) -> tuple[float, float]:
+    """Run the server ``command`` on ``config`` for ``seconds`` from its launch, stop it by SIGTERM (a graceful
+    stop, exit 75: every rank checkpoints) and export its model; when it was launched and how long it ran."""
+    launched = time.time()
+    with open(config.with_suffix(".log"), "w") as log:
+        server = subprocess.Popen(command, env=environment(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            server.wait(timeout=seconds)
+            raise RuntimeError(f"the online study ended (exit {server.returncode}) before its budget: see {log.name}")
+        except subprocess.TimeoutExpired:
+            server.send_signal(signal.SIGTERM)  # mpirun forwards it
+        stopped = time.time() - launched
+        code = server.wait(timeout=120)
+    if code != EXIT_STOPPED:
+        raise RuntimeError(f"the online study exited {code} on SIGTERM, not {EXIT_STOPPED}: see {log.name}")
+    export = subprocess.run(
+        [mpirun(), "-n", "1", sys.executable, "-m", "melissa_dl", "--export-model", str(config)],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if export.returncode != 0:
+        hint = "a budget too short for the server to checkpoint a model leaves none to export"
+        raise RuntimeError(f"--export-model exited {export.returncode} ({hint}):\n{export.stderr[-2000:]}")
+    return launched, stopped
+
+
 def run_online(config: Path, args: argparse.Namespace, experiment: Experiment) -> tuple[Run, Path]:
     """The server on K ranks, stopped at the budget; its curve and the path of its final model."""
     data = json.loads(config.read_text())
@@ -213,27 +242,7 @@ def run_online(config: Path, args: argparse.Namespace, experiment: Experiment) -
         "--fresh",
         str(config),
     ]
-    launched = time.time()
-    with open(config.with_suffix(".log"), "w") as log:
-        server = subprocess.Popen(command, env=environment(), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            server.wait(timeout=args.seconds)
-            raise RuntimeError(f"the online study ended (exit {server.returncode}) before its budget: see {log.name}")
-        except subprocess.TimeoutExpired:
-            server.send_signal(signal.SIGTERM)  # mpirun forwards it: every rank stops after a checkpoint
-        stopped = time.time() - launched
-        code = server.wait(timeout=120)
-    if code != 75:  # EXIT_STOPPED
-        raise RuntimeError(f"the online study exited {code} on SIGTERM, not 75: see {config.with_suffix('.log')}")
-    export = subprocess.run(
-        [mpirun(), "-n", "1", sys.executable, "-m", "melissa_dl", "--export-model", str(config)],
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if export.returncode != 0:
-        raise RuntimeError(f"--export-model exited {export.returncode}:\n{export.stderr[-2000:]}")
+    launched, stopped = run_for_budget(command, config, args.seconds)
     _, times, values = read_losses(output / "tensorboard" / "rank0", launched, 1.0)["validation/loss"]
     status = json.loads((output / "status.json").read_text())  # the last one before the stop (no report then)
     run = Run(

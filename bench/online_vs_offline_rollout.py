@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -73,7 +72,7 @@ from pathlib import Path
 
 LAUNCHED = time.time()  # the offline side's clock starts with its process, before its imports
 import numpy as np  # noqa: E402
-from online_vs_offline import CORES, ONE_THREAD  # noqa: E402  (bench/ is the script's folder)
+from online_vs_offline import CORES, ONE_THREAD, run_for_budget  # noqa: E402  (bench/ is the script's folder)
 from studies import ROOT, environment, mpirun  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "reaction_diffusion"
@@ -85,7 +84,6 @@ from solver import FIELDS, GrayScott  # noqa: E402
 from melissa_dl import Sample, TrainingModule  # noqa: E402
 from melissa_dl.buffers.windows import Window, stacked, windows_of  # noqa: E402
 from melissa_dl.config.sections import Config, TrainingConfig, load_config  # noqa: E402
-from melissa_dl.runtime.status import EXIT_STOPPED  # noqa: E402
 from melissa_dl.study.sampling import parameter_table  # noqa: E402
 from melissa_dl.train.dataset import collate  # noqa: E402
 from melissa_dl.train.module import load_module_class  # noqa: E402
@@ -181,28 +179,7 @@ def run_online(config: Path, args: argparse.Namespace) -> tuple[Run, Path]:
     """The server on K ranks, stopped by SIGTERM at the budget, its model exported."""
     output = Path(json.loads(config.read_text())["output_dir"])
     command = [mpirun(), "-n", str(args.ranks), sys.executable, "-m", "melissa_dl", "--fresh", str(config)]
-    launched = time.time()
-    with open(config.with_suffix(".log"), "w") as log:
-        server = subprocess.Popen(command, env=environment(), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            server.wait(timeout=args.seconds)
-            raise RuntimeError(f"the online study ended (exit {server.returncode}) before its budget: see {log.name}")
-        except subprocess.TimeoutExpired:
-            server.send_signal(signal.SIGTERM)  # mpirun forwards it: every rank stops after a checkpoint
-        stopped = time.time() - launched
-        code = server.wait(timeout=120)
-    if code != EXIT_STOPPED:
-        raise RuntimeError(f"the online study exited {code} on SIGTERM, not {EXIT_STOPPED}: see {log.name}")
-    export = subprocess.run(
-        [mpirun(), "-n", "1", sys.executable, "-m", "melissa_dl", "--export-model", str(config)],
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if export.returncode != 0:
-        hint = "a budget too short for the server to checkpoint a model leaves none to export"
-        raise RuntimeError(f"--export-model exited {export.returncode} ({hint}):\n{export.stderr[-2000:]}")
+    _, stopped = run_for_budget(command, config, args.seconds)
     status = json.loads((output / "status.json").read_text())  # the last one before the stop (no report then)
     run = Run(
         "online",
