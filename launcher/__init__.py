@@ -6,7 +6,7 @@ The server decides what runs, retries and states; this package only runs process
 
 from __future__ import annotations
 
-from launcher.jobs import NOT_RUNNABLE, START_FAILED, Launcher
+from launcher.jobs import NOT_RUNNABLE, START_FAILED, Launcher, program_last_line
 from launcher.samplers import Breeding, Sampler
 from launcher.schedulers import (
     KILL_GRACE,
@@ -31,4 +31,5 @@ __all__ = [
     "Sampler",
     "Scheduler",
     "child_environment",
+    "program_last_line",
 ]

@@ -16,6 +16,7 @@ import errno
 import heapq
 import logging
 import math
+import re
 import select
 import threading
 import time
@@ -41,7 +42,15 @@ START_FAILED = 125
 """Return code of an attempt that could not start for another reason (no memory, a process limit, a scheduler
 that refused it): a relaunch may succeed."""
 TAIL = 300
-"""Characters of an attempt's output end that go into its failure reason."""
+"""Characters of the end of the program's own output that go into an attempt's failure reason."""
+LAUNCHER_LINE = re.compile(
+    r"srun: |slurmstepd(-\S+)?: |slurm: job \S+ ended |\[(mpiexec|proxy:\S*)@|=+$|=   "
+    r"|YOUR APPLICATION TERMINATED WITH THE EXIT STRING|This typically refers to a problem with your application"
+    r"|Please see the FAQ page"
+)
+"""A line that ``srun``, ``slurmstepd``, MPICH's ``mpirun`` or the Slurm scheduler here wrote into a job's output
+after the program's own: ``srun: error: node1: task 0: Exited with exit code 1``, hydra's banner for a rank killed
+by a signal, ``slurm: job 1234 ended NODE_FAIL``."""
 REFILL = 0.01
 """Seconds between two looks of the launcher's thread at its jobs (a submit wakes it at once)."""
 UNAVAILABLE_RETRY = 2.0
@@ -50,6 +59,11 @@ UNAVAILABLE_LIMIT = 1800.0
 """Seconds in a row a scheduler may be unavailable before an attempt it cannot take fails (counted, as any start
 that failed): a controller restarted or failed over is back well within them; one that is not, a study cannot
 wait for."""
+
+
+def program_last_line(tail: str) -> str:
+    """The last line the program itself wrote, of an output tail (:meth:`Launcher.output_tail`)."""
+    return next((line for line in reversed(tail.split(" | ")) if not LAUNCHER_LINE.match(line)), "")
 
 
 class Slots:
@@ -317,14 +331,19 @@ class Launcher:
         return self._log_dir / f"simulation{simulation_id}.attempt{attempt}.log"
 
     def output_tail(self, simulation_id: int, attempt: int) -> str:
-        """The last lines of an attempt's output, joined by `` | `` (its own error, usually), '' if none."""
+        """The last lines of an attempt's output, joined by `` | ``, '' if none: the program's own (its error,
+        usually; :data:`TAIL` characters at most), then those srun, slurmstepd or mpirun wrote about its end
+        (:data:`LAUNCHER_LINE`), whole, however long the program's were."""
         try:
             with open(self.log_path(simulation_id, attempt), "rb") as log:
-                log.seek(max(0, log.seek(0, 2) - 4 * TAIL))
+                log.seek(max(0, log.seek(0, 2) - 8 * TAIL))
                 text = log.read().decode(errors="replace")
         except OSError:
             return ""
-        return " | ".join(line.strip() for line in text.splitlines() if line.strip())[-TAIL:]
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        launchers = [line for line in lines if LAUNCHER_LINE.match(line)]
+        program = " | ".join(line for line in lines if not LAUNCHER_LINE.match(line))[-TAIL:]
+        return " | ".join(([program] if program else []) + launchers)
 
     def kill(self, simulation_id: int) -> None:
         """Kill the simulation's running job or drop it from the queue; poll will not report it.

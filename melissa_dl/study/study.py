@@ -12,7 +12,8 @@ reason. A simulation whose failure a relaunch would meet again fails at once:
 refused at the handshake for its field layout or client size
 (:meth:`Study.fail`), a program that cannot run (exit code 126 or 127), frames
 refused for what they hold (dtype, shape, unknown field, NaN), or a client
-usage error (``ClientError``, the last line of its output). An attempt that
+usage error (``ClientError``, the last line the program wrote, before what srun or
+mpirun add). An attempt that
 exited 0 with frames refused for what they hold (dtype, shape, unknown
 field, NaN) failed for them, and a relaunch would send them again. Every failure
 reason carries the end of the attempt's output and its log's path. If no
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from launcher import NOT_RUNNABLE, Launcher, Sampler
+from launcher import NOT_RUNNABLE, Launcher, Sampler, program_last_line
 from melissa_dl.ingest.assembly import Progress
 from melissa_dl.ingest.handshake import DETERMINISTIC
 from melissa_dl.ingest.receiver import ReceiverReport
@@ -70,7 +71,7 @@ EXIT_GRACE = 5.0  # seconds a simulation that exited 0 has for its finalize mess
 REPEATED_REFUSALS = DETERMINISTIC | {"non_finite", "time_step", "undeclared", "order"}  # kinds a relaunch sends again
 LEARNING_GRACE = 5.0  # seconds without a new loss, nothing running, before a waiting sampler gets partial statistics
 GIVE_UP_AFTER = 3  # failed simulations, and no success, before the study stops (at least the first wave's)
-CLIENT_ERROR = "ClientError"  # in the last line of an attempt's output: a mistake in the simulation's use of the API
+CLIENT_ERROR = "ClientError"  # in the program's last line of an attempt's output: a mistake in its use of the API
 
 
 @dataclass(frozen=True)
@@ -496,9 +497,7 @@ class Study:
         if sim.refused is not None:
             cause += f"; its frames were refused: {sim.refused[1]}"
         refused_content = sim.exit_code == 0 and sim.refused is not None and sim.refused[0] in REPEATED_REFUSALS
-        retry = (
-            retry and not refused_content and not self.gave_up and CLIENT_ERROR not in sim.output.rsplit(" | ", 1)[-1]
-        )
+        retry = retry and not refused_content and not self.gave_up and CLIENT_ERROR not in program_last_line(sim.output)
         sim.reason = f"{cause}; output ({sim.log}): {sim.output}" if sim.output else cause
         sim.failures += 1
         where = "" if sim.output else f" (log {sim.log})"

@@ -35,7 +35,7 @@ from support import (
 from test_example_configs import check
 from test_fault_tolerance import assert_every_step_once, assert_stopped_after_a_final_checkpoint
 
-from melissa_dl.runtime.status import EXIT_STOPPED
+from melissa_dl.runtime.status import EXIT_FAILED_SIMULATIONS, EXIT_STOPPED
 
 # xdist_group: the clusters' tests share one worker, one after another, which starts them before the other tests
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("clusters")]
@@ -212,6 +212,25 @@ def test_a_simulation_that_always_fails_is_reported_with_its_exit_code_and_outpu
     assert failed["reason"] == (
         f"exit code 1; output ({output / 'simulations' / 'simulation1.attempt1.log'}): "
         "toy_sim: crashing on purpose at step 3"
+    ), failed
+    assert run.report["simulations"]["done"] == 3
+
+
+def test_a_client_error_on_two_ranks_is_not_relaunched_whatever_srun_writes_after_it(
+    tmp_path: Path, output: Path
+) -> None:
+    """srun writes its own lines after the program's (``srun: error: vm: task 0: Exited with exit code 1``): the
+    ClientError is judged on the program's last line, and the reason names both."""
+    failing = ["--fail", "client-error", "--fail-simulation", "1", "--fail-attempts", "9"]
+    command = [sys.executable, TOY_SIM, "--mpi", *failing]
+    run = run_server(tmp_path, slurm_study(output, command, max_retries=1, client_ranks=2), ranks=1, timeout=240)
+    assert run.code == EXIT_FAILED_SIMULATIONS, run.log
+    assert run.report is not None
+    failed = run.report["per_simulation"][1]
+    assert (failed["state"], failed["attempts"]) == ("failed", 1), failed
+    assert re.search(
+        r"ClientError: field 'undeclared' was not declared \(declared: \['field'\]\)( \| [^|]*)* \| srun: error: ",
+        failed["reason"],
     ), failed
     assert run.report["simulations"]["done"] == 3
 

@@ -4,7 +4,8 @@ Step t of simulation s sends the field ``s * 1000 + t`` (so a test can check
 what the server assembled). ``--fail`` makes simulation ``--fail-simulation``
 misbehave on its first ``--fail-attempts`` attempts, at step ``--fail-at``:
 ``crash`` exits 1, ``hang`` sleeps forever, ``no-finalize`` exits 0 without
-announcing its steps. ``--step-delay`` paces the steps, so that a test can
+announcing its steps, ``client-error`` sends a field it did not declare (a
+``ClientError``, uncaught). ``--step-delay`` paces the steps, so that a test can
 interrupt the server in the middle of a study, and ``--go FILE`` holds the
 first step until FILE exists (of every simulation but ``--go-now``; ``{simulation}``
 in FILE stands for the simulation's id, so that each may have a file of its own). Simulation ``--odd-simulation``
@@ -31,7 +32,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--shape", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--mpi", action="store_true")
-    parser.add_argument("--fail", choices=["crash", "hang", "no-finalize"])
+    parser.add_argument("--fail", choices=["crash", "hang", "no-finalize", "client-error"])
     parser.add_argument("--fail-simulation", type=int, default=-1)
     parser.add_argument("--fail-attempts", type=int, default=1)
     parser.add_argument("--fail-at", type=int, default=3)
@@ -71,6 +72,8 @@ def main() -> None:
                 os._exit(1)
             if args.fail == "hang":
                 time.sleep(3600)
+            if args.fail == "client-error":
+                client.send("undeclared", t, np.zeros(shape, dtype=dtype))
             client.close()
             return
         time.sleep(args.step_delay)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from launcher import jobs
-from launcher.jobs import NOT_EXECUTABLE, NOT_FOUND, START_FAILED, Launcher
+from launcher.jobs import NOT_EXECUTABLE, NOT_FOUND, START_FAILED, TAIL, Launcher, program_last_line
 from launcher.placeholders import Placeholders
 from launcher.schedulers import (
     KILL_GRACE,
@@ -187,6 +187,48 @@ def test_unstartable_command_is_reported_as_failed(tmp_path: Path) -> None:
     assert launcher.running() == set()
     assert "No such file or directory" in launcher.output_tail(0, 0)
     assert str(tmp_path / "no-such-simulation") in launcher.output_tail(0, 0)
+
+
+ERROR = "melissa_send('pressure'): ClientError: field 'pressure' was not declared by melissa_init (declared: 'field')"
+SRUN_END = [  # what a 2-rank job's output ended with, on the test Slurm cluster, after rank 0 exited 1
+    "srun: error: vm: task 0: Exited with exit code 1",
+    "srun: launch/slurm: _step_signal: Terminating StepId=57896933.0",
+    "slurmstepd-vm: error: *** STEP 57896933.0 ON vm CANCELLED AT 2026-11-29T16:37:20 ***",
+    "srun: error: vm: task 1: Terminated",
+    "srun: Force Terminated StepId=57896933.0",
+]
+HYDRA_END = [  # MPICH's mpirun, after a rank killed by a signal
+    "",
+    "=" * 83,
+    "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
+    "=   PID 21709 RUNNING AT vm",
+    "=   EXIT CODE: 9",
+    "=   CLEANING UP REMAINING PROCESSES",
+    "=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES",
+    "=" * 83,
+    "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)",
+    "This typically refers to a problem with your application.",
+    "Please see the FAQ page for debugging suggestions",
+]
+
+
+@pytest.mark.parametrize("ending", [SRUN_END, HYDRA_END], ids=["srun", "mpirun"])
+def test_the_tail_keeps_the_programs_last_line_whole_before_what_the_launcher_wrote(
+    tmp_path: Path, ending: list[str]
+) -> None:
+    """However long the launcher's lines, the program's last line (the one a ClientError is judged on) is whole
+    in the tail, and it is the program's last line whatever comes after it."""
+    launcher = Launcher(LocalScheduler(["true"], tmp_path), 1, tmp_path / "logs")
+    log = log_of(tmp_path, 3, attempt=1)
+    log.parent.mkdir()
+    log.write_text("\n".join(["x" * 500, f"step {TAIL}", ERROR, ERROR, *ending]) + "\n")
+    tail = launcher.output_tail(3, 1)
+    launched = [line for line in ending if line.strip()]
+    assert tail.endswith(" | ".join([ERROR, *launched])), tail
+    assert len(tail) == TAIL + len(" | ".join(["", *launched]))  # the program's part cut to TAIL, its lines whole
+    assert program_last_line(tail) == ERROR
+    assert program_last_line(" | ".join(launched)) == ""
+    assert program_last_line("toy_sim: crashing | slurm: job 12 ended NODE_FAIL, exit code 0:0") == "toy_sim: crashing"
 
 
 def test_a_program_that_cannot_run_and_one_that_could_not_start_get_distinct_codes(tmp_path: Path) -> None:
