@@ -13,17 +13,19 @@ class Sample:
     """All fields of time step ``time_step`` of simulation ``simulation_id``.
 
     ``nbytes`` is computed once so that byte-bounded buffers need no walk over
-    the fields on every put.
+    the fields on every put; it is given where it is known (the windows of a
+    batch, :func:`melissa_dl.buffers.windows.stacked`, a walk per window).
     """
 
     simulation_id: int
     time_step: int
     parameters: np.ndarray
     fields: dict[str, np.ndarray]
-    nbytes: int = field(init=False)
+    nbytes: int = field(default=-1, repr=False)
 
     def __post_init__(self) -> None:
-        self.nbytes = int(self.parameters.nbytes) + sum(int(a.nbytes) for a in self.fields.values())
+        if self.nbytes < 0:
+            self.nbytes = self.parameters.nbytes + sum([a.nbytes for a in self.fields.values()])
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of it."""

@@ -293,10 +293,11 @@ def stacked(windows: Sequence[Window]) -> tuple[list[Sample], list[np.ndarray]]:
     first = windows[0]
     count, length = len(windows), len(first.steps)
     names = list(first.steps[0].fields)
-    owners = [np.stack([step.fields[name] for window in windows for step in window.steps]) for name in names]
+    owners = [np.array([step.fields[name] for window in windows for step in window.steps]) for name in names]
     arrays = [owner.reshape(count, length, *owner.shape[1:]) for owner in owners]
+    nbytes = first.parameters.nbytes + sum(owner.nbytes for owner in owners) // count
     samples = [
-        Sample(w.simulation_id, w.time_step, w.parameters, {name: a[i] for name, a in zip(names, arrays)})
+        Sample(w.simulation_id, w.time_step, w.parameters, {name: a[i] for name, a in zip(names, arrays)}, nbytes)
         for i, w in enumerate(windows)
     ]
     return samples, owners

@@ -39,8 +39,9 @@ def collate(items: list[Any], views_of: Sequence[np.ndarray] = ()) -> Any:
 
 def _collate(items: list[Any], views_of: Sequence[np.ndarray], taken: list[tuple[Any, int, int, int]]) -> Any:
     first = items[0]
-    if isinstance(first, np.ndarray):
-        return torch.from_numpy(_strided(items, views_of, taken) if views_of else np.stack(items))
+    if isinstance(first, np.ndarray):  # np.array stacks in C: np.stack makes a view of each item first
+        view = _strided(items, views_of, taken) if views_of else None
+        return torch.from_numpy(view if view is not None else np.array(items))
     if isinstance(first, torch.Tensor):
         return torch.stack(items)
     if isinstance(first, (tuple, list)):
@@ -52,27 +53,26 @@ def _collate(items: list[Any], views_of: Sequence[np.ndarray], taken: list[tuple
 
 def _strided(
     items: list[np.ndarray], views_of: Sequence[np.ndarray], taken: list[tuple[Any, int, int, int]]
-) -> np.ndarray:
-    """``items`` stacked: a view when they are views of one of ``views_of`` laid out at one distance from each
+) -> np.ndarray | None:
+    """``items`` stacked as a view, when they are views of one of ``views_of`` laid out at one distance from each
     other, none overlapping the next nor the bytes an earlier view of the batch (``taken``: base, first address,
-    extent, distance) took (the arrays are the batch's own: a view shares no sample's memory)."""
+    extent, distance) took (the arrays are the batch's own: a view shares no sample's memory); else None."""
     first = items[0]
     base, shape, strides, dtype = first.base, first.shape, first.strides, first.dtype
     if len(items) < 2 or not any(base is array for array in views_of) or not all(s > 0 for s in strides):
-        return np.stack(items)
-    starts = []
-    for item in items:
-        if item.base is not base or item.shape != shape or item.strides != strides or item.dtype != dtype:
-            return np.stack(items)
-        starts.append(_address(item))
+        return None
+    alike = [i.base is base and i.strides == strides and i.shape == shape and i.dtype == dtype for i in items]
+    if not all(alike):
+        return None
+    starts = [_address(item) for item in items]
     gap = starts[1] - starts[0]
     extent = first.itemsize + sum((n - 1) * stride for n, stride in zip(shape, strides))
     if gap < extent or any(b - a != gap for a, b in zip(starts, starts[1:])):
-        return np.stack(items)
+        return None
     for other, start, length, distance in taken:
         shift = (starts[0] - start) % gap
         if other is base and distance == gap and (shift < length or shift + extent > gap):
-            return np.stack(items)
+            return None
     taken.append((base, starts[0], extent, gap))
     return np.lib.stride_tricks.as_strided(first, (len(items), *shape), (gap, *strides))
 
