@@ -13,8 +13,8 @@ class Sample:
     """All fields of time step ``time_step`` of simulation ``simulation_id``.
 
     ``nbytes`` is computed once so that byte-bounded buffers need no walk over
-    the fields on every put; it is given where it is known (the windows of a
-    batch, :func:`melissa_dl.buffers.windows.stacked`, a walk per window).
+    the fields on every put; it is passed where it is known already (the
+    windows of a batch, :func:`melissa_dl.buffers.windows.stacked`: all alike).
     """
 
     simulation_id: int
