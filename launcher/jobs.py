@@ -340,10 +340,12 @@ class Launcher:
                 text = log.read().decode(errors="replace")
         except OSError:
             return ""
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        launchers = [line for line in lines if LAUNCHER_LINE.match(line)]
-        program = " | ".join(line for line in lines if not LAUNCHER_LINE.match(line))[-TAIL:]
-        return " | ".join(([program] if program else []) + launchers)
+        program: list[str] = []
+        launchers: list[str] = []
+        for line in filter(None, (line.strip() for line in text.splitlines())):
+            (launchers if LAUNCHER_LINE.match(line) else program).append(line)
+        tail = " | ".join(program)[-TAIL:]
+        return " | ".join(([tail] if tail else []) + launchers)
 
     def kill(self, simulation_id: int) -> None:
         """Kill the simulation's running job or drop it from the queue; poll will not report it.

@@ -88,8 +88,11 @@ class TrainingModule(nn.Module, ABC):
         ``[targets, ...]`` arrays or tensors per field. Called without gradients, in ``eval()`` mode, by the
         default ``rollout``; a module without it (or its own ``rollout``) is not rolled out."""
         # optional, as validation_step is: ``rolls_out`` tells whether a module overrides it, so this is reached
-        # only by a module that defines ``rollout`` and calls it anyway
-        raise NotImplementedError(f"{type(self).__name__} defines no advance(window)")
+        # only by a module whose own ``rollout`` calls it: the module's mistake, named with its fix
+        raise TypeError(
+            f"{type(self).__name__}.advance(window) is called (by its rollout) but not defined: define it, or a "
+            "rollout that does not call it"
+        )
 
     def rollout(self, first: Sample, steps: int) -> dict[str, np.ndarray]:
         """The model's predictions of the ``steps`` steps after ``first`` (whose fields hold a trajectory's first

@@ -58,6 +58,13 @@ def test_a_module_without_advance_or_rollout_is_not_rolled_out() -> None:
     assert not Still().rolls_out()
 
 
+def test_a_rollout_that_calls_an_undefined_advance_is_told_which_and_how_to_mend_it() -> None:
+    with pytest.raises(
+        TypeError, match=r"^Still\.advance\(window\) is called \(by its rollout\) but not defined: define"
+    ):
+        Still().rollout(trajectory([1.0, 2.0]), 3)
+
+
 def test_rollout_errors_are_relative_per_step_and_taken_at_the_horizons() -> None:
     truth = trajectory([1.0, 2.0, 4.0, 8.0, 20.0])  # the model's doubling is right up to 8, then 16 for 20
     errors = rollout_errors(Doubling(), truth, inputs=2)
