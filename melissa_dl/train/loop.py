@@ -6,11 +6,16 @@ with a batch ready, ranks whose stream ended, whether rank 0 wants a
 bookkeeping round, ranks whose buffer is full, and ranks asked to stop
 (SIGTERM). So every rank takes the same decisions at the same iteration: a
 training step only when all K ranks hold a batch (the global loss is the mean
-of the K per-rank losses, docs/explanation/design.md#training-across-ranks), a stop as soon as any rank has run dry
+of the K per-rank losses, docs/explanation/design.md#training-across-ranks), an end as soon as any rank has run dry
 (no rank ever waits in a collective that another will not join), and the
 study's bookkeeping while data is late. A rank keeps a batch it formed until
-the step happens, so nothing is skipped. Without training, ranks drain
-independently and stop when all are dry.
+the step happens, so nothing is skipped. A stop happens in the round that
+learns of it: if every rank holds a batch they step first; otherwise a rank
+holding one hands it to the trainer, whose checkpoint keeps it to train first
+when the run resumes (the samples are in no buffer any more, and waiting for
+the others to match it may be forever: the simulations die of the same
+signal). Without training, ranks drain independently and stop when all are
+dry.
 
 While data keeps up, that round costs no collective of its own: before a
 step every rank takes its next batch without waiting and starts the next
@@ -61,15 +66,13 @@ logger = logging.getLogger(__name__)
 
 WAIT = 0.05  # seconds a rank waits for its buffer before joining the next round
 POLL = 0.0002  # seconds between two checks of a pending collective
-STOP_WAIT = 20.0  # seconds a requested stop waits for a round where no rank holds a formed batch
 READY, ENDED, DUE, FULL, STOP = range(5)  # the counters of a round
 DRAIN_BATCH = 64  # samples taken from the buffer at once without training
 
 
 class Outcome(Enum):
     ENDED = "ended"  # a rank (lockstep) or every rank (draining) ran dry after reception ended
-    STOPPED = "stopped"  # on request, at a round where no rank held a formed batch: safe to checkpoint
-    STOPPED_MIDWAY = "stopped midway"  # on request, but no such round came within STOP_WAIT seconds
+    STOPPED = "stopped"  # on request
 
 
 class Consumer(Protocol):
@@ -228,10 +231,13 @@ class Loop:
         self.checkpoints = checkpoints
 
     def train(self, trainer: Trainer, next_batch: Callable[[float], Any], stall_timeout: float) -> Outcome:
-        """Train in lockstep; snapshot when the checkpoints say so and at the end, unless stopped midway (a
-        checkpoint then could lose samples). ``stall_timeout``: see ``_check_stall``."""
+        """Train in lockstep, first on the batches a stopped run left this rank (``Trainer.held``); snapshot when
+        the checkpoints say so and at the end. ``stall_timeout``: see ``_check_stall``."""
         assert self.checkpoints is not None
         checkpoints, summary = self.checkpoints, trainer.summary
+
+        def held_first(wait: float) -> Any:
+            return trainer.held.pop(0) if trainer.held else next_batch(wait)
 
         def step(batch: Any) -> None:
             trainer.step(batch)
@@ -244,18 +250,18 @@ class Loop:
         self.stop.install()  # a signal before is an exit: there is nothing to checkpoint yet
         outcome = self._rounds(
             trainer,
-            next_batch,
+            held_first,
             step,
             stall_timeout,
             look_ahead=lambda: not checkpoints.due(summary.batches + 1),
             idle=lambda: checkpoints.when_idle(summary.batches, summary.samples),
+            hold=trainer.hold,
         )
         summary.duration_s += time.monotonic() - start
         self._log(outcome, summary.batches)
         if outcome is Outcome.ENDED:
             trainer.validate_unless_done()
-        if outcome is not Outcome.STOPPED_MIDWAY:
-            checkpoints.snapshot(summary.batches, summary.samples)
+        checkpoints.snapshot(summary.batches, summary.samples)
         checkpoints.final(complete=outcome is Outcome.ENDED)
         trainer.close()
         return outcome
@@ -282,19 +288,20 @@ class Loop:
         stall_timeout: float | None,
         look_ahead: Callable[[], bool] = lambda: False,
         idle: Callable[[], None] = lambda: None,
+        hold: Callable[[Any], None] = lambda batch: None,
     ) -> Outcome:
         """Consume until one rank (with a ``stall_timeout``: lockstep training) or every rank (without:
         independent draining) is dry, or a rank was asked to stop.
 
         When every rank steps, the next round may travel with the step (see ``_step_ahead``) if
         ``look_ahead()`` allows holding the next batch through it (not before a snapshot). In lockstep,
-        ``idle()`` is called in every round where no rank holds a formed batch.
+        ``idle()`` is called in every round where no rank holds a formed batch, and at a stop a batch the
+        other ranks could not match goes to ``hold``.
         """
         synchronous = stall_timeout is not None
         flags, next_flags = np.zeros(5, dtype=np.int64), np.zeros(5, dtype=np.int64)
         pending, ahead = None, False  # ahead: this round's flags came with the last step, in next_flags
         self._stalled_since: float | None = None
-        self._stopping_since: float | None = None
         while True:
             if ahead:
                 flags, next_flags = next_flags, flags
@@ -312,13 +319,15 @@ class Loop:
             if synchronous and flags[READY] == 0:
                 idle()
             if ready and (flags[READY] == self.size or not synchronous):
-                if synchronous and not flags[STOP] and self._stopping_since is None and look_ahead():
+                if synchronous and not flags[STOP] and look_ahead():
                     pending, ahead = self._step_ahead(step, pending, next_batch, next_flags), True
                 else:
                     step(pending)
                     pending = None
-            if (stopped := self._stopped(flags, synchronous)) is not None:
-                return stopped
+            if flags[STOP]:
+                if pending is not None and pending is not END:
+                    hold(pending)
+                return Outcome.STOPPED
             if synchronous:
                 self._check_stall(flags, stall_timeout)  # type: ignore[arg-type]
 
@@ -337,15 +346,12 @@ class Loop:
 
     def _exchange(self, flags: np.ndarray, pending: Any) -> MPI.Request:
         """Start the round's all-reduce of what this rank holds and wants."""
-        overdue = (
-            self.rank == 0 and self._stopping_since is not None and time.monotonic() - self._stopping_since > STOP_WAIT
-        )
         flags[:] = (
             pending is not None and pending is not END,
             pending is END,
             self.rank == 0 and self.bookkeeping.due(),
             self.buffer.producer_waiting,
-            self.stop.requested + overdue * (self.size + 1),
+            self.stop.requested,
         )
         return self.comm.Iallreduce(MPI.IN_PLACE, flags)
 
@@ -354,17 +360,6 @@ class Loop:
         """Polled rather than waited in: simulations and the other ranks may share these cores."""
         while not request.Test():
             time.sleep(POLL)
-
-    def _stopped(self, flags: np.ndarray, synchronous: bool) -> Outcome | None:
-        """A stop happens at a round where no rank holds a formed batch, so every sample taken from a buffer
-        has been trained and a checkpoint taken then loses none. If no such round comes within ``STOP_WAIT``
-        seconds (by rank 0's clock, so that all ranks agree), it happens anyway, midway."""
-        if not flags[STOP] and self._stopping_since is None:
-            return None
-        self._stopping_since = self._stopping_since or time.monotonic()
-        if flags[READY] in (0, self.size) or not synchronous:
-            return Outcome.STOPPED
-        return Outcome.STOPPED_MIDWAY if flags[STOP] > self.size else None
 
     def _check_stall(self, flags: np.ndarray, stall_timeout: float) -> None:
         """In lockstep, a rank without data while another rank's buffer is full can wait forever (that
@@ -383,13 +378,7 @@ class Loop:
             )
 
     def _log(self, outcome: Outcome, batches: int) -> None:
-        if outcome is Outcome.STOPPED_MIDWAY:
-            logger.warning(
-                "stop requested, but for %g s some ranks always held a batch the others could not "
-                "match: stopping without a last checkpoint (a restart resumes from the last one written)",
-                STOP_WAIT,
-            )
-        elif outcome is Outcome.STOPPED:
+        if outcome is Outcome.STOPPED:
             logger.info("training stopped on request after %d batches", batches)
         else:
             logger.info(

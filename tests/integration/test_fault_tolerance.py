@@ -245,6 +245,41 @@ def test_sigterm_to_every_process_of_a_supervised_study_is_one_graceful_stop(
     assert_every_step_once(output, ranks=2)
 
 
+@pytest.mark.parametrize("after", [2, 1])
+def test_a_stop_while_one_rank_holds_a_batch_the_other_cannot_match_keeps_it_in_the_checkpoint(
+    tmp_path: Path, output: Path, after: int
+) -> None:
+    """Simulation 0 sends its 6 steps to rank 0, which forms a batch of 4; simulation 1, rank 1's, waits for a file,
+    so rank 1 has none and no more data comes. SIGTERM stops the run at once with a checkpoint whose rank 0 keeps
+    that batch; the resumed run (on ``after`` ranks) trains it: every sample of the study trained once, none
+    twice."""
+    config = paced_config(output)
+    config["study"].update(simulations=2, time_steps=6)
+    config["server"]["bind_simulation_to_server_rank"] = True
+    go = tmp_path / "go"
+    config["launcher"]["command"] = [sys.executable, TOY_SIM, "--steps", "6", "--go", str(go), "--go-now", "0"]
+    config["checkpoint"] = {"interval": 0}
+    process = start(server_command(tmp_path, config, 2))
+    rank0 = output / "logs" / "rank0.log"
+    wait_for(lambda: rank0.exists() and "simulation 0 done" in rank0.read_text(), process)
+    process.send_signal(signal.SIGTERM)
+    log, _ = process.communicate(timeout=60)
+    assert process.returncode == EXIT_STOPPED, log
+    assert_stopped_after_a_final_checkpoint(log, output)
+    assert "rank 0 keeps a batch of 4 samples for the resumed run to train first" in log
+    version = latest_valid(output / "checkpoints")
+    assert version is not None and version.manifest["batch"] == 0
+    held = loads(version.read(0, "trainer.pt"))["held"]
+    assert [batch.ids.tolist() for batch in held] == [[[0, 0], [0, 1], [0, 2], [0, 3]]]
+    assert loads(version.read(1, "trainer.pt"))["held"] == []
+    go.touch()
+    run = run_server(tmp_path, config, ranks=after)
+    assert run.code == 0 and run.report is not None, run.log
+    assert "resuming from checkpoint" in run.log
+    assert run.report["simulations"]["done"] == 2 and run.report["samples_received"] == 12
+    assert run.report["samples_consumed"] == 12, run.log
+
+
 @pytest.mark.parametrize("failure", ["kill -9 rank 1", "rank 1 hangs"])
 def test_the_supervisor_restarts_a_dead_or_hung_server_and_the_study_completes(
     tmp_path: Path, output: Path, failure: str
