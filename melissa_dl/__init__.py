@@ -25,6 +25,7 @@ _EXPORTS = {
     "RowAdagrad": "melissa_dl.embeddings.sparse_optim",
     "Adam": "melissa_dl.embeddings.sparse_optim",
     "make_sparse_optimizer": "melissa_dl.embeddings.sparse_optim",
+    "load_model": "melissa_dl.serving.saved",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     )
     from melissa_dl.embeddings.table import ShardedEmbedding
     from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
+    from melissa_dl.serving.saved import load_model
     from melissa_dl.train.module import TrainingModule
     from melissa_dl.wire.blocks import Block
     from melissa_dl.wire.client import Client

@@ -24,7 +24,7 @@ from melissa_dl.runtime.mpi import first_of_launch, keep_pmi_lines_short
 from melissa_dl.runtime.status import EXIT_CONFIG
 from melissa_dl.study.jobs import check_settings, scheduler_from_config
 from melissa_dl.study.progress import show_status
-from melissa_dl.train.module import check_options, load_module_class
+from melissa_dl.train.module import check_options, check_prediction_inputs, load_module_class
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -123,12 +123,13 @@ def check_study(config: Config, build: bool) -> None:
     if build:
         try:
             with torch.device("meta"):
-                module_class(**training.options)
+                module = module_class(**training.options)
         except Exception as error:  # the user's constructor: whatever it raises is this config's error
             raise ConfigError(
                 f"training: building {module_class.__name__}(**training.options) failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
+        check_prediction_inputs(module)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ import socket
 import struct
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,7 @@ from melissa_dl.runtime.mpi import (
     launch_problem,
 )
 from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT, lock_output
+from melissa_dl.serving.saved import save
 from melissa_dl.study.jobs import launcher_from_config
 from melissa_dl.study.progress import StatusBoard, after_data, earlier_runs_seconds
 from melissa_dl.study.report import final_report, write_report
@@ -245,10 +247,24 @@ class Server:
 
     def _export_model(self, version: Version, trainer: Trainer) -> int:
         """``--export-model``: model.pt of the checkpoint just restored, and nothing else."""
-        model = self.checkpoints.export(trainer.model_state())
+        model = self._save_model(trainer)
         if self.rank == 0:
             logger.info("model of checkpoint %s written to %s", version.path, model)
         return 0
+
+    def _save_model(self, trainer: Trainer) -> Path:
+        """Collective (the tables are gathered): ``model.pt`` with what rebuilds it (``serving.saved``), written
+        by rank 0; its path, on every rank."""
+        state, training = trainer.model_state(), trainer.training
+        if state is not None:
+            save(
+                self.config.output_path,
+                state,
+                training,
+                self.config.base_dir / training.module,
+                trainer.summary.batches,
+            )
+        return self.config.output_path / "model.pt"
 
     def _start_receiving(self) -> tuple[str, str]:
         """Bind and start the receiver; its data and delivery endpoints, also logged (what a firewall must let
@@ -347,7 +363,7 @@ class Server:
         extra: dict[str, Any] = {}
         succeeded = self.comm.bcast(study.counts()["done"] > 0 if study is not None else None)
         if trainer is not None:  # a model trained on no whole simulation is not worth a file that looks like one
-            model = self.checkpoints.export(trainer.model_state()) if succeeded else None
+            model = self._save_model(trainer) if succeeded else None
             extra["training"] = {
                 **trainer.summary.to_dict(),
                 "samples_trained": total,

@@ -38,7 +38,7 @@ thousand; 3e-3 is noisier still. ReLU plateaus 3x higher than GELU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +94,7 @@ class HeatSurrogate(TrainingModule):
         if not np.all(self.bounds[:, 0] < self.bounds[:, 1]):
             raise ValueError(f"need low < high for the temperatures and the diffusivity, got {bounds}")
         self.param_mid, self.param_half = self.bounds.mean(axis=1), (self.bounds[:, 1] - self.bounds[:, 0]) / 2
+        self.prediction_inputs = {"parameters": ("float32", (len(bounds),)), "time_step": ("float32", ())}
         self.temp_mid, self.temp_scale = (low + high) / 2, (high - low) / 4
 
         layers: list[nn.Module] = []
@@ -136,13 +137,15 @@ class HeatSurrogate(TrainingModule):
         x, y = batch
         return nn.functional.mse_loss(self(x), y)
 
-    @torch.no_grad()
-    def predict(self, parameters: Sequence[float], time_step: int) -> np.ndarray:
-        """The predicted temperature field ``[nx, ny]`` in physical units."""
-        x = torch.from_numpy(self.inputs(np.asarray(parameters, dtype=np.float64), time_step))
-        device = next(self.parameters()).device
-        y = self(x.to(device)[None])[0].cpu().numpy()
-        return (y * self.temp_scale + self.temp_mid).reshape(self.nx, self.ny)
+    def predict(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``parameters [n, 5 or 6]`` and ``time_step [n]`` (``prediction_inputs``) -> ``temperature [n, nx, ny]``
+        in physical units; in torch, so that it traces (``model.ts``)."""
+        parameters = inputs["parameters"]
+        mid = torch.as_tensor(self.param_mid, dtype=parameters.dtype, device=parameters.device)
+        half = torch.as_tensor(self.param_half, dtype=parameters.dtype, device=parameters.device)
+        x = torch.cat([(parameters - mid) / half, (inputs["time_step"] / self.steps)[:, None]], dim=1)
+        y = self(x) * self.temp_scale + self.temp_mid
+        return {FIELD: y.reshape(-1, self.nx, self.ny)}
 
     def validation_parameters(self) -> np.ndarray:
         """The held-out parameter sets, ``[validation_simulations, 5 or 6]``."""

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,7 @@ class NodeFieldSurrogate(TrainingModule):
         self.temp_mid, self.temp_scale = (low + high) / 2, (high - low) / 4
         self._rng: np.random.Generator | None = None  # made on first use: the rank is known by then
         self._all_nodes = np.arange(self.nodes, dtype=np.int64)
+        self.prediction_inputs = {"parameters": ("float32", (N_PARAMETERS,)), "time_step": ("float32", ())}
 
         optimizer = make_sparse_optimizer(embedding_optimizer, embedding_lr)  # sgd, adagrad, rowadagrad, adam
         self.embedding = ShardedEmbedding(self.nodes, dim, optimizer=optimizer, seed=seed, name="nodes")
@@ -172,13 +174,14 @@ class NodeFieldSurrogate(TrainingModule):
         node_ids, x, y = batch
         return nn.functional.mse_loss(self(node_ids, x), y)
 
-    @torch.no_grad()
-    def predict(self, parameters: Any, time_step: int) -> np.ndarray:
-        """The predicted temperature field ``[nx, ny]`` in physical units (a collective)."""
-        device = next(self.parameters()).device
-        x = torch.from_numpy(self.inputs(np.asarray(parameters, dtype=np.float64), time_step)).to(device)
-        y = self(torch.from_numpy(self._all_nodes).to(device)[None], x[None])[0].cpu().numpy()
-        return (y * self.temp_scale + self.temp_mid).reshape(self.nx, self.ny)
+    def predict(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``parameters [n, 5]`` and ``time_step [n]`` (``prediction_inputs``) -> ``temperature [n, nx, ny]`` in
+        physical units, every node's (on more than one rank, a collective)."""
+        parameters = inputs["parameters"]
+        x = torch.cat([(parameters - self.param_mid) / self.param_half, (inputs["time_step"] / self.steps)[:, None]], 1)
+        nodes = torch.arange(self.nodes, device=parameters.device).expand(parameters.shape[0], -1)  # traced: no len()
+        y = self(nodes, x) * self.temp_scale + self.temp_mid
+        return {FIELD: y.reshape(-1, self.nx, self.ny)}
 
     def validation_parameters(self) -> np.ndarray:
         """The held-out parameter sets, ``[validation_simulations, 5]``."""

@@ -7,27 +7,21 @@ builds them (``add``: each is restored from that version at once); the
 training loop calls it when training begins (``begin``), after every step
 (``after_step``: a snapshot every ``checkpoint.interval`` batches),
 in every bookkeeping round (``sync``: commits), in every round where no
-rank holds a formed batch (``when_idle``) and at the end (``final``);
-the server has it write the trained model (``export``: ``model.pt``).
+rank holds a formed batch (``when_idle``) and at the end (``final``).
 ``recovery.Checkpointer`` writes and commits, ``versions`` stores; the
 parts know only ``state_dict``.
 """
 
 from __future__ import annotations
 
-import io
 import time
-from pathlib import Path
-from typing import Any
-
-import torch
 
 from melissa_dl.checkpoint.recovery import Checkpointer, Part, checkpoint_root, find_checkpoint, restore, start_fresh
 from melissa_dl.checkpoint.snapshots import BackgroundCopies
 from melissa_dl.checkpoint.versions import Version, next_version
 from melissa_dl.config.sections import Config
 from melissa_dl.errors import CheckpointCorrupt, ConfigError
-from melissa_dl.runtime.files import remove_temporaries, write_atomic
+from melissa_dl.runtime.files import remove_temporaries
 from melissa_dl.runtime.mpi import Comm
 
 
@@ -109,16 +103,6 @@ class CheckpointManager:
         if self._unrecorded and (self.spacing == 0 or self.comm.bcast(time.monotonic() >= self._next_record)):
             self._unrecorded, self._requested = False, True
             self._next_record = time.monotonic() + self.spacing
-
-    def export(self, model: dict[str, Any] | None) -> Path:
-        """``<output_dir>/model.pt``: the trained ``model`` that rank 0 holds (``Trainer.model_state``), written
-        atomically by rank 0; its path, on every rank."""
-        path = self.config.output_path / "model.pt"
-        if model is not None:
-            stream = io.BytesIO()
-            torch.save(model, stream)
-            write_atomic(path, stream.getbuffer())
-        return path
 
     def final(self, complete: bool) -> None:
         """Collective, when training ends or stops: commit the last snapshot (``complete``: of the study's end)."""

@@ -87,10 +87,12 @@ def sum_rows(grads: torch.Tensor, unique: UniqueIds, divisor: int = 1) -> torch.
     return kernels.sum_rows(grads, keys, len(unique.ids), divisor)
 
 
-def set_default_collectives(collectives: Collectives | None) -> None:
-    """The collectives of tables built without explicit ones (the server sets its own before the user's module)."""
+def set_default_collectives(collectives: Collectives | None) -> Collectives | None:
+    """The collectives of tables built without explicit ones (the server sets its own before the user's module);
+    the ones before."""
     global _default_collectives
-    _default_collectives = collectives
+    before, _default_collectives = _default_collectives, collectives
+    return before
 
 
 @dataclass

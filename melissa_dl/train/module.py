@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from melissa_dl.buffers.sample import Sample
+from melissa_dl.config.limits import DTYPES, MAX_NDIM
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.plugins import load_class
 
@@ -55,6 +56,11 @@ class TrainingModule(nn.Module, ABC):
     arrives, keeps its outputs as rows of preallocated tensors, and forms each batch with one ``index_select``
     per output (``melissa_dl.buffers.rows``; a second copy of the buffered samples, processed). False: ``process``
     runs every time a sample is served into a batch."""
+
+    prediction_inputs: Mapping[str, tuple[str, tuple[int, ...]]] = {}
+    """What one prediction is asked with: name -> (dtype, shape) of its array; ``predict`` gets them stacked,
+    ``[n, *shape]``. A module that declares them is also saved as TorchScript when it can be traced
+    (``melissa_dl.serving.saved``); empty: it is saved as a state dict only."""
 
     @abstractmethod
     def configure_optimizer(self) -> torch.optim.Optimizer:
@@ -76,6 +82,13 @@ class TrainingModule(nn.Module, ABC):
     def validation_step(self, batch: Any) -> torch.Tensor:
         """The validation loss of one batch (by default the training loss)."""
         return self.training_step(batch)
+
+    def predict(self, inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The model's answers to ``n`` questions at once: each input ``[n, *shape]`` (``prediction_inputs``),
+        each output ``[n, ...]``, by name. Called without gradients, in ``eval()`` mode. By default
+        ``forward(**inputs)``, whose tensor is named ``"output"`` (a mapping is returned as it is)."""
+        outputs = self(**inputs)
+        return outputs if isinstance(outputs, Mapping) else {"output": outputs}
 
     def validation_samples(self) -> Sequence[Sample]:
         """Held-out samples for validation; none by default (no validation). With ``training.window``: steps, of
@@ -120,6 +133,26 @@ class TrainingModule(nn.Module, ABC):
     def rolls_out(self) -> bool:
         """Whether the module defines ``advance`` or its own ``rollout``."""
         return type(self).advance is not TrainingModule.advance or type(self).rollout is not TrainingModule.rollout
+
+
+def check_prediction_inputs(module: TrainingModule) -> None:
+    """``prediction_inputs`` of a module as it is built, so that a mistake in them ends the study before it starts,
+    not when it writes its model."""
+    where = f"{type(module).__name__}.prediction_inputs"
+    if not isinstance(module.prediction_inputs, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of name to (dtype, shape)")
+    for name, layout in module.prediction_inputs.items():
+        if not (isinstance(layout, (tuple, list)) and len(layout) == 2):
+            raise ConfigError(f"{where}[{name!r}]: expected (dtype, shape), got {layout!r}")
+        dtype, shape = layout
+        if dtype not in DTYPES:
+            raise ConfigError(f"{where}[{name!r}]: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if not (
+            isinstance(shape, (tuple, list))
+            and len(shape) < MAX_NDIM
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)
+        ):
+            raise ConfigError(f"{where}[{name!r}]: shape {shape!r} is not a tuple of fewer than {MAX_NDIM} sizes > 0")
 
 
 def load_module_class(path: Path, class_name: str) -> type[TrainingModule]:

@@ -42,7 +42,7 @@ from melissa_dl.runtime.mpi import Comm
 from melissa_dl.study.learning import LossLog, Records
 from melissa_dl.train.data_parallel import make_data_parallel
 from melissa_dl.train.dataset import Batch, collate
-from melissa_dl.train.module import TrainingModule, load_module_class
+from melissa_dl.train.module import TrainingModule, check_prediction_inputs, load_module_class
 from melissa_dl.train.rollout import HORIZONS, at_horizons, rollout_errors, trajectories
 
 if TYPE_CHECKING:
@@ -187,6 +187,7 @@ class Trainer:
         set_default_collectives(self.collectives)  # the user's ShardedEmbeddings shard over these ranks
         module_class = load_module_class(base_dir / training.module, training.class_name)
         self.module: TrainingModule = module_class(**training.options)
+        check_prediction_inputs(self.module)
         self.module.rank, self.module.world_size, self.module.window = self.rank, self.size, training.window
         self.module.to(self.device)
         self.tables = {name: m for name, m in self.module.named_modules() if isinstance(m, ShardedEmbedding)}

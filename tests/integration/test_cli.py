@@ -172,6 +172,24 @@ class Picky(Tiny):
             raise ValueError(f"hidden {hidden} is too large")
         super().__init__(hidden=hidden)
 """
+UNSERVABLE_MODULE = """
+import torch
+
+from melissa_dl import TrainingModule
+
+
+class Unservable(TrainingModule):
+    prediction_inputs = {"x": ("float32", (2, -1))}
+
+    def configure_optimizer(self):
+        return torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+
+    def process(self, sample):
+        return sample.fields["field"]
+
+    def training_step(self, batch):
+        return batch.sum()
+"""
 
 
 @pytest.mark.parametrize(
@@ -187,6 +205,7 @@ class Picky(Tiny):
             "training.module: importing {module} failed: ModuleNotFoundError: No module named 'no_such_package'",
         ),
         ("build", "training: building Picky(**training.options) failed: ValueError: hidden 16 is too large"),
+        ("predict", "Unservable.prediction_inputs['x']: shape (2, -1) is not a tuple of fewer than 6 sizes > 0"),
         ("command", "launcher.command[0]: no file {tmp_path}/no-such-solver"),
         ("program", "launcher.command[0]: no program 'no-such-solver' in PATH (the server's, its venv first)"),
     ],
@@ -203,10 +222,10 @@ def test_check_catches_what_a_run_would_meet_in_one_line_without_mpi(tmp_path: P
     elif case == "import":
         module.write_text(BROKEN_MODULE)
         config["training"].update(module=str(module), class_name="Broken")
-    elif case == "build":
+    elif case in ("build", "predict"):
         shutil.copy(here / "tiny_module.py", tmp_path)  # imported by the user's module, from its folder
-        module.write_text(RAISING_MODULE)
-        config["training"].update(module=str(module), class_name="Picky")
+        module.write_text(RAISING_MODULE if case == "build" else UNSERVABLE_MODULE)
+        config["training"].update(module=str(module), class_name="Picky" if case == "build" else "Unservable")
     elif case == "command":
         config["launcher"]["command"] = ["./no-such-solver"]
     else:

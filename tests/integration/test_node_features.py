@@ -20,6 +20,8 @@ import torch
 from support import HERE, run_server
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from melissa_dl import load_model
+
 pytestmark = pytest.mark.timeout(180)
 
 EXAMPLE = HERE.parent.parent / "examples" / "node_features"
@@ -53,3 +55,12 @@ def test_node_features_train_on_both_ranks_and_the_validation_loss_falls(tmp_pat
         assert all(e.value > 0 for e in events.Scalars("embeddings/rows_updated")), rank
     state = torch.load(output / "model.pt")
     assert state["embedding.shard"].shape == (32 * 32, 16)  # both ranks' rows, gathered
+    assert json.loads((output / "model.json").read_text())["batches"] == summary["batches"]
+    model = load_model(output)  # in this process, without MPI: the table whole
+    torch.testing.assert_close(model.embedding.shard, state["embedding.shard"], rtol=0, atol=0)
+    questions = (torch.tensor([[150.0, 250, 350, 450, 200], [400, 300, 200, 100, 500]]), torch.tensor([0.0, 50]))
+    with torch.no_grad(), pytest.warns(DeprecationWarning):  # torch deprecates TorchScript; FTorch loads it
+        answers = model.predict(dict(zip(model.prediction_inputs, questions)))["temperature"]
+        scripted = torch.jit.load(str(output / "model.ts"))(*questions)
+    assert answers.shape == (2, 32, 32) and bool(((answers > 0) & (answers < 1000)).all())
+    torch.testing.assert_close(scripted, answers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -13,6 +14,7 @@ import torch
 from support import HERE, TOY_SIM, run_server, study_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from melissa_dl import load_model
 from melissa_dl.runtime.status import EXIT_FAILED_SIMULATIONS
 from melissa_dl.study.plots import BUFFERS, INTAKE, LOSS, SIMULATIONS
 
@@ -70,6 +72,12 @@ def test_training_logs_every_scalar_on_every_rank_and_saves_the_model(tmp_path: 
     state = torch.load(output / "model.pt")
     assert set(state) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
     assert (output / "config.json").exists()
+    saved = json.loads((output / "model.json").read_text())  # what rebuilds it: Tiny declares no prediction inputs
+    assert saved["class_name"] == "Tiny" and saved["batches"] == summary["batches"] and saved["torchscript"] is None
+    model = load_model(output)
+    assert type(model).__name__ == "Tiny" and not model.training and not (output / "model.ts").exists()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)
     log = (output / "logs" / "rank0.log").read_text()  # a library's INFO lines stay out (issue 13, item 5)
     assert "chatty_library: a WARNING it should" in log and "an INFO line" not in log
     assert "optimizer Adam sharded: each of the 2 ranks steps 1/2 of every parameter" in log

@@ -110,9 +110,11 @@ def test_predict_is_in_kelvin_on_the_grid() -> None:
     module = HeatSurrogate(hidden=16, depth=1, nx=8, ny=6)
     torch.nn.init.zeros_(module.net[-1].weight)
     torch.nn.init.zeros_(module.net[-1].bias)
-    prediction = module.predict([100, 200, 300, 400, 500], 0)
-    assert prediction.shape == (8, 6)
-    np.testing.assert_allclose(prediction, 300.0)  # a zero output is the middle of the range
+    parameters = torch.tensor([[100.0, 200, 300, 400, 500], [500, 400, 300, 200, 100]])
+    with torch.no_grad():
+        prediction = module.predict({"parameters": parameters, "time_step": torch.tensor([0.0, 7])})
+    assert list(prediction) == ["temperature"] and prediction["temperature"].shape == (2, 8, 6)
+    np.testing.assert_allclose(prediction["temperature"], 300.0)  # a zero output is the middle of the range
 
 
 def test_a_few_hundred_steps_cut_the_held_out_loss_tenfold() -> None:

@@ -1,0 +1,173 @@
+"""A study's trained model on disk, and the way back to a module (docs/how-to/use-the-model.md).
+
+At its end (and on ``--export-model``) a study writes into its output folder:
+
+- ``model.pt``: the module's ``state_dict`` on the CPU, every embedding table whole;
+- ``model.json``: what rebuilds it: the module's file (an absolute path: the config's folder is not the output's),
+  its class, ``training.options``, ``training.window``, the batches it was trained to (its version), and, when
+  the module declares ``prediction_inputs``, the inputs and outputs of its ``predict``;
+- ``model.ts``: for such a module whose ``predict`` traces, a TorchScript module whose ``forward`` takes those
+  inputs as tensors ``[n, *shape]`` in their declared order and returns the outputs (one tensor, or a tuple in
+  ``model.json``'s order): what C++ (``torch::jit::load``) and Fortran (FTorch) load.
+
+``load_model`` rebuilds the module in any Python session, on one process: a ``ShardedEmbedding`` built without
+the server's collectives holds its whole table, which ``model.pt`` has. Tracing needs the same single-process
+module, so the study builds one from the files it just wrote rather than tracing its rank's replica, whose
+lookups would be collectives over the ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from melissa_dl.config.sections import TrainingConfig, WindowConfig
+from melissa_dl.embeddings.table import set_default_collectives
+from melissa_dl.errors import ConfigError
+from melissa_dl.runtime.files import write_atomic
+from melissa_dl.train.module import TrainingModule, load_module_class
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1  # of model.json
+TRACE_SEED = 0  # of the random inputs a trace is made and checked with
+TRACE_BATCHES = (2, 3)  # traced with the first, checked with the second: a batch size the trace froze fails
+
+
+def save(
+    folder: Path, state: dict[str, Any], training: TrainingConfig, module_file: Path, batches: int
+) -> dict[str, Any]:
+    """``model.pt``, ``model.json`` and, where the module's ``predict`` traces, ``model.ts`` in ``folder``;
+    ``model.json``'s content."""
+    stream = io.BytesIO()
+    torch.save(state, stream)
+    write_atomic(folder / "model.pt", stream.getbuffer())
+    saved: dict[str, Any] = {
+        "format": FORMAT,
+        "module": str(module_file.resolve()),
+        "class_name": training.class_name,
+        "options": training.options,
+        "window": vars(training.window) if training.window is not None else None,
+        "batches": batches,
+        "inputs": None,
+        "outputs": None,
+        "torchscript": None,
+    }
+    module = _rebuild(saved, state, "cpu")
+    if module.prediction_inputs:
+        saved["inputs"] = {name: [dtype, list(shape)] for name, (dtype, shape) in module.prediction_inputs.items()}
+        try:
+            traced, saved["outputs"] = _trace(module)
+        except Exception as error:  # the user's code: any failure means only that there is no TorchScript file
+            said = [line for line in str(error).splitlines() if any(c.isalpha() for c in line)] or [repr(error)]
+            logger.warning("model.ts not written: %s's predict does not trace (%s)", training.class_name, said[-1])
+        else:
+            stream = io.BytesIO()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                torch.jit.save(traced, stream)
+            write_atomic(folder / "model.ts", stream.getbuffer())
+            saved["torchscript"] = "model.ts"
+    write_atomic(folder / "model.json", (json.dumps(saved, indent=2) + "\n").encode())
+    return saved
+
+
+def load_model(output_dir: str | Path, device: str | torch.device = "cpu") -> TrainingModule:
+    """The module a study trained, rebuilt from its output folder (``model.json`` and ``model.pt``) on ``device``,
+    in ``eval()`` mode: call its ``predict``, or any method of yours. Its class is imported from the file the study
+    trained with, which must still be there."""
+    folder = Path(output_dir)
+    description = folder / "model.json"
+    try:
+        saved = json.loads(description.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{description}: missing (a study writes it with model.pt at its end; --export-model writes both from "
+            "its latest checkpoint)"
+        ) from None
+    if saved.get("format") != FORMAT:
+        raise ConfigError(f"{description}: format {saved.get('format')!r}, this melissa_dl reads {FORMAT}")
+    state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
+    return _rebuild(saved, state, device).eval()
+
+
+def _rebuild(saved: dict[str, Any], state: dict[str, Any], device: str | torch.device) -> TrainingModule:
+    """The module of ``saved`` (``model.json``) with the parameters of ``state``, on one process."""
+    module_class = load_module_class(Path(saved["module"]), saved["class_name"])
+    with _single_process():
+        module = module_class(**saved["options"])
+    window = saved["window"]
+    module.window = WindowConfig(**window) if window is not None else None
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [key for key in missing if not key.endswith("._extra_state")]  # a table's: its range, whole here
+    if missing or unexpected:
+        raise ConfigError(
+            f"model.pt does not match {saved['class_name']} of {saved['module']} (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}): was the file changed since the study?"
+        )
+    return module.to(device)
+
+
+@contextmanager
+def _single_process() -> Iterator[None]:
+    """Tables built meanwhile hold every row, whatever collectives the server set for its own module."""
+    before = set_default_collectives(None)
+    try:
+        yield
+    finally:
+        set_default_collectives(before)
+
+
+class _Positional(nn.Module):
+    """``predict`` as TorchScript's callers call ``forward``: tensors in, in ``prediction_inputs``' order; one
+    tensor out, or a tuple of them in ``outputs``' order."""
+
+    def __init__(self, module: TrainingModule, outputs: list[str]) -> None:
+        super().__init__()
+        self.module, self.inputs, self.outputs = module, list(module.prediction_inputs), outputs
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        answers = self.module.predict(dict(zip(self.inputs, tensors)))
+        values = tuple(answers[name] for name in self.outputs)
+        return values[0] if len(values) == 1 else values
+
+
+def _trace(module: TrainingModule) -> tuple[torch.jit.ScriptModule, list[str]]:
+    """``module``'s ``predict`` traced, and its outputs' names; raises if the trace does not give eager's answers
+    at another batch size."""
+    module.eval()
+    traced_batch, checked_batch = (_example(module, n) for n in TRACE_BATCHES)
+    with torch.no_grad():
+        outputs = list(module.predict(dict(zip(module.prediction_inputs, traced_batch))))
+        wrapper = _Positional(module, outputs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TracerWarnings and torch.jit's deprecation: the check below decides
+            traced = torch.jit.trace(wrapper, traced_batch, check_trace=False)
+        expected, got = wrapper(*checked_batch), traced(*checked_batch)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = got if isinstance(got, tuple) else (got,)
+    for name, want, have in zip(outputs, expected, got):
+        if want.shape != have.shape or not torch.allclose(want, have, rtol=1e-4, atol=1e-5, equal_nan=True):
+            raise ValueError(f"the trace answers '{name}' differently at a batch of {TRACE_BATCHES[1]}")
+    return traced, outputs
+
+
+def _example(module: TrainingModule, n: int) -> tuple[torch.Tensor, ...]:
+    """A batch of ``n`` questions: random floats, and zeros for integers (valid ids of any table)."""
+    rng = np.random.default_rng(TRACE_SEED)
+    tensors = []
+    for dtype, shape in module.prediction_inputs.values():
+        kind = np.dtype(dtype)
+        values = rng.standard_normal((n, *shape)) if kind.kind == "f" else np.zeros((n, *shape))
+        tensors.append(torch.from_numpy(values.astype(kind)))
+    return tuple(tensors)
