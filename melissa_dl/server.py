@@ -263,6 +263,7 @@ class Server:
                 training,
                 self.config.base_dir / training.module,
                 trainer.summary.batches,
+                trainer.module.prediction_inputs,
             )
         return self.config.output_path / "model.pt"
 

@@ -1,9 +1,9 @@
 // The trained heat surrogate in C++, without Python: model.ts (written by the study) loaded with LibTorch.
 //
-//     predict OUTPUT_DIR/model.ts STEP INITIAL LEFT RIGHT BOTTOM TOP
+//     heat_predict OUTPUT_DIR/model.ts STEP INITIAL LEFT RIGHT BOTTOM TOP
 //
 // prints the predicted temperature field, one grid row per line. Build it against any LibTorch, e.g. the one
-// inside the venv's torch (docs/how-to/use-the-model.md).
+// inside the venv's torch: make predict (docs/how-to/use-the-model.md).
 #include <torch/script.h>
 
 #include <cstdio>
@@ -14,7 +14,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s model.ts STEP INITIAL LEFT RIGHT BOTTOM TOP\n", argv[0]);
     return 2;
   }
-  torch::jit::script::Module model = torch::jit::load(argv[1]);
+  torch::jit::script::Module model;
+  try {
+    model = torch::jit::load(argv[1]);
+  } catch (const c10::Error& error) {
+    std::fprintf(stderr, "%s: cannot load %s: %s\n", argv[0], argv[1], error.what_without_backtrace());
+    return 1;
+  }
   float values[5];
   for (int i = 0; i < 5; ++i) values[i] = std::strtof(argv[3 + i], nullptr);
   // model.json's "inputs", in its order, each with the batch (here one question) first

@@ -95,6 +95,9 @@ class HeatSurrogate(TrainingModule):
             raise ValueError(f"need low < high for the temperatures and the diffusivity, got {bounds}")
         self.param_mid, self.param_half = self.bounds.mean(axis=1), (self.bounds[:, 1] - self.bounds[:, 0]) / 2
         self.prediction_inputs = {"parameters": ("float32", (len(bounds),)), "time_step": ("float32", ())}
+        # the same constants for predict, as buffers: they follow .to(device), also in model.ts (not in model.pt)
+        self.register_buffer("parameter_mid", torch.tensor(self.param_mid, dtype=torch.float32), persistent=False)
+        self.register_buffer("parameter_half", torch.tensor(self.param_half, dtype=torch.float32), persistent=False)
         self.temp_mid, self.temp_scale = (low + high) / 2, (high - low) / 4
 
         layers: list[nn.Module] = []
@@ -140,10 +143,13 @@ class HeatSurrogate(TrainingModule):
     def predict(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``parameters [n, 5 or 6]`` and ``time_step [n]`` (``prediction_inputs``) -> ``temperature [n, nx, ny]``
         in physical units; in torch, so that it traces (``model.ts``)."""
-        parameters = inputs["parameters"]
-        mid = torch.as_tensor(self.param_mid, dtype=parameters.dtype, device=parameters.device)
-        half = torch.as_tensor(self.param_half, dtype=parameters.dtype, device=parameters.device)
-        x = torch.cat([(parameters - mid) / half, (inputs["time_step"] / self.steps)[:, None]], dim=1)
+        x = torch.cat(
+            [
+                (inputs["parameters"] - self.parameter_mid) / self.parameter_half,
+                (inputs["time_step"] / self.steps)[:, None],
+            ],
+            1,
+        )
         y = self(x) * self.temp_scale + self.temp_mid
         return {FIELD: y.reshape(-1, self.nx, self.ny)}
 

@@ -23,6 +23,10 @@ Choices, and why:
   otherwise it could never be stored and reception would stall forever.
 * ``put`` after ``close()`` (or a ``put`` blocked when ``close()`` happens)
   raises ``BufferClosed``: reception is over, so such a sample is a bug.
+* A batch formed of its samples that a stop left untrained (the other ranks
+  could not match it) comes back to the buffer as it is (``hold``): its
+  samples have left, and the checkpoint keeps it with them, for the resumed
+  run to train first (``take_held``).
 * After ``close()`` a buffer drains as its kind says (each sample served once
   more, or FIRO's servings left), unless it was given ``passes_after_data``:
   then it serves every sample it holds that many times, in passes (each in the
@@ -112,6 +116,7 @@ class Buffer(ABC):
         self._passes_left: int | None = None  # after the data, in passes: those not finished yet
         self._cursor = 0  # in passes: the next entry of this pass to serve
         self._windows = WindowStore(windowing) if windowing is not None else None  # entries are its windows
+        self._untrained: list[Any] = []  # batches of its samples a stop left untrained, in training order
 
     @staticmethod
     def from_config(
@@ -221,6 +226,15 @@ class Buffer(ABC):
                 self._cond.notify_all()
             return batch
 
+    def hold(self, batch: Any) -> None:
+        """Keep ``batch`` (formed of this buffer's samples, its own memory) untrained, for ``take_held``: the
+        consumer's only, as formed batches are."""
+        self._untrained.insert(0, batch)
+
+    def take_held(self) -> Any:
+        """The oldest batch held, or None."""
+        return self._untrained.pop(0) if self._untrained else None
+
     def close(self) -> None:
         """Reception is over: wake every waiter so the buffer drains, or serves its passes after the data."""
         with self._cond:
@@ -328,6 +342,7 @@ class Buffer(ABC):
                 "rng_state": self._rng.getstate(),
                 "passes_left": self._passes_left,
                 "cursor": self._cursor,
+                "held": list(self._untrained),
             }, other()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -346,6 +361,7 @@ class Buffer(ABC):
             self._closed = state["closed"]
             self._rng.setstate(state["rng_state"])
             self._passes_left, self._cursor = state.get("passes_left"), state.get("cursor", 0)
+            self._untrained = list(state.get("held", []))
             if self._passes_left is not None:  # in the order of the pass under way
                 self._entries = list(self._entries)
             else:
@@ -369,8 +385,8 @@ class Buffer(ABC):
         """Rank ``rank`` of ``size``, from the buffers of a checkpoint of another number of ranks (``olds``, their
         states), before the receiver starts (not atomic: nothing puts yet): an equal share of their samples
         (windows: those whose start this rank owns now, with the steps they span and those of the windows still to
-        be made here), never-served first, counted as put here. A kind with state of its own overrides this to
-        share that state as well."""
+        be made here), never-served first, counted as put here, and the batches held of every ``size``-th old rank
+        from ``rank`` on. A kind with state of its own overrides this to share that state as well."""
         windows = None
         if self._windows is not None:
             windows, entries = self._windows.resharded(olds)
@@ -378,7 +394,8 @@ class Buffer(ABC):
             entries = [entry for old in olds for entry in old["entries"]][rank::size]
         entries.sort(key=lambda entry: entry["served"] > 0)
         put = len(windows["steps"]) if windows is not None else len(entries)  # the watermark counts steps
-        state = {**self.state_dict(), "entries": entries, "windows": windows, "total_put": put}
+        held = [batch for old in olds[rank::size] for batch in old.get("held", [])]
+        state = {**self.state_dict(), "entries": entries, "windows": windows, "total_put": put, "held": held}
         self.load_state_dict(state)  # passes anew
         if self._windows is not None:
             with self._cond:

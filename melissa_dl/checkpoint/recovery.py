@@ -15,10 +15,10 @@ nothing else of them. Files of one version (stored by ``versions.py``)::
 Why it works this way:
 
 * Every rank snapshots at the same batch, right after a lockstep step, when
-  no rank holds a formed batch, or at a stop, whose unmatched batches the
-  trainers keep (``loop.py`` decides when): each step a ledger holds is then
-  in the model, in a buffer or in a held batch, so a resumed run loses none
-  and trains none twice as new. Steps received after the
+  no rank holds a formed batch, or at a stop, whose unmatched batches go back
+  to the buffers (``loop.py`` decides when): each step a ledger holds is
+  then in the model or in a buffer, so a resumed run loses none and trains
+  none twice as new. Steps received after the
   snapshot are in no ledger and arrive again from the relaunched simulations.
 * Training barely pauses: a part's state may mark values ``Live``, whose
   copies (``snapshots.BackgroundCopies``) are still under way when the

@@ -22,7 +22,7 @@ import io
 import json
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,10 +45,17 @@ TRACE_BATCHES = (2, 3)  # traced with the first, checked with the second: a batc
 
 
 def save(
-    folder: Path, state: dict[str, Any], training: TrainingConfig, module_file: Path, batches: int
+    folder: Path,
+    state: dict[str, Any],
+    training: TrainingConfig,
+    module_file: Path,
+    batches: int,
+    prediction_inputs: Mapping[str, tuple[str, tuple[int, ...]]],
 ) -> dict[str, Any]:
-    """``model.pt``, ``model.json`` and, where the module's ``predict`` traces, ``model.ts`` in ``folder``;
-    ``model.json``'s content."""
+    """``model.pt``, ``model.json`` and, where the module declares ``prediction_inputs`` and its ``predict``
+    traces, ``model.ts`` in ``folder``; ``model.json``'s content. Nothing of the user's code runs for a module
+    that declares none, and what fails in it only costs the TorchScript file: the study's report follows."""
+    (folder / "model.ts").unlink(missing_ok=True)  # an earlier model's trace must not answer for this one
     stream = io.BytesIO()
     torch.save(state, stream)
     write_atomic(folder / "model.pt", stream.getbuffer())
@@ -63,11 +70,10 @@ def save(
         "outputs": None,
         "torchscript": None,
     }
-    module = _rebuild(saved, state, "cpu")
-    if module.prediction_inputs:
-        saved["inputs"] = {name: [dtype, list(shape)] for name, (dtype, shape) in module.prediction_inputs.items()}
+    if prediction_inputs:
+        saved["inputs"] = {name: [dtype, list(shape)] for name, (dtype, shape) in prediction_inputs.items()}
         try:
-            traced, saved["outputs"] = _trace(module)
+            traced, saved["outputs"] = _trace(_rebuild(saved, state, "cpu", "model.pt"))
         except Exception as error:  # the user's code: any failure means only that there is no TorchScript file
             said = [line for line in str(error).splitlines() if any(c.isalpha() for c in line)] or [repr(error)]
             logger.warning("model.ts not written: %s's predict does not trace (%s)", training.class_name, said[-1])
@@ -84,36 +90,44 @@ def save(
 
 def load_model(output_dir: str | Path, device: str | torch.device = "cpu") -> TrainingModule:
     """The module a study trained, rebuilt from its output folder (``model.json`` and ``model.pt``) on ``device``,
-    in ``eval()`` mode: call its ``predict``, or any method of yours. Its class is imported from the file the study
-    trained with, which must still be there."""
+    in ``eval()`` mode: call its ``predict`` (under ``torch.no_grad()``), or any method of yours. Its class is
+    imported from the file the study trained with, which must still be there."""
     folder = Path(output_dir)
-    description = folder / "model.json"
+    description, parameters = folder / "model.json", folder / "model.pt"
     try:
         saved = json.loads(description.read_text())
-    except FileNotFoundError:
+        state = torch.load(parameters, map_location="cpu", weights_only=True)
+    except FileNotFoundError as error:
         raise ConfigError(
-            f"{description}: missing (a study writes it with model.pt at its end; --export-model writes both from "
-            "its latest checkpoint)"
+            f"{error.filename}: missing (a study writes model.pt and model.json at its end; --export-model writes "
+            "them from its latest checkpoint)"
         ) from None
     if saved.get("format") != FORMAT:
         raise ConfigError(f"{description}: format {saved.get('format')!r}, this melissa_dl reads {FORMAT}")
-    state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
-    return _rebuild(saved, state, device).eval()
+    return _rebuild(saved, state, device, str(parameters)).eval()
 
 
-def _rebuild(saved: dict[str, Any], state: dict[str, Any], device: str | torch.device) -> TrainingModule:
-    """The module of ``saved`` (``model.json``) with the parameters of ``state``, on one process."""
-    module_class = load_module_class(Path(saved["module"]), saved["class_name"])
+def _rebuild(saved: dict[str, Any], state: dict[str, Any], device: str | torch.device, source: str) -> TrainingModule:
+    """The module of ``saved`` (``model.json``) with the parameters of ``state`` (read from ``source``), on one
+    process."""
+    try:
+        module_class = load_module_class(Path(saved["module"]), saved["class_name"])
+    except ConfigError as error:  # it says training.module, the study's key: here it is model.json's
+        raise ConfigError(f"model.json's module {saved['module']}: {str(error).split(': ', 1)[-1]}") from None
     with _single_process():
         module = module_class(**saved["options"])
     window = saved["window"]
     module.window = WindowConfig(**window) if window is not None else None
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    changed = f"{source} does not match {saved['class_name']} of {saved['module']}"
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # a size that changed
+        said = " ".join(str(error).split())
+        raise ConfigError(f"{changed} ({said}): was the file changed since the study?") from None
     missing = [key for key in missing if not key.endswith("._extra_state")]  # a table's: its range, whole here
     if missing or unexpected:
         raise ConfigError(
-            f"model.pt does not match {saved['class_name']} of {saved['module']} (missing {missing[:3]}, unexpected "
-            f"{unexpected[:3]}): was the file changed since the study?"
+            f"{changed} (missing {missing[:3]}, unexpected {unexpected[:3]}): was the file changed since the study?"
         )
     return module.to(device)
 
@@ -148,7 +162,10 @@ def _trace(module: TrainingModule) -> tuple[torch.jit.ScriptModule, list[str]]:
     module.eval()
     traced_batch, checked_batch = (_example(module, n) for n in TRACE_BATCHES)
     with torch.no_grad():
-        outputs = list(module.predict(dict(zip(module.prediction_inputs, traced_batch))))
+        answers = module.predict(dict(zip(module.prediction_inputs, traced_batch)))
+        if not isinstance(answers, Mapping) or not all(isinstance(v, torch.Tensor) for v in answers.values()):
+            raise TypeError(f"predict returned {type(answers).__name__}, not a mapping of name to tensor")
+        outputs = list(answers)
         wrapper = _Positional(module, outputs)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TracerWarnings and torch.jit's deprecation: the check below decides

@@ -11,10 +11,9 @@ of the K per-rank losses, docs/explanation/design.md#training-across-ranks), an 
 study's bookkeeping while data is late. A rank keeps a batch it formed until
 the step happens, so nothing is skipped. A stop happens in the round that
 learns of it: if every rank holds a batch they step first; otherwise a rank
-holding one hands it to the trainer, whose checkpoint keeps it to train first
-when the run resumes (the samples are in no buffer any more, and waiting for
-the others to match it may be forever: the simulations die of the same
-signal). Without training, ranks drain independently and stop when all are
+holding one gives it back to its buffer as it is, whose checkpoint keeps it
+for the resumed run to train first (waiting for the others to match it may
+be forever: the simulations die of the same signal). Without training, ranks drain independently and stop when all are
 dry.
 
 While data keeps up, that round costs no collective of its own: before a
@@ -50,6 +49,7 @@ from mpi4py import MPI
 from melissa_dl.buffers.kinds import Buffer
 from melissa_dl.buffers.sample import Sample
 from melissa_dl.checkpoint.manager import CheckpointManager
+from melissa_dl.checkpoint.snapshots import copy_to_cpu
 from melissa_dl.errors import TrainingStalled
 from melissa_dl.ingest.handshake import HandshakeServer
 from melissa_dl.ingest.receiver import Receiver, ReceiverReport
@@ -59,7 +59,7 @@ from melissa_dl.runtime.mpi import Comm, GracefulStop
 from melissa_dl.study.learning import Records
 from melissa_dl.study.progress import StatusBoard
 from melissa_dl.study.study import Study
-from melissa_dl.train.dataset import END
+from melissa_dl.train.dataset import END, Batch
 from melissa_dl.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -231,13 +231,14 @@ class Loop:
         self.checkpoints = checkpoints
 
     def train(self, trainer: Trainer, next_batch: Callable[[float], Any], stall_timeout: float) -> Outcome:
-        """Train in lockstep, first on the batches a stopped run left this rank (``Trainer.held``); snapshot when
-        the checkpoints say so and at the end. ``stall_timeout``: see ``_check_stall``."""
+        """Train in lockstep, first on the batches a stopped run left this rank's buffer (``Buffer.hold``);
+        snapshot when the checkpoints say so and at the end. ``stall_timeout``: see ``_check_stall``."""
         assert self.checkpoints is not None
         checkpoints, summary = self.checkpoints, trainer.summary
 
         def held_first(wait: float) -> Any:
-            return trainer.held.pop(0) if trainer.held else next_batch(wait)
+            held = self.buffer.take_held()
+            return held if held is not None else next_batch(wait)
 
         def step(batch: Any) -> None:
             trainer.step(batch)
@@ -255,7 +256,7 @@ class Loop:
             stall_timeout,
             look_ahead=lambda: not checkpoints.due(summary.batches + 1),
             idle=lambda: checkpoints.when_idle(summary.batches, summary.samples),
-            hold=trainer.hold,
+            hold=self._hold,
         )
         summary.duration_s += time.monotonic() - start
         self._log(outcome, summary.batches)
@@ -330,6 +331,12 @@ class Loop:
                 return Outcome.STOPPED
             if synchronous:
                 self._check_stall(flags, stall_timeout)  # type: ignore[arg-type]
+
+    def _hold(self, batch: Batch) -> None:
+        """A batch formed here that the other ranks could not match when training stopped: back to the buffer,
+        whose checkpoint keeps it (copied: it may view memory the buffer reuses)."""
+        self.buffer.hold(Batch(copy_to_cpu(batch.data), batch.ids.copy()))
+        logger.info("rank %d keeps a batch of %d samples for the resumed run to train first", self.rank, len(batch))
 
     def _step_ahead(
         self, step: Callable[[Any], None], batch: Any, next_batch: Callable[[float], Any], flags: np.ndarray

@@ -201,7 +201,6 @@ class Trainer:
         self.last_loss: float | None = None  # this rank's training loss at the last TensorBoard point
         self._last_log = (time.monotonic(), 0)  # time, batches
         self.losses = LossLog() if learning else None  # per sample, for a sampler that learns
-        self.held: list[Batch] = []  # formed but untrained when a run stopped: in its checkpoint, trained first
 
     def begin(self) -> None:
         """Take this rank's share of the held-out samples (here, once the study runs: a module may solve them,
@@ -248,13 +247,6 @@ class Trainer:
     def close(self) -> None:
         """Training is over: the collectives' threads end (the TensorBoard writer is the server's to close)."""
         self.collectives.close()
-
-    def hold(self, batch: Batch) -> None:
-        """A batch this rank formed but could not step on when training stopped (another rank had none): its
-        samples have left the buffer, so the checkpoint keeps it (copied: it may view memory the buffer reuses)
-        and a resumed run trains it first."""
-        self.held.insert(0, Batch(copy_to_cpu(batch.data), batch.ids.copy()))
-        logger.info("rank %d keeps a batch of %d samples for the resumed run to train first", self.rank, len(batch))
 
     def consumed(self) -> int:
         """Samples this rank trained on (``loop.Consumer``)."""
@@ -393,8 +385,7 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: its shards with their row ranges and sparse optimizer state
-        (copied in the background: only optimizer steps change them), the RNG states, the counters and the
-        batches it holds untrained."""
+        (copied in the background: only optimizer steps change them), the RNG states and the counters."""
         module = self.module.state_dict()
         tables = {
             name: {"shard": module[f"{name}.shard"], "extra": module[f"{name}._extra_state"]} for name in self.tables
@@ -404,7 +395,6 @@ class Trainer:
             "rng": rng_states(self.device),
             "summary": copy.deepcopy(self.summary),
             "losses": self.losses.state_dict() if self.losses is not None else None,
-            "held": list(self.held),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -415,12 +405,11 @@ class Trainer:
         self.summary = state["summary"]
         if self.losses is not None and state.get("losses") is not None:
             self.losses.load_state_dict(state["losses"])
-        self.held = state.get("held", [])
 
     def load_resharded(self, old: OldRanks) -> None:
         """Continue from a checkpoint of another number of ranks: each table's rows from the old shards that
         overlap this rank's range, the samples trained and the unsent losses regrouped so that their sums stay
-        right, and the batches they held untrained dealt out as their samples are."""
+        right."""
         own = self.rank if self.rank < old.size else 0
         sources = {own} | {
             rank
@@ -434,12 +423,11 @@ class Trainer:
         set_rng_states(states[own]["rng"], self.device)
         self.summary = states[own]["summary"]
         self.summary.samples = sum(n for rank, n in enumerate(old.meta["samples"]) if rank % self.size == self.rank)
-        for rank in range(self.rank, old.size, self.size):  # the old ranks' unsent losses and held batches
-            state = states[rank] if rank in states else old.read(rank)
-            records = state.get("losses")
-            if self.losses is not None and records is not None and records["records"] is not None:
-                self.losses.record(*records["records"])
-            self.held += state.get("held", [])
+        if self.losses is not None:  # the old ranks' unsent losses, regrouped as the samples are
+            for rank in range(self.rank, old.size, self.size):
+                records = (states[rank] if rank in states else old.read(rank)).get("losses")
+                if records is not None and records["records"] is not None:
+                    self.losses.record(*records["records"])
 
 
 class Dense:

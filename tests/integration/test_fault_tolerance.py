@@ -269,9 +269,9 @@ def test_a_stop_while_one_rank_holds_a_batch_the_other_cannot_match_keeps_it_in_
     assert "rank 0 keeps a batch of 4 samples for the resumed run to train first" in log
     version = latest_valid(output / "checkpoints")
     assert version is not None and version.manifest["batch"] == 0
-    held = loads(version.read(0, "trainer.pt"))["held"]
+    held = loads(version.read(0, "stream.pt"))["buffer"]["held"]
     assert [batch.ids.tolist() for batch in held] == [[[0, 0], [0, 1], [0, 2], [0, 3]]]
-    assert loads(version.read(1, "trainer.pt"))["held"] == []
+    assert loads(version.read(1, "stream.pt"))["buffer"]["held"] == []
     go.touch()
     run = run_server(tmp_path, config, ranks=after)
     assert run.code == 0 and run.report is not None, run.log

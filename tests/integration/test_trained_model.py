@@ -62,7 +62,7 @@ def test_the_heat_surrogate_a_study_trained_answers_the_same_in_python_and_in_cp
     )  # fmt: skip
     assert build.returncode == 0, build.stdout + build.stderr
     asked = subprocess.run(
-        [str(tmp_path / "predict"), str(output / "model.ts"), str(step), *map(str, temperatures)],
+        [str(tmp_path / "heat_predict"), str(output / "model.ts"), str(step), *map(str, temperatures)],
         capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert asked.returncode == 0, asked.stderr

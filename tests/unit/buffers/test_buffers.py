@@ -580,3 +580,27 @@ def test_on_insert_and_state_dict_with_see_a_put_together() -> None:
         state, count = buffer.state_dict_with(lambda: len(committed))
         assert state["total_put"] == count  # never a sample without its side effect, or the reverse
     thread.join()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "firo", "reservoir"])
+def test_batches_a_stop_left_untrained_come_back_first_through_a_checkpoint_and_a_reshard(kind: str) -> None:
+    """``hold`` keeps a formed batch as it is (the last held is the first taken, as a batch given back again is
+    the oldest); a checkpoint keeps them; resharding deals them out as the ranks' samples are: new rank r takes
+    old ranks r, r + K, ..."""
+    b = buf(kind)
+    b.hold("second")
+    b.hold("first")
+    restored = buf(kind)
+    restored.load_state_dict(pickle.loads(pickle.dumps(b.state_dict())))
+    assert [restored.take_held(), restored.take_held(), restored.take_held()] == ["first", "second", None]
+    olds = []
+    for rank in range(3):
+        old = buf(kind)
+        fill(old, 2, start=10 * rank)
+        old.hold(f"of old rank {rank}")
+        olds.append(old.state_dict())
+    new = [buf(kind) for _ in range(2)]
+    for rank, b in enumerate(new):
+        b.load_resharded(olds, rank, 2)
+    assert [new[0].take_held(), new[0].take_held(), new[0].take_held()] == ["of old rank 0", "of old rank 2", None]
+    assert [new[1].take_held(), new[1].take_held()] == ["of old rank 1", None]

@@ -68,7 +68,7 @@ def saved_module(folder: Path, file: Path, class_name: str, batches: int = 7, **
     for parameter in module.parameters():
         torch.nn.init.normal_(parameter)
     state = {key: value for key, value in module.state_dict().items() if not key.endswith("._extra_state")}
-    save(folder, state, training(file, class_name, **options), file, batches)
+    save(folder, state, training(file, class_name, **options), file, batches, module.prediction_inputs)
     return module.eval()
 
 
@@ -158,7 +158,7 @@ def test_a_window_comes_back_as_the_study_set_it(tmp_path: Path, own: Path) -> N
     config = training(own, "Doubler")
     config.window = WindowConfig(inputs=4, targets=2, stride=1, block=64)
     module = load_module_class(own, "Doubler")()
-    save(tmp_path, module.state_dict(), config, own, 0)
+    save(tmp_path, module.state_dict(), config, own, 0, module.prediction_inputs)
     assert load_model(tmp_path).window == config.window
 
 
@@ -177,9 +177,38 @@ def test_a_wrong_declaration_of_the_inputs_is_refused_naming_it(own: Path, input
         check_prediction_inputs(module)
 
 
-def test_an_output_folder_without_a_saved_model_is_refused_in_one_line(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"model\.json: missing \(a study writes it with model\.pt at its end"):
+def test_an_output_folder_without_a_saved_model_is_refused_in_one_line(tmp_path: Path, own: Path) -> None:
+    with pytest.raises(ConfigError, match=r"/model\.json: missing \(a study writes model\.pt and model\.json at its"):
         load_model(tmp_path)
+    saved_module(tmp_path, own, "Doubler")
+    (tmp_path / "model.pt").unlink()
+    with pytest.raises(ConfigError, match=r"/model\.pt: missing \("):
+        load_model(tmp_path)
+
+
+def test_a_module_file_moved_since_the_study_is_named_as_model_json_names_it(tmp_path: Path, own: Path) -> None:
+    saved_module(tmp_path, own, "Doubler")
+    own.rename(tmp_path / "elsewhere.py")
+    with pytest.raises(ConfigError, match=rf"^model\.json's module {own}: no file "):
+        load_model(tmp_path)
+
+
+def test_a_trace_of_an_earlier_model_does_not_outlive_it(tmp_path: Path, own: Path) -> None:
+    """Saved again (a re-export, a resumed study) by a module whose predict no longer traces: its model.ts goes."""
+    saved_module(tmp_path, own, "Doubler")
+    assert (tmp_path / "model.ts").exists()
+    saved_module(tmp_path, own, "Doubler", frozen_batch=True)
+    assert not (tmp_path / "model.ts").exists()
+
+
+def test_a_predict_that_returns_a_tensor_is_told_to_return_a_mapping(
+    tmp_path: Path, own: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    own.write_text(textwrap.dedent(OWN) + "\n    def predict(self, inputs):\n        return self(**inputs)\n")
+    with caplog.at_level(logging.WARNING):
+        saved_module(tmp_path, own, "Doubler")
+    assert "does not trace (predict returned Tensor, not a mapping of name to tensor)" in caplog.text
+    assert not (tmp_path / "model.ts").exists()
 
 
 def test_a_module_file_changed_since_the_study_is_named(tmp_path: Path, own: Path) -> None:
@@ -187,4 +216,10 @@ def test_a_module_file_changed_since_the_study_is_named(tmp_path: Path, own: Pat
     own.write_text(textwrap.dedent(OWN).replace("self.bias = nn.Parameter", "self.offset = nn.Parameter"))
     sys.modules.pop("own_module", None)
     with pytest.raises(ConfigError, match=r"model\.pt does not match Doubler of .*own_module\.py \(missing \['offset'"):
+        load_model(tmp_path)
+    json_file = tmp_path / "model.json"  # a size changed: the same one line, with torch's words
+    json_file.write_text(json_file.read_text().replace('"options": {}', '"options": {"width": 4}'))
+    own.write_text(textwrap.dedent(OWN))
+    sys.modules.pop("own_module", None)
+    with pytest.raises(ConfigError, match=r"model\.pt does not match Doubler .*size mismatch for bias.*changed since"):
         load_model(tmp_path)
