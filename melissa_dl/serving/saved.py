@@ -22,7 +22,7 @@ import io
 import json
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -51,14 +51,12 @@ def save(
     module_file: Path,
     batches: int,
     prediction_inputs: Mapping[str, tuple[str, tuple[int, ...]]],
-) -> dict[str, Any]:
+) -> None:
     """``model.pt``, ``model.json`` and, where the module declares ``prediction_inputs`` and its ``predict``
-    traces, ``model.ts`` in ``folder``; ``model.json``'s content. Nothing of the user's code runs for a module
+    traces, ``model.ts`` in ``folder``. Nothing of the user's code runs for a module
     that declares none, and what fails in it only costs the TorchScript file: the study's report follows."""
     (folder / "model.ts").unlink(missing_ok=True)  # an earlier model's trace must not answer for this one
-    stream = io.BytesIO()
-    torch.save(state, stream)
-    write_atomic(folder / "model.pt", stream.getbuffer())
+    _write(folder / "model.pt", lambda stream: torch.save(state, stream))
     saved: dict[str, Any] = {
         "format": FORMAT,
         "module": str(module_file.resolve()),
@@ -78,14 +76,18 @@ def save(
             said = [line for line in str(error).splitlines() if any(c.isalpha() for c in line)] or [repr(error)]
             logger.warning("model.ts not written: %s's predict does not trace (%s)", training.class_name, said[-1])
         else:
-            stream = io.BytesIO()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
-                torch.jit.save(traced, stream)
-            write_atomic(folder / "model.ts", stream.getbuffer())
+                _write(folder / "model.ts", lambda stream: torch.jit.save(traced, stream))
             saved["torchscript"] = "model.ts"
     write_atomic(folder / "model.json", (json.dumps(saved, indent=2) + "\n").encode())
-    return saved
+
+
+def _write(path: Path, save_to: Callable[[io.BytesIO], None]) -> None:
+    """What ``save_to`` writes into a stream, written atomically to ``path``."""
+    stream = io.BytesIO()
+    save_to(stream)
+    write_atomic(path, stream.getbuffer())
 
 
 def load_model(output_dir: str | Path, device: str | torch.device = "cpu") -> TrainingModule:

@@ -13,8 +13,8 @@ the step happens, so nothing is skipped. A stop happens in the round that
 learns of it: if every rank holds a batch they step first; otherwise a rank
 holding one gives it back to its buffer as it is, whose checkpoint keeps it
 for the resumed run to train first (waiting for the others to match it may
-be forever: the simulations die of the same signal). Without training, ranks drain independently and stop when all are
-dry.
+be forever: the simulations die of the same signal). Without training, ranks
+drain independently and stop when all are dry.
 
 While data keeps up, that round costs no collective of its own: before a
 step every rank takes its next batch without waiting and starts the next
