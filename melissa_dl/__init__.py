@@ -15,6 +15,8 @@ _EXPORTS = {
     "Client": "melissa_dl.wire.client",
     "ClientError": "melissa_dl.errors",
     "HandshakeRefused": "melissa_dl.errors",
+    "Prediction": "melissa_dl.wire.predictions",
+    "PredictionRefused": "melissa_dl.errors",
     "ServerUnreachable": "melissa_dl.errors",
     "TrainingModule": "melissa_dl.train.module",
     "Sample": "melissa_dl.buffers.sample",
@@ -40,11 +42,12 @@ if TYPE_CHECKING:
         make_sparse_optimizer,
     )
     from melissa_dl.embeddings.table import ShardedEmbedding
-    from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
+    from melissa_dl.errors import ClientError, HandshakeRefused, PredictionRefused, ServerUnreachable
     from melissa_dl.serving.saved import load_model
     from melissa_dl.train.module import TrainingModule
     from melissa_dl.wire.blocks import Block
     from melissa_dl.wire.client import Client
+    from melissa_dl.wire.predictions import Prediction
 
 
 def __getattr__(name: str) -> Any:

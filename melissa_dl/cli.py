@@ -22,6 +22,7 @@ from melissa_dl.runtime.allocator import keep_freed_memory
 from melissa_dl.runtime.files import check_writable
 from melissa_dl.runtime.mpi import first_of_launch, keep_pmi_lines_short
 from melissa_dl.runtime.status import EXIT_CONFIG
+from melissa_dl.serving.online import check_servable
 from melissa_dl.study.jobs import check_settings, scheduler_from_config
 from melissa_dl.study.progress import show_status
 from melissa_dl.train.module import check_options, check_prediction_inputs, load_module_class
@@ -130,6 +131,8 @@ def check_study(config: Config, build: bool) -> None:
                 f"{type(error).__name__}: {error}"
             ) from error
         check_prediction_inputs(module)
+        if config.serving.online:
+            check_servable(module)
 
 
 def main(argv: list[str] | None = None) -> int:

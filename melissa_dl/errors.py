@@ -28,6 +28,10 @@ class HandshakeRefused(MelissaError, ValueError):
     """The server refused a client's handshake; the message says why."""
 
 
+class PredictionRefused(MelissaError, ValueError):
+    """A server rank refused a prediction request; the message says why."""
+
+
 class ServerUnreachable(MelissaError, ConnectionError):
     """The server did not answer within the client's bounded wait."""
 

@@ -22,6 +22,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ from melissa_dl.runtime.mpi import (
     launch_problem,
 )
 from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_FAILED_SIMULATIONS, EXIT_STOPPED, HEARTBEAT, lock_output
+from melissa_dl.serving.online import PredictionServer, check_servable, clients_guide
 from melissa_dl.serving.saved import save
 from melissa_dl.study.jobs import launcher_from_config
 from melissa_dl.study.progress import StatusBoard, after_data, earlier_runs_seconds
@@ -141,6 +143,7 @@ class Server:
         tensorboard = config.output_path / "tensorboard" / f"rank{self.rank}" if config.training is not None else None
         self.metrics = Metrics(tensorboard, [self.receiver.scalars])
         self.checkpoints = CheckpointManager(config, comm)
+        self.predictions: PredictionServer | None = None  # with serving.online, once the trainer is restored
 
     def run(self) -> int:
         """Run the study to its end; every rank returns the same exit code. The phases, in order:
@@ -167,30 +170,35 @@ class Server:
                 logger.error("%s", error)
             return EXIT_CONFIG
         freeze_startup()
-        endpoints = self.comm.gather(self._start_receiving())
+        endpoints = self.comm.gather(self._start_receiving(trainer))
         handshake = launcher = study = None
         try:
             if self.rank == 0:
                 assert endpoints is not None
-                handshake, launcher, study = self._open_study(endpoints, sampler)
-            status = self._status_board(start, handshake) if self.rank == 0 else None
-            bookkeeping = Bookkeeping(
-                self.comm,
-                self.receiver,
-                self.config.server.control_interval,
-                self.config.output_path / HEARTBEAT,
-                study,
-                handshake,
-                status,
-                self.metrics,
-            )
-            return self._consume(start, trainer, bookkeeping)
+                handshake, launcher, study = self._open_study(endpoints, sampler, trainer)
+            return self._consume(start, trainer, self._bookkeeping(start, handshake, study))
         finally:
+            if self.predictions is not None:
+                self.predictions.stop()
             self.metrics.close()  # the curves so far, whatever ended the run
             if launcher is not None:
                 launcher.shutdown()
             if handshake is not None:
                 handshake.stop()
+
+    def _bookkeeping(self, start: float, handshake: HandshakeServer | None, study: Study | None) -> Bookkeeping:
+        """The ranks' rounds, with rank 0's study and status board."""
+        return Bookkeeping(
+            self.comm,
+            self.receiver,
+            self.config.server.control_interval,
+            self.config.output_path / HEARTBEAT,
+            study,
+            handshake,
+            self._status_board(start, handshake) if self.rank == 0 else None,
+            self.metrics,
+            [self.predictions] if self.predictions is not None else [],
+        )
 
     def _consume(self, start: float, trainer: Trainer | None, bookkeeping: Bookkeeping) -> int:
         """Train (or only drain the buffers, without a training module) until the study ends, then report."""
@@ -243,6 +251,8 @@ class Server:
             simulations=launcher.job_limit * launcher.client_ranks if here else 0,
         )
         self.checkpoints.add(Part(DENSE, trainer.dense, shared=True), Part(TRAINER, trainer))
+        if self.config.serving.online:
+            check_servable(trainer.module)
         return trainer
 
     def _export_model(self, version: Version, trainer: Trainer) -> int:
@@ -267,31 +277,29 @@ class Server:
             )
         return self.config.output_path / "model.pt"
 
-    def _start_receiving(self) -> tuple[str, str]:
-        """Bind and start the receiver; its data and delivery endpoints, also logged (what a firewall must let
-        through)."""
+    def _start_receiving(self, trainer: Trainer | None) -> tuple[str, str, str | None]:
+        """Bind and start the receiver, and with ``serving.online`` the prediction service; their endpoints, also
+        logged (what a firewall must let through)."""
         self.receiver.start_and_bind()
         data, delivery = self.receiver.endpoints(self.host)
         logger.info("data at %s, delivery service at %s", data, delivery)
-        return data, delivery
+        if not self.config.serving.online:
+            return data, delivery, None
+        assert trainer is not None
+        self.predictions = PredictionServer.for_trainer(
+            trainer, self.config.serving, self.receiver.rejections, self.bind_address, self.security
+        )
+        predict = f"tcp://{self.host}:{self.predictions.start_and_bind()}"
+        logger.info("predictions at %s", predict)
+        return data, delivery, predict
 
     def _open_study(
-        self, endpoints: list[tuple[str, str]], sampler: Sampler
+        self, endpoints: list[tuple[str, str, str | None]], sampler: Sampler, trainer: Trainer | None
     ) -> tuple[HandshakeServer, Launcher, Study]:
         """Rank 0: the handshake socket, the launcher and the study, restored from the checkpoint opened."""
         config = self.config
         launcher, next_work = launcher_from_config(config)
-        handshake = HandshakeServer.from_config(
-            config.server,
-            config.study,
-            config.launcher,
-            self.token,
-            endpoints,
-            self.bind_address,
-            self.security,
-            next_work,
-            config.training.window if config.training is not None else None,
-        )
+        handshake = self._handshake(endpoints, next_work, trainer)
         server_endpoint = f"tcp://{self.host}:{handshake.start_and_bind()}"
         held_out = config.study.validation.count  # counted as the status lines and the report count them
         logger.info(
@@ -325,6 +333,27 @@ class Server:
         launcher.start_thread()
         study.start()  # what a restored study left unfinished
         return handshake, launcher, study
+
+    def _handshake(
+        self,
+        endpoints: list[tuple[str, str, str | None]],
+        next_work: Callable[[str, str | None], dict[str, Any]] | None,
+        trainer: Trainer | None,
+    ) -> HandshakeServer:
+        """Rank 0's handshake socket, sending clients to every rank's data, delivery and prediction services."""
+        config = self.config
+        return HandshakeServer.from_config(
+            config.server,
+            config.study,
+            config.launcher,
+            self.token,
+            [(data, delivery) for data, delivery, _ in endpoints],
+            self.bind_address,
+            self.security,
+            next_work,
+            config.training.window if config.training is not None else None,
+            clients_guide(config.serving, trainer, [predict for _, _, predict in endpoints]),
+        )
 
     def _train(self, trainer: Trainer, bookkeeping: Bookkeeping) -> bool:
         """Train until the study and the buffers are done (True), or until a stop request (False)."""

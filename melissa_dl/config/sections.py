@@ -597,6 +597,31 @@ class CheckpointConfig:
     )
 
 
+@dataclass
+class ServingConfig:
+    online: bool = option(
+        False,
+        doc="Every training rank answers the simulations' predictions (`Client.predict`) from a copy of the model "
+        "refreshed after its optimizer steps; the module declares `prediction_inputs` and holds no sharded "
+        "embedding table (docs/how-to/use-the-model.md).",
+    )
+    max_batch: int = option(
+        256, minimum=1, maximum=65536, doc="Questions a rank answers with one forward; a request of more is refused."
+    )
+    max_wait: float = option(
+        0.002, minimum=0, maximum=1, doc="Seconds a rank waits for more requests before answering those it has."
+    )
+    deadline: float = option(
+        1.0,
+        positive=True,
+        doc="Seconds a `predict` call waits for its answer unless it gives its own; past it, the call returns "
+        "without one and the simulation falls back to its own solver.",
+    )
+
+    def check(self, config: Config) -> None:
+        _require(not self.online or config.training is not None, "serving.online", "no training section: no model")
+
+
 # Keys that moved to another section: a one-line error says where.
 MOVED_KEYS = {"training.checkpoint_interval": "checkpoint.interval", "training.keep_checkpoints": "checkpoint.keep"}
 
@@ -609,6 +634,7 @@ class Config:
     buffer: BufferConfig = option(BufferConfig, doc="Each rank's sample buffer.")
     training: TrainingConfig | None = option(None, doc="What to train; without it the server only receives and drains.")
     checkpoint: CheckpointConfig = option(CheckpointConfig, doc="When training's state is saved, and for how long.")
+    serving: ServingConfig = option(ServingConfig, doc="Predictions of the model asked by the simulations.")
     output_dir: str = option("output", doc="Folder of logs, reports and checkpoints, relative to the config file.")
     plots: bool = option(
         True,

@@ -367,7 +367,11 @@ class ServerSocketThread(threading.Thread, ABC):
         """Serve one readable event of the socket (``guard.check()`` while waiting long)."""
 
     def idle(self, socket: zmq.Socket) -> None:
-        """Called at every turn of the thread's loop, at least every ``POLL_MS``: work that waits on time."""
+        """Called at every turn of the thread's loop, at least every ``wait_ms()``: work that waits on time."""
+
+    def wait_ms(self) -> int:
+        """How long the thread's next turn may wait for its socket: ``POLL_MS``, or less while work is due sooner."""
+        return POLL_MS
 
     def run(self) -> None:
         try:
@@ -397,7 +401,7 @@ class ServerSocketThread(threading.Thread, ABC):
                 poller.register(socket, zmq.POLLIN)
                 poller.register(guard.monitor, zmq.POLLIN)
                 while not self._stop_event.is_set():
-                    ready = dict(poller.poll(POLL_MS))
+                    ready = dict(poller.poll(self.wait_ms()))
                     guard.check()
                     if socket in ready:
                         self.handle(socket, guard)

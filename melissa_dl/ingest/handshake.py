@@ -6,8 +6,10 @@ A client rank sends one JSON object::
      "client_size": 2, "fields": {"temperature": ["float32", [16, 32]]}, "nonce": "<hex>"}
 
 and receives ``{"ok": true, "endpoints": [...], "acks": [...], "fields": [...],
-"bind_simulation": false, "block": 1, "overlap": 0}`` (each server rank's data socket and delivery
-service, :mod:`melissa_dl.ingest.delivery`; the routing, ``wire.protocol.Route``) or
+"bind_simulation": false, "block": 1, "overlap": 0, "predictions": null}`` (each server rank's data socket and
+delivery service, :mod:`melissa_dl.ingest.delivery`; the routing, ``wire.protocol.Route``; with
+``serving.online``, ``{"endpoints": [...], "inputs": {...}, "max_batch": 256, "deadline": 1.0}``, each rank's
+prediction service and what it is asked with, :mod:`melissa_dl.wire.predictions`) or
 ``{"ok": false, "kind": ..., "error": ...}``.
 A persistent worker (``launcher.persistent``) asks for its next simulation
 with ``{"protocol": 4, "token": "<hex>", "worker": "3:0", "last": "12:0"}``
@@ -98,6 +100,7 @@ class HandshakeServer(ServerSocketThread):
         next_work: Callable[[str, str | None], dict[str, Any]] | None = None,
         block: int = 1,
         overlap: int = 0,
+        predictions: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
             "handshake",
@@ -117,6 +120,7 @@ class HandshakeServer(ServerSocketThread):
             "acks": [ack for _, ack in endpoints],
             "fields": self._fields,
             **Route(len(endpoints), bind_simulation, block, overlap).answer(),
+            "predictions": predictions,
         }
         self._client_size = client_size
         self._pins: dict[str, Layout] = dict(layouts or {})  # whole (joined) layout of each field
@@ -139,9 +143,11 @@ class HandshakeServer(ServerSocketThread):
         security: Security,
         next_work: Callable[[str, str | None], dict[str, Any]] | None = None,
         window: WindowConfig | None = None,
+        predictions: dict[str, Any] | None = None,
     ) -> HandshakeServer:
         """Rank 0's handshake socket for the study the sections describe, sending clients to ``endpoints`` (each
-        rank's data and delivery endpoints) and persistent workers to ``next_work``'s simulations."""
+        rank's data and delivery endpoints) and ``predictions`` (``Client.predict``'s ranks, inputs and limits),
+        and persistent workers to ``next_work``'s simulations."""
         return cls(
             token=token,
             fields=study.field_names,
@@ -157,6 +163,7 @@ class HandshakeServer(ServerSocketThread):
             security=security,
             next_work=next_work,
             **(window.routing if window is not None else {}),
+            predictions=predictions,
         )
 
     def expect(self, simulation_id: int, attempt: int | None) -> None:

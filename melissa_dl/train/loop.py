@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,6 +51,7 @@ from melissa_dl.buffers.sample import Sample
 from melissa_dl.checkpoint.manager import CheckpointManager
 from melissa_dl.checkpoint.snapshots import copy_to_cpu
 from melissa_dl.errors import TrainingStalled
+from melissa_dl.ingest.connections import ServerSocketThread
 from melissa_dl.ingest.handshake import HandshakeServer
 from melissa_dl.ingest.receiver import Receiver, ReceiverReport
 from melissa_dl.runtime.allocator import FreedMemory
@@ -132,9 +133,11 @@ class Bookkeeping:
         handshake: HandshakeServer | None = None,
         status: StatusBoard | None = None,
         metrics: Metrics | None = None,
+        services: Sequence[ServerSocketThread] = (),
     ) -> None:
         self.comm = comm
         self.receiver = receiver
+        self.services = services  # the rank's other sockets (its prediction service): a failure ends the job
         self.interval = interval
         self.heartbeat = heartbeat
         self.study = study
@@ -157,6 +160,8 @@ class Bookkeeping:
         stand, and tells the ranks which attempts are current, which simulations finished, and whether the study is
         over."""
         self.receiver.check()
+        for service in self.services:
+            service.check()
         reports = self.gather(consumer)
         total = self.comm.reduce(consumer.consumed())  # rank 0's; None elsewhere
         news: Any

@@ -22,6 +22,7 @@ import os
 import random
 import resource
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,6 +202,8 @@ class Trainer:
         self.last_loss: float | None = None  # this rank's training loss at the last TensorBoard point
         self._last_log = (time.monotonic(), 0)  # time, batches
         self.losses = LossLog() if learning else None  # per sample, for a sampler that learns
+        # held while the optimizers change the module: a serving replica (``serving.online``) copies it between steps
+        self.step_lock = threading.Lock()
 
     def begin(self) -> None:
         """Take this rank's share of the held-out samples (here, once the study runs: a module may solve them,
@@ -269,10 +272,11 @@ class Trainer:
             self.losses.record(batch.ids, self._sample_losses(data))
         self.parallel.backward(loss)
         self.copies.wait()  # a checkpoint's copy of what the optimizers are about to change
-        self.parallel.step()
-        for table in self.tables.values():
-            self.rows_updated += table.apply_gradients()
-        self.summary.batches += 1
+        with self.step_lock:
+            self.parallel.step()
+            for table in self.tables.values():
+                self.rows_updated += table.apply_gradients()
+            self.summary.batches += 1
         self.summary.samples += len(batch)
         if self.summary.batches % self.training.log_interval == 0:
             self.log_scalars(loss.detach().item())

@@ -62,9 +62,10 @@ import numpy as np
 import zmq
 
 from melissa_dl.config.limits import CLIENT_TIMEOUT_RANGE, SEND_QUEUE_BYTES_RANGE
-from melissa_dl.errors import ClientError, HandshakeRefused, ServerUnreachable
+from melissa_dl.errors import ClientError, HandshakeRefused, PredictionRefused, ProtocolError, ServerUnreachable
 from melissa_dl.runtime.mpi import Comm
 from melissa_dl.wire.blocks import Block
+from melissa_dl.wire.predictions import Prediction, count_questions, declared, pack, unpack
 from melissa_dl.wire.protocol import (
     PART_BYTES,
     PROTOCOL_VERSION,
@@ -94,6 +95,7 @@ WAKE_MS = 1000  # a blocked send looks at its connection at least this often
 ANSWER_POLL_MS = 100  # how often a finalize waiting for the ranks' answers looks at its connections
 REASK = 1.5  # keepalives after which an unanswered question to a delivery service is asked again
 WORKER_POLL = 0.01  # seconds between two looks of a worker's other ranks at whether rank 0 has its next simulation
+PREDICT_QUEUE = 2  # requests a prediction link queues while its rank is unreachable: more get no answer at once
 
 
 def _block(name: str, field: tuple[Any, ...]) -> Block | None:
@@ -369,22 +371,15 @@ class Client:
         self._context = zmq.Context()
         self._links: list[_Link] = []
         self._questions: list[_Questions] = []
+        self._asking: dict[int, _Link] = {}  # server rank -> its prediction link, opened by the first question
+        self._asked = 0  # prediction requests sent: the next one's id
         try:
             reply = self._handshake(_require(env, ENV_SERVER), token)
             self._key = simulation_key(bytes.fromhex(token), self.simulation_id, self.attempt)
             self._field_ids = {name: i for i, name in enumerate(reply["fields"])}
+            self._guide: dict[str, Any] | None = reply.get("predictions")  # the server's prediction services
             self._route = Route.from_answer(reply)
-            largest = max([1, *(int(np.prod(s)) * np.dtype(d).itemsize for d, s in self._layouts.values())])
-            for endpoint in reply["endpoints"]:
-                link = _Link(self._context, zmq.PUSH, endpoint, self._environ)
-                self._links.append(link)
-                link.socket.setsockopt(zmq.SNDHWM, max(2, queue_bytes // largest))
-                link.socket.setsockopt(zmq.SNDTIMEO, WAKE_MS)  # a send blocked by a full queue wakes this often
-                link.socket.connect(endpoint)
-            for endpoint in reply["acks"]:
-                link = _Link(self._context, zmq.DEALER, endpoint, self._environ)
-                self._questions.append(_Questions(link, keepalive(self._timeout)))
-                link.socket.connect(endpoint)
+            self._connect(reply["endpoints"], reply["acks"], queue_bytes)
             self._steps: list[set[int]] = [set() for _ in self._links]
             self._sent = [0] * len(self._links)  # messages sent to each rank, as its delivery service counts them
             declaration = encode_json({"fields": self._declarations()})
@@ -393,6 +388,20 @@ class Client:
         except BaseException:
             self.close()
             raise
+
+    def _connect(self, endpoints: list[str], acks: list[str], queue_bytes: int) -> None:
+        """Open a data link and a delivery link to every server rank, the data queue ``queue_bytes`` deep."""
+        largest = max([1, *(int(np.prod(s)) * np.dtype(d).itemsize for d, s in self._layouts.values())])
+        for endpoint in endpoints:
+            link = _Link(self._context, zmq.PUSH, endpoint, self._environ)
+            self._links.append(link)
+            link.socket.setsockopt(zmq.SNDHWM, max(2, queue_bytes // largest))
+            link.socket.setsockopt(zmq.SNDTIMEO, WAKE_MS)  # a send blocked by a full queue wakes this often
+            link.socket.connect(endpoint)
+        for endpoint in acks:
+            link = _Link(self._context, zmq.DEALER, endpoint, self._environ)
+            self._questions.append(_Questions(link, keepalive(self._timeout)))
+            link.socket.connect(endpoint)
 
     def _handshake(self, endpoint: str, token: str) -> dict[str, Any]:
         hello = {
@@ -505,6 +514,52 @@ class Client:
                     self._send(rank, header, octets[offset : offset + PART_BYTES])
             self._steps[rank].add(time_step)
 
+    def predict(self, inputs: Mapping[str, Any], deadline: float | None = None) -> Prediction:
+        """Ask the model the server is training ``n`` questions at once: ``inputs`` maps each name of its
+        ``prediction_inputs`` to an array ``[n, *shape]`` of its dtype. Waits at most ``deadline`` seconds
+        (``serving.deadline`` by default) and returns a :class:`~melissa_dl.wire.predictions.Prediction`, true when
+        answered; fall back to your own solver otherwise. The ranks are asked in turn. Raises ``ClientError`` for
+        inputs the model does not take (or a server without ``serving.online``), ``PredictionRefused`` when a
+        rank refuses the request, ``HandshakeRefused`` when it refuses our credentials."""
+        guide = self._guide
+        who = f"simulation {self.simulation_id}"
+        if guide is None:
+            raise ClientError(f"{who}: predict: the server answers no predictions (serving.online is off)")
+        arrays = {name: np.ascontiguousarray(array) for name, array in inputs.items()}
+        try:
+            count_questions(arrays, declared(guide["inputs"]), int(guide["max_batch"]), f"{who}: predict")
+        except ProtocolError as error:
+            raise ClientError(str(error)) from None
+        rank = (self.simulation_id + self._asked) % len(guide["endpoints"])
+        self._asked += 1
+        link = self._asking.get(rank)
+        if link is None:
+            link = self._asking[rank] = _Link(self._context, zmq.DEALER, guide["endpoints"][rank], self._environ)
+            link.socket.setsockopt(zmq.SNDHWM, PREDICT_QUEUE)
+            link.socket.connect(link.endpoint)
+        wait = float(guide["deadline"]) if deadline is None else deadline
+        if not _offer(link.socket, pack({"id": self._asked}, arrays)):
+            return Prediction("no_answer")
+        return self._prediction(link, self._asked, time.monotonic() + wait, f"{who}: server rank {rank}")
+
+    @staticmethod
+    def _prediction(link: _Link, ident: int, until: float, who: str) -> Prediction:
+        """The answer to request ``ident``, if it comes before ``until`` (answers to requests given up on are
+        dropped)."""
+        while (left := until - time.monotonic()) > 0:
+            link.update()
+            _check_refused(link, who)
+            if not link.socket.poll(min(int(left * 1000) + 1, ANSWER_POLL_MS)):
+                continue
+            header, arrays = unpack(link.socket.recv(), "prediction answer")
+            if header["id"] != ident:
+                continue
+            if header.get("status") == "refused":
+                raise PredictionRefused(f"{who}: {header.get('error')}")
+            outputs = {name: array.copy() for name, array in arrays.items()}  # their own memory, writable
+            return Prediction(str(header["status"]), int(header.get("version", 0)), outputs)
+        return Prediction("no_answer")
+
     def finalize(self) -> None:
         """Announce the steps sent to each server rank, wait until every rank has read everything, and close."""
         try:
@@ -559,9 +614,9 @@ class Client:
 
     def close(self) -> None:
         """Close the sockets at once: what a finalize confirmed is delivered, anything else is dropped."""
-        for link in [*self._links, *(questions.link for questions in self._questions)]:
+        for link in [*self._links, *(questions.link for questions in self._questions), *self._asking.values()]:
             link.close()
-        self._links, self._questions = [], []
+        self._links, self._questions, self._asking = [], [], {}
         self._context.term()
 
     @classmethod

@@ -189,6 +189,10 @@ class Unservable(TrainingModule):
 
     def training_step(self, batch):
         return batch.sum()
+
+
+class Unasked(Unservable):
+    prediction_inputs = {}
 """
 
 
@@ -206,6 +210,7 @@ class Unservable(TrainingModule):
         ),
         ("build", "training: building Picky(**training.options) failed: ValueError: hidden 16 is too large"),
         ("predict", "Unservable.prediction_inputs['x']: shape (2, -1) is not a tuple of fewer than 6 sizes > 0"),
+        ("online", "serving.online: Unasked declares no prediction_inputs, so nothing can be asked of it"),
         ("command", "launcher.command[0]: no file {tmp_path}/no-such-solver"),
         ("program", "launcher.command[0]: no program 'no-such-solver' in PATH (the server's, its venv first)"),
     ],
@@ -226,6 +231,10 @@ def test_check_catches_what_a_run_would_meet_in_one_line_without_mpi(tmp_path: P
         shutil.copy(here / "tiny_module.py", tmp_path)  # imported by the user's module, from its folder
         module.write_text(RAISING_MODULE if case == "build" else UNSERVABLE_MODULE)
         config["training"].update(module=str(module), class_name="Picky" if case == "build" else "Unservable")
+    elif case == "online":
+        module.write_text(UNSERVABLE_MODULE)
+        config["training"].update(module=str(module), class_name="Unasked")
+        config["serving"] = {"online": True}
     elif case == "command":
         config["launcher"]["command"] = ["./no-such-solver"]
     else:

@@ -17,7 +17,9 @@ FIELDS = ["u", "v"]
 GOOD = {"u": ["float32", [4, 8]], "v": ["int64", []]}
 
 
-def service(client_size: int = 1, layouts: dict[str, Any] | None = None) -> HandshakeServer:
+def service(
+    client_size: int = 1, layouts: dict[str, Any] | None = None, predictions: dict[str, Any] | None = None
+) -> HandshakeServer:
     handshake = HandshakeServer(
         token=TOKEN,
         fields=FIELDS,
@@ -28,6 +30,7 @@ def service(client_size: int = 1, layouts: dict[str, Any] | None = None) -> Hand
         bind_address="127.0.0.1",
         client_size=client_size,
         layouts=layouts,
+        predictions=predictions,
     )
     for sim in range(3):
         handshake.expect(sim, 0)
@@ -62,7 +65,13 @@ def test_a_good_hello_gets_the_data_and_delivery_endpoints() -> None:
         "bind_simulation": False,
         "block": 1,
         "overlap": 0,
+        "predictions": None,  # no serving.online
     }
+
+
+def test_with_online_serving_a_good_hello_also_gets_the_prediction_services() -> None:
+    predictions = {"endpoints": ["tcp://a:5", "tcp://a:6"], "inputs": {"x": ["float32", [3]]}, "max_batch": 8}
+    assert ask(service(predictions=predictions), hello())["predictions"] == predictions
 
 
 BAD_HELLOS: dict[str, tuple[Any, str, str]] = {

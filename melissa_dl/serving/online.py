@@ -1,0 +1,234 @@
+"""Predictions while the model trains: each training rank answers the simulations' questions (``serving.online``).
+
+A rank's prediction service is a ROUTER socket in a thread of its own, under the study's credentials like every
+server socket (:mod:`melissa_dl.wire.security`), so intake and training go on whatever it is asked. The requests
+that arrive together, up to ``serving.max_batch`` questions or for at most ``serving.max_wait`` seconds, are
+answered by one ``predict`` of a :class:`Replica`, then split back to their peers, each answer carrying the
+version it came from (:mod:`melissa_dl.wire.predictions`).
+
+Why a replica, not the module that trains: a step runs the module in ``train()`` mode and its optimizers change
+the parameters in place, so a forward from another thread would see dropout on and half-updated weights. The
+replica is a copy in ``eval()`` mode that a batch of questions brings up to date when the trainer has stepped
+since, under the lock the trainer holds while its optimizers step (``Trainer.step_lock``): training waits at
+most one copy of the parameters per served batch, never a forward. It costs one more copy of the model.
+
+A module with sharded embedding tables is refused (:func:`check_servable`): a rank holds one shard of each, and a
+lookup is a collective of every training rank, which a serving thread cannot join. Such a model is asked after
+the study (``load_model``, ``model.ts``), where its tables are whole.
+
+What a peer may cost a rank is bounded: one frame per request, capped at the largest request of ``max_batch``
+questions (a larger one ends its connection unread, counted as ``predict_cut``); ``PEER_QUEUE`` requests queued
+per connection; a peer with ``PEER_QUEUE`` requests waiting for a batch has its next ones refused (``flood``). A
+wrong request is refused with an answer saying why, counted as ``predict_<kind>`` with the rank's other
+refusals.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import zmq
+
+from melissa_dl.embeddings.table import ShardedEmbedding
+from melissa_dl.errors import ConfigError, ProtocolError
+from melissa_dl.ingest.connections import POLL_MS, ConnectionGuard, ServerSocketThread
+from melissa_dl.train.module import TrainingModule
+from melissa_dl.wire.predictions import count_questions, pack, request_bytes, unpack
+from melissa_dl.wire.rejections import RejectionLog
+from melissa_dl.wire.security import Security
+
+if TYPE_CHECKING:
+    from melissa_dl.config.sections import ServingConfig
+    from melissa_dl.train.trainer import Trainer
+
+PEER_QUEUE = 4  # requests one connection may have queued or waiting: a client asks one at a time
+
+
+def check_servable(module: TrainingModule) -> None:
+    """Refuse, before the study starts, a module whose predictions a training rank cannot answer alone."""
+    name = type(module).__name__
+    if not module.prediction_inputs:
+        raise ConfigError(f"serving.online: {name} declares no prediction_inputs, so nothing can be asked of it")
+    tables = [path for path, m in module.named_modules() if isinstance(m, ShardedEmbedding)]
+    if tables:
+        raise ConfigError(
+            f"serving.online: {name} has sharded embedding tables ({', '.join(tables)}), whose lookups are "
+            "collectives of the training ranks: ask it after the study (load_model or model.ts), where they are whole"
+        )
+
+
+def clients_guide(
+    serving: ServingConfig, trainer: Trainer | None, endpoints: list[str | None]
+) -> dict[str, Any] | None:
+    """What the handshake tells clients of the predictions (each rank's service, the inputs, the limits): nothing
+    without ``serving.online``."""
+    if not serving.online:
+        return None
+    assert trainer is not None
+    inputs = {name: [dtype, list(shape)] for name, (dtype, shape) in trainer.module.prediction_inputs.items()}
+    return {"endpoints": endpoints, "inputs": inputs, "max_batch": serving.max_batch, "deadline": serving.deadline}
+
+
+class Replica:
+    """The model that answers, beside the one that trains: a copy in ``eval()`` mode, brought up to date by a
+    batch of questions that finds the trainer ``batches()`` ahead of it."""
+
+    def __init__(
+        self, module: TrainingModule, lock: threading.Lock, batches: Callable[[], int], device: torch.device
+    ) -> None:
+        try:
+            self.module = copy.deepcopy(module)
+        except Exception as error:  # the user's module may hold what does not copy (a file, a lock)
+            raise ConfigError(
+                f"serving.online: {type(module).__name__} cannot be copied to answer predictions "
+                f"({type(error).__name__}: {error})"
+            ) from None
+        self.module.eval().requires_grad_(False)
+        self.inputs = dict(module.prediction_inputs)
+        self._source, self._lock, self._batches, self._device = module, lock, batches, device
+        self.version = batches()
+
+    def trained(self) -> int:
+        """Batches the trainer has stepped: 0 while no model exists."""
+        return self._batches()
+
+    def answer(self, inputs: dict[str, np.ndarray]) -> tuple[int, dict[str, np.ndarray]]:
+        """The version that answers and its answers to ``inputs`` (``[n, ...]`` each)."""
+        with self._lock:
+            batches = self._batches()
+            if batches != self.version:
+                self.module.load_state_dict(self._source.state_dict())
+                self.version = batches
+        tensors = {name: torch.from_numpy(array).to(self._device) for name, array in inputs.items()}
+        with torch.no_grad():
+            outputs = self.module.predict(tensors)
+        return self.version, {name: tensor.detach().cpu().numpy() for name, tensor in outputs.items()}
+
+
+@dataclass(frozen=True)
+class _Request:
+    peer: bytes
+    id: int
+    questions: int
+    arrays: dict[str, np.ndarray]
+
+
+class PredictionServer(ServerSocketThread):
+    """One rank's prediction service; its refusals are counted in ``rejections`` (the receiver's)."""
+
+    socket_type = zmq.ROUTER
+    guard_name = "predict"
+
+    def __init__(
+        self,
+        replica: Replica,
+        serving: ServingConfig,
+        server_rank: int,
+        rejections: RejectionLog,
+        bind_address: str,
+        security: Security,
+    ) -> None:
+        cap = request_bytes(replica.inputs, serving.max_batch)
+        super().__init__(f"predictions-{server_rank}", bind_address, security=security, message_cap=cap)
+        self.rejections = rejections
+        self.replica = replica
+        self._max_batch, self._max_wait = serving.max_batch, serving.max_wait
+        self._waiting: list[_Request] = []
+        self._since = 0.0  # when the first waiting request came
+        self._per_peer: Counter[bytes] = Counter()
+
+    @classmethod
+    def for_trainer(
+        cls, trainer: Trainer, serving: ServingConfig, rejections: RejectionLog, bind_address: str, security: Security
+    ) -> PredictionServer:
+        replica = Replica(trainer.module, trainer.step_lock, lambda: trainer.summary.batches, trainer.device)
+        return cls(replica, serving, trainer.rank, rejections, bind_address, security)
+
+    def configure(self, socket: zmq.Socket) -> None:
+        socket.setsockopt(zmq.RCVHWM, PEER_QUEUE)
+
+    def handle(self, socket: zmq.Socket, guard: ConnectionGuard) -> None:
+        for _ in range(self._max_batch):  # what came together, up to a batch
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._take(socket, frames)
+            if sum(request.questions for request in self._waiting) >= self._max_batch:
+                self._serve(socket)
+
+    def idle(self, socket: zmq.Socket) -> None:
+        if self._waiting and time.monotonic() - self._since >= self._max_wait:
+            self._serve(socket)
+
+    def wait_ms(self) -> int:
+        due = POLL_MS if not self._waiting else math.ceil((self._since + self._max_wait - time.monotonic()) * 1000)
+        return max(0, min(POLL_MS, due))  # the stop flag is looked at every POLL_MS
+
+    def _take(self, socket: zmq.Socket, frames: list[bytes]) -> None:
+        """Check one request: refused, answered that no model exists yet, or kept for the next batch."""
+        if len(frames) != 2:  # a DEALER peer's request is one part; ROUTER puts the peer's id before it
+            self.rejections.reject("predict_malformed", f"predict socket: a request of {len(frames) - 1} parts")
+            return
+        peer, frame = frames
+        ident = -1
+        try:
+            header, arrays = unpack(frame, "prediction request")
+            ident = header["id"]
+            if self._per_peer[peer] >= PEER_QUEUE:
+                raise ProtocolError(f"prediction request: {PEER_QUEUE} of this peer's are waiting already", "flood")
+            n = count_questions(arrays, self.replica.inputs, self._max_batch, "prediction request")
+        except ProtocolError as error:
+            self._refuse(socket, peer, ident, error.kind, str(error))
+            return
+        if self.replica.trained() == 0:
+            self._reply(socket, peer, {"id": ident, "status": "no_model"})
+            return
+        if not self._waiting:
+            self._since = time.monotonic()
+        self._waiting.append(_Request(peer, ident, n, arrays))
+        self._per_peer[peer] += 1
+
+    def _serve(self, socket: zmq.Socket) -> None:
+        """Answer every waiting request with one ``predict``."""
+        batch, self._waiting = self._waiting, []
+        self._per_peer.clear()
+        total = sum(request.questions for request in batch)
+        inputs = {name: np.concatenate([request.arrays[name] for request in batch]) for name in self.replica.inputs}
+        try:
+            version, outputs = self.replica.answer(inputs)
+            for name, array in outputs.items():
+                if array.ndim == 0 or len(array) != total:
+                    raise ValueError(f"output '{name}' is {list(array.shape)} for {total} questions")
+        except Exception as error:  # the user's predict: it costs these requests their answer, not the rank
+            said = f"prediction: {type(self.replica.module).__name__}.predict failed: {type(error).__name__}: {error}"
+            for request in batch:
+                self._refuse(socket, request.peer, request.id, "failed", said)
+            return
+        start = 0
+        for request in batch:
+            end = start + request.questions
+            answer = {name: array[start:end] for name, array in outputs.items()}
+            self._reply(socket, request.peer, {"id": request.id, "status": "answered", "version": version}, answer)
+            start = end
+
+    def _refuse(self, socket: zmq.Socket, peer: bytes, ident: int, kind: str, message: str) -> None:
+        """Count a refusal and tell the peer why."""
+        self.rejections.reject(f"predict_{kind}", message)
+        self._reply(socket, peer, {"id": ident, "status": "refused", "kind": kind, "error": message})
+
+    @staticmethod
+    def _reply(
+        socket: zmq.Socket, peer: bytes, header: dict[str, Any], arrays: dict[str, np.ndarray] | None = None
+    ) -> None:
+        """Send an answer; a peer that left meanwhile, or whose queue is full, loses it (ROUTER drops it)."""
+        socket.send_multipart([peer, pack(header, arrays or {})])
