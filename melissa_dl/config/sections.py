@@ -609,7 +609,11 @@ class ServingConfig:
         256, minimum=1, maximum=65536, doc="Questions a rank answers with one forward; a request of more is refused."
     )
     max_wait: float = option(
-        0.002, minimum=0, maximum=1, doc="Seconds a rank waits for more requests before answering those it has."
+        0.0,
+        minimum=0,
+        maximum=1,
+        doc="Seconds a rank waits for more requests before answering those it has; 0 answers at once what has "
+        "arrived (those that arrive during a forward are answered together by the next).",
     )
     deadline: float = option(
         1.0,

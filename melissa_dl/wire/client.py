@@ -342,6 +342,62 @@ def _ask_next(environ: Mapping[str, str], last: str | None) -> dict[str, str] | 
         context.term()
 
 
+class _Predictor:
+    """The server ranks' prediction services (:mod:`melissa_dl.wire.predictions`), asked in turn from rank
+    ``first`` (the simulation's id: simulations start on different ranks), one request at a time; a rank's link is
+    opened by the first question to it."""
+
+    def __init__(self, guide: dict[str, Any], context: zmq.Context, environ: Mapping[str, str], first: int) -> None:
+        self.endpoints: list[str] = guide["endpoints"]
+        self.inputs = declared(guide["inputs"])
+        self.max_batch, self.deadline = int(guide["max_batch"]), float(guide["deadline"])
+        self.links: dict[int, _Link] = {}
+        self.asked = 0  # requests sent: the last one's id
+        self._context, self._environ, self._first = context, environ, first
+        self._who = f"simulation {first}"
+
+    def ask(self, inputs: Mapping[str, Any], deadline: float | None) -> Prediction:
+        arrays = {name: np.ascontiguousarray(array) for name, array in inputs.items()}
+        try:
+            count_questions(arrays, self.inputs, self.max_batch, f"{self._who}: predict")
+        except ProtocolError as error:
+            raise ClientError(str(error)) from None
+        rank = (self._first + self.asked) % len(self.endpoints)
+        self.asked += 1
+        link = self.links.get(rank)
+        if link is None:
+            link = self.links[rank] = _Link(self._context, zmq.DEALER, self.endpoints[rank], self._environ)
+            link.socket.setsockopt(zmq.SNDHWM, PREDICT_QUEUE)
+            link.socket.connect(link.endpoint)
+        if not _offer(link.socket, pack({"id": self.asked}, arrays)):
+            return Prediction("no_answer")
+        until = time.monotonic() + (self.deadline if deadline is None else deadline)
+        return self._answer(link, self.asked, until, f"{self._who}: server rank {rank}")
+
+    @staticmethod
+    def _answer(link: _Link, ident: int, until: float, who: str) -> Prediction:
+        """The answer to request ``ident``, if it comes before ``until`` (answers to requests given up on are
+        dropped)."""
+        while (left := until - time.monotonic()) > 0:
+            link.update()
+            _check_refused(link, who)
+            if not link.socket.poll(min(int(left * 1000) + 1, ANSWER_POLL_MS)):
+                continue
+            header, arrays = unpack(link.socket.recv(), "prediction answer")
+            if header["id"] != ident:
+                continue
+            if header.get("status") == "refused":
+                raise PredictionRefused(f"{who}: {header.get('error')}")
+            outputs = {name: array.copy() for name, array in arrays.items()}  # their own memory, writable
+            return Prediction(str(header["status"]), int(header.get("version", 0)), outputs)
+        return Prediction("no_answer")
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links = {}
+
+
 class Client:
     """One client rank's connection to the server for one simulation."""
 
@@ -371,15 +427,13 @@ class Client:
         self._context = zmq.Context()
         self._links: list[_Link] = []
         self._questions: list[_Questions] = []
-        self._asking: dict[int, _Link] = {}  # server rank -> its prediction link, opened by the first question
-        self._asked = 0  # prediction requests sent: the next one's id
+        self._predictor: _Predictor | None = None  # with serving.online
         try:
             reply = self._handshake(_require(env, ENV_SERVER), token)
             self._key = simulation_key(bytes.fromhex(token), self.simulation_id, self.attempt)
             self._field_ids = {name: i for i, name in enumerate(reply["fields"])}
-            self._guide: dict[str, Any] | None = reply.get("predictions")  # the server's prediction services
             self._route = Route.from_answer(reply)
-            self._connect(reply["endpoints"], reply["acks"], queue_bytes)
+            self._connect(reply, queue_bytes)
             self._steps: list[set[int]] = [set() for _ in self._links]
             self._sent = [0] * len(self._links)  # messages sent to each rank, as its delivery service counts them
             declaration = encode_json({"fields": self._declarations()})
@@ -389,19 +443,22 @@ class Client:
             self.close()
             raise
 
-    def _connect(self, endpoints: list[str], acks: list[str], queue_bytes: int) -> None:
-        """Open a data link and a delivery link to every server rank, the data queue ``queue_bytes`` deep."""
+    def _connect(self, reply: dict[str, Any], queue_bytes: int) -> None:
+        """Open a data link and a delivery link to every server rank the handshake's ``reply`` names, the data
+        queue ``queue_bytes`` deep; with ``serving.online``, the predictor that asks the ranks' models."""
         largest = max([1, *(int(np.prod(s)) * np.dtype(d).itemsize for d, s in self._layouts.values())])
-        for endpoint in endpoints:
+        for endpoint in reply["endpoints"]:
             link = _Link(self._context, zmq.PUSH, endpoint, self._environ)
             self._links.append(link)
             link.socket.setsockopt(zmq.SNDHWM, max(2, queue_bytes // largest))
             link.socket.setsockopt(zmq.SNDTIMEO, WAKE_MS)  # a send blocked by a full queue wakes this often
             link.socket.connect(endpoint)
-        for endpoint in acks:
+        for endpoint in reply["acks"]:
             link = _Link(self._context, zmq.DEALER, endpoint, self._environ)
             self._questions.append(_Questions(link, keepalive(self._timeout)))
             link.socket.connect(endpoint)
+        if reply.get("predictions"):
+            self._predictor = _Predictor(reply["predictions"], self._context, self._environ, self.simulation_id)
 
     def _handshake(self, endpoint: str, token: str) -> dict[str, Any]:
         hello = {
@@ -521,44 +578,11 @@ class Client:
         answered; fall back to your own solver otherwise. The ranks are asked in turn. Raises ``ClientError`` for
         inputs the model does not take (or a server without ``serving.online``), ``PredictionRefused`` when a
         rank refuses the request, ``HandshakeRefused`` when it refuses our credentials."""
-        guide = self._guide
-        who = f"simulation {self.simulation_id}"
-        if guide is None:
-            raise ClientError(f"{who}: predict: the server answers no predictions (serving.online is off)")
-        arrays = {name: np.ascontiguousarray(array) for name, array in inputs.items()}
-        try:
-            count_questions(arrays, declared(guide["inputs"]), int(guide["max_batch"]), f"{who}: predict")
-        except ProtocolError as error:
-            raise ClientError(str(error)) from None
-        rank = (self.simulation_id + self._asked) % len(guide["endpoints"])
-        self._asked += 1
-        link = self._asking.get(rank)
-        if link is None:
-            link = self._asking[rank] = _Link(self._context, zmq.DEALER, guide["endpoints"][rank], self._environ)
-            link.socket.setsockopt(zmq.SNDHWM, PREDICT_QUEUE)
-            link.socket.connect(link.endpoint)
-        wait = float(guide["deadline"]) if deadline is None else deadline
-        if not _offer(link.socket, pack({"id": self._asked}, arrays)):
-            return Prediction("no_answer")
-        return self._prediction(link, self._asked, time.monotonic() + wait, f"{who}: server rank {rank}")
-
-    @staticmethod
-    def _prediction(link: _Link, ident: int, until: float, who: str) -> Prediction:
-        """The answer to request ``ident``, if it comes before ``until`` (answers to requests given up on are
-        dropped)."""
-        while (left := until - time.monotonic()) > 0:
-            link.update()
-            _check_refused(link, who)
-            if not link.socket.poll(min(int(left * 1000) + 1, ANSWER_POLL_MS)):
-                continue
-            header, arrays = unpack(link.socket.recv(), "prediction answer")
-            if header["id"] != ident:
-                continue
-            if header.get("status") == "refused":
-                raise PredictionRefused(f"{who}: {header.get('error')}")
-            outputs = {name: array.copy() for name, array in arrays.items()}  # their own memory, writable
-            return Prediction(str(header["status"]), int(header.get("version", 0)), outputs)
-        return Prediction("no_answer")
+        if self._predictor is None:
+            raise ClientError(
+                f"simulation {self.simulation_id}: predict: the server answers no predictions (serving.online is off)"
+            )
+        return self._predictor.ask(inputs, deadline)
 
     def finalize(self) -> None:
         """Announce the steps sent to each server rank, wait until every rank has read everything, and close."""
@@ -614,9 +638,11 @@ class Client:
 
     def close(self) -> None:
         """Close the sockets at once: what a finalize confirmed is delivered, anything else is dropped."""
-        for link in [*self._links, *(questions.link for questions in self._questions), *self._asking.values()]:
+        for link in [*self._links, *(questions.link for questions in self._questions)]:
             link.close()
-        self._links, self._questions, self._asking = [], [], {}
+        if self._predictor is not None:
+            self._predictor.close()
+        self._links, self._questions = [], []
         self._context.term()
 
     @classmethod

@@ -75,7 +75,7 @@ def wrong_shape(client: Client) -> dict:
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     configure_client(socket)
-    socket.connect(client._guide["endpoints"][0])  # type: ignore[index]
+    socket.connect(client._predictor.endpoints[0])  # type: ignore[union-attr]
     socket.send(pack({"id": 1}, {"parameters": np.zeros((1, 4), np.float32), "time_step": np.zeros(1, np.float32)}))
     header, _ = unpack(socket.recv(), "answer")
     socket.close(linger=0)
