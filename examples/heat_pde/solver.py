@@ -180,6 +180,15 @@ class HeatSolver:
         self._sx_local = np.ascontiguousarray(sx[rows])
         self._sy_t = np.ascontiguousarray(sy.T)
 
+    def resume_from(self, field: np.ndarray) -> None:
+        """Continue from ``field`` as if this solver had made it its next step (a surrogate's prediction in place
+        of a step): the whole grid, on one rank without refinement."""
+        if self.refine != 1 or self.local_shape != (self.nx, self.ny) or np.shape(field) != self.local_shape:
+            raise ValueError(f"resume_from takes the whole {self.nx}x{self.ny} field of an unrefined one-rank solver")
+        deviation = (np.asarray(field, dtype=np.float64) - self._steady_local)[1:-1, 1:-1]
+        self._w_hat = self._sx_local[1:-1].T @ deviation @ self._sy_t.T[1:-1]  # the interior sine basis is orthonormal
+        self.time_step += 1
+
     def step(self) -> np.ndarray:
         """Advance one time step and return this rank's rows of the new field.
 

@@ -3,8 +3,9 @@
 A rank's prediction service is a ROUTER socket in a thread of its own, under the study's credentials like every
 server socket (:mod:`melissa_dl.wire.security`), so intake and training go on whatever it is asked. The requests
 that arrive together, up to ``serving.max_batch`` questions or for at most ``serving.max_wait`` seconds (0: what
-has arrived; those that arrive during a forward are the next batch), are answered by one ``predict`` of a :class:`Replica`, then split back to their peers, each answer carrying the
-version it came from (:mod:`melissa_dl.wire.predictions`).
+has arrived; those that arrive during a forward are the next batch), are answered by one ``predict`` of a
+:class:`Replica`, then split back to their peers, each answer carrying the version it came from
+(:mod:`melissa_dl.wire.predictions`).
 
 Why a replica, not the module that trains: a step runs the module in ``train()`` mode and its optimizers change
 the parameters in place, so a forward from another thread would see dropout on and half-updated weights. The

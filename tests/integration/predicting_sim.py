@@ -1,16 +1,18 @@
 """A heat simulation that asks the model the study trains, and records what it was answered (``--record DIR``).
 
 Every simulation asks once before its first step (the first one launched is answered that no model exists) and
-after every odd step. Simulation 0 then, its steps sent, asks until a model answers; asks with a deadline shorter
-than the server's ``serving.max_wait`` (no answer), then again (answered, the late answer dropped); asks with a
-missing input (refused here); and sends one request of a wrong shape from a socket of its own (refused by the
-rank, and counted).
+after every odd step, and records which server it asked (``MELISSA_SERVER``: a restarted server's is another).
+Simulation 0 then, its steps sent, asks until a model answers; asks with a deadline shorter than the server's
+``serving.max_wait`` (no answer), then again (answered, the late answer dropped); asks with a missing input
+(refused here); and sends one request of a wrong shape from a socket of its own (refused by the rank, and
+counted).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,7 +41,7 @@ def main() -> None:
             "time_step": np.array([args.steps - 1], np.float32),
         }
         first = client.predict(question)
-        record: dict = {"first": [first.status, first.version], "during": []}
+        record: dict = {"first": [first.status, first.version], "during": [], "server": os.environ["MELISSA_SERVER"]}
         solver = HeatSolver(client.parameters, args.nx, args.ny)
         for t in range(args.steps):
             client.send("temperature", t, solver.step())

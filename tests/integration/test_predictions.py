@@ -5,20 +5,23 @@ before the first step, versioned answers after, no answer past a deadline, refus
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import sys
 from pathlib import Path
 
 import pytest
-from support import HERE, run_server
-from test_trained_model import NX, NY, STEPS, heat_config
+from support import HERE, run_server, server_command, start, wait_for
+from test_trained_model import HEAT, NX, NY, STEPS, heat_config
+
+from melissa_dl.checkpoint.versions import latest_valid
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_simulations_ask_the_model_the_study_trains_and_get_its_versioned_answers(tmp_path: Path, ranks: int) -> None:
-    output, record = tmp_path / "output", tmp_path / "record"
-    record.mkdir()
+def predicting_config(output: Path, record: Path) -> dict:
+    """The heat study of ``predicting_sim.py``, served online; its simulations in turn."""
     config = heat_config(output)
     config["launcher"]["command"] = [
         sys.executable, str(HERE / "predicting_sim.py"), "--nx", str(NX), "--ny", str(NY), "--steps", str(STEPS),
@@ -26,12 +29,25 @@ def test_simulations_ask_the_model_the_study_trains_and_get_its_versioned_answer
     ]  # fmt: skip
     config["training"]["batch_size"] = 8
     config["launcher"]["job_limit"] = 1  # simulation 0 first, alone: nothing is trained before it asks
-    config["serving"] = {"online": True, "max_wait": 0.2}  # a request waits 0.2 s for others: 1 ms is too short
+    # a request waits 0.2 s for others, so 1 ms is too short; any other waits as long as a busy machine needs
+    config["serving"] = {"online": True, "max_wait": 0.2, "deadline": 60.0}
+    return config
+
+
+def records_of(record: Path) -> dict[int, dict]:
+    return {int(path.stem[3:]): json.loads(path.read_text()) for path in record.glob("sim*.json")}
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_simulations_ask_the_model_the_study_trains_and_get_its_versioned_answers(tmp_path: Path, ranks: int) -> None:
+    output, record = tmp_path / "output", tmp_path / "record"
+    record.mkdir()
+    config = predicting_config(output, record)
     run = run_server(tmp_path, config, ranks=ranks, timeout=240)
     assert run.code == 0 and run.report is not None, run.log
     batches = run.report["training"]["batches"]
 
-    records = {int(path.stem[3:]): json.loads(path.read_text()) for path in record.glob("sim*.json")}
+    records = records_of(record)
     assert sorted(records) == list(range(7))  # 6 and the held-out one, which asks as the others do
     assert records[0]["first"] == ["no_model", 0]  # after the held-out simulation 6 only, which is not trained on
     assert records[5]["first"][0] == "answered"  # launched after simulation 0 got its answers
@@ -49,3 +65,58 @@ def test_simulations_ask_the_model_the_study_trains_and_get_its_versioned_answer
     assert (refused["status"], refused["kind"]) == ("refused", "shape")
     assert "input 'parameters' is [1, 4], the model's is [n, 5]" in refused["error"]
     assert run.report["rejected"] == {"predict_shape": 1}
+
+
+def test_the_assisted_heat_example_replaces_every_other_step_once_the_model_is_trained(tmp_path: Path) -> None:
+    output, reports = tmp_path / "output", tmp_path / "reports"
+    reports.mkdir()
+    config = heat_config(output)
+    config["launcher"]["command"] = [
+        sys.executable, str(HEAT / "heat_assisted.py"), "--nx", str(NX), "--ny", str(NY), "--steps", str(STEPS),
+        "--threshold", "1", "--deadline", "60", "--report", str(reports),
+    ]  # fmt: skip
+    config["launcher"]["job_limit"] = 1  # in turn: the later simulations find a model trained on the earlier ones
+    config["training"]["batch_size"] = 8
+    config["serving"] = {"online": True}
+    run = run_server(tmp_path, config, ranks=2, timeout=240)
+    assert run.code == 0, run.log
+    assisted = {int(path.stem.split("-")[1]): json.loads(path.read_text()) for path in reports.glob("*.json")}
+    assert sorted(assisted) == list(range(7))
+    last = assisted[5]  # after the other five: a model answers every one of its questions
+    assert last["replaced"] == list(range(1, STEPS, 2))
+    for report in assisted.values():
+        first = report["replaced"][0] if report["replaced"] else STEPS
+        assert report["drift"][:first] == [0.0] * first  # the same solver until the model's first step
+        assert all(0 <= drift < 1 for drift in report["drift"])  # a field near the solver's: kelvin, not noise
+
+
+def trained_checkpoint(output: Path) -> bool:
+    """Whether a checkpoint of a trained model is committed (a study's first may be of batch 0)."""
+    version = latest_valid(output / "checkpoints")
+    return version is not None and version.manifest["batch"] > 0
+
+
+def test_after_a_restart_the_restored_model_answers_at_once(tmp_path: Path) -> None:
+    """Rank 1 is killed once a checkpoint is committed; the supervisor restarts the server, and every simulation
+    that asks the restarted one is answered from the restored model from its first question on, never told that
+    no model exists."""
+    output, record = tmp_path / "output", tmp_path / "record"
+    record.mkdir()
+    config = predicting_config(output, record)
+    config["launcher"].update(server_timeout=20.0, max_server_restarts=1)
+    config["checkpoint"] = {"interval": 20}
+    command = server_command(tmp_path, config, 2)
+    supervisor = start([sys.executable, "-m", "melissa_dl.supervisor", command[-1], "-n", "2"])
+    wait_for(lambda: trained_checkpoint(output), supervisor, timeout=180)
+    pid = int(re.search(r"server rank 1 of 2, pid (\d+)", (output / "logs" / "rank1.log").read_text()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    log, _ = supervisor.communicate(timeout=240)
+    assert supervisor.returncode == 0, log
+    rank0 = (output / "logs" / "rank0.log").read_text()
+    restored = int(re.search(r"resuming from checkpoint \S+ \(batch (\d+)", rank0).group(1))
+    restarted = re.findall(r"handshake at (\S+),", rank0)[-1]
+    after = [answers for answers in records_of(record).values() if answers["server"] == restarted]
+    assert after, "no simulation asked the restarted server"
+    for answers in after:
+        status, version = answers["first"]
+        assert status == "answered" and version >= restored > 0

@@ -357,3 +357,16 @@ def test_heat_script_crashes_once_mid_run(tmp_path: Path) -> None:
     for sid, attempt in ((3, 1), (4, 0)):  # the relaunch and other simulations run fully
         code, record, _ = run_heat(tmp_path, *crash, sid=sid, attempt=attempt)
         assert code == 0 and len(record["sent"]) == 6 and record["finalized"]
+
+
+def test_a_solver_resumed_from_another_s_step_goes_on_as_that_one_does() -> None:
+    parameters = [300.0, 150.0, 450.0, 250.0, 350.0]
+    made, resumed = HeatSolver(parameters, 9, 7), HeatSolver(parameters, 9, 7)
+    for _ in range(3):
+        resumed.step()
+    fields = [made.step() for _ in range(4)]
+    resumed.resume_from(fields[-1])  # its fourth step, made by another
+    assert resumed.time_step == 4
+    np.testing.assert_allclose(resumed.step(), made.step(), rtol=1e-5)
+    with pytest.raises(ValueError, match="whole 9x7 field"):
+        resumed.resume_from(fields[-1][:4])
