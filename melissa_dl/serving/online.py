@@ -10,8 +10,8 @@ has arrived; those that arrive during a forward are the next batch), are answere
 Why a replica, not the module that trains: a step runs the module in ``train()`` mode and its optimizers change
 the parameters in place, so a forward from another thread would see dropout on and half-updated weights. The
 replica is a copy in ``eval()`` mode that a batch of questions brings up to date when the trainer has stepped
-since, under the lock the trainer holds while its optimizers step (``Trainer.step_lock``): training waits at
-most one copy of the parameters per served batch, never a forward. It costs one more copy of the model.
+since (:class:`Replica`), copied between two optimizer steps without ever making training wait. It costs two
+more copies of the model (the replica and its spare).
 
 A module with sharded embedding tables is refused (:func:`check_servable`): a rank holds one shard of each, and a
 lookup is a collective of every training rank, which a serving thread cannot join. Such a model is asked after
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -52,6 +51,7 @@ if TYPE_CHECKING:
     from melissa_dl.train.trainer import Trainer
 
 PEER_QUEUE = 4  # requests one connection may have queued or waiting: a client asks one at a time
+REFRESH = 0.02  # seconds: the least age of a replica brought up to date (each copy costs the serving thread)
 
 
 def check_servable(module: TrainingModule) -> None:
@@ -81,38 +81,62 @@ def clients_guide(
 
 class Replica:
     """The model that answers, beside the one that trains: a copy in ``eval()`` mode, brought up to date by a
-    batch of questions that finds the trainer ``batches()`` ahead of it."""
+    batch of questions that finds the trainer ahead of it and the copy ``refresh`` seconds old (or untrained).
+
+    The copy is made into a spare replica between two looks at the trainer's ``step_sequence`` (odd while its
+    optimizers change the module) and taken only if no step came between them; otherwise the current replica
+    answers and the next batch tries again. So training never waits, and an answer's version is exactly the
+    state it came from."""
 
     def __init__(
-        self, module: TrainingModule, lock: threading.Lock, batches: Callable[[], int], device: torch.device
+        self,
+        module: TrainingModule,
+        sequence: Callable[[], int],
+        batches: Callable[[], int],
+        device: torch.device,
+        refresh: float = REFRESH,
     ) -> None:
+        self.module, self._spare = self._copy(module), self._copy(module)
+        self.inputs = dict(module.prediction_inputs)
+        self._source, self._sequence, self._batches, self._device = module, sequence, batches, device
+        self._refresh_every = refresh
+        self.version = batches()
+        self._refreshed = -math.inf
+
+    @staticmethod
+    def _copy(module: TrainingModule) -> TrainingModule:
         try:
-            self.module = copy.deepcopy(module)
+            copied = copy.deepcopy(module)
         except Exception as error:  # the user's module may hold what does not copy (a file, a lock)
             raise ConfigError(
                 f"serving.online: {type(module).__name__} cannot be copied to answer predictions "
                 f"({type(error).__name__}: {error})"
             ) from None
-        self.module.eval().requires_grad_(False)
-        self.inputs = dict(module.prediction_inputs)
-        self._source, self._lock, self._batches, self._device = module, lock, batches, device
-        self.version = batches()
+        return copied.eval().requires_grad_(False)
 
     def trained(self) -> int:
         """Batches the trainer has stepped: 0 while no model exists."""
         return self._batches()
 
     def answer(self, inputs: dict[str, np.ndarray]) -> tuple[int, dict[str, np.ndarray]]:
-        """The version that answers and its answers to ``inputs`` (``[n, ...]`` each)."""
-        with self._lock:
-            batches = self._batches()
-            if batches != self.version:
-                self.module.load_state_dict(self._source.state_dict())
-                self.version = batches
+        """The version that answers and its answers to ``inputs`` (``[n, ...]`` each); none while the copy is
+        untrained (version 0)."""
+        self._refresh()
+        if not self.version:
+            return 0, {}
         tensors = {name: torch.from_numpy(array).to(self._device) for name, array in inputs.items()}
         with torch.no_grad():
             outputs = self.module.predict(tensors)
         return self.version, {name: tensor.detach().cpu().numpy() for name, tensor in outputs.items()}
+
+    def _refresh(self) -> None:
+        before, version, now = self._sequence(), self._batches(), time.monotonic()
+        if before % 2 or version == self.version or now - self._refreshed < self._refresh_every and self.version:
+            return  # the untrained copy is replaced at once: it never answers
+        self._spare.load_state_dict(self._source.state_dict())
+        if self._sequence() == before:  # no step began meanwhile: the spare is the trainer's state at ``version``
+            self.module, self._spare = self._spare, self.module
+            self.version, self._refreshed = version, now
 
 
 @dataclass(frozen=True)
@@ -151,7 +175,9 @@ class PredictionServer(ServerSocketThread):
     def for_trainer(
         cls, trainer: Trainer, serving: ServingConfig, rejections: RejectionLog, bind_address: str, security: Security
     ) -> PredictionServer:
-        replica = Replica(trainer.module, trainer.step_lock, lambda: trainer.summary.batches, trainer.device)
+        replica = Replica(
+            trainer.module, lambda: trainer.step_sequence, lambda: trainer.summary.batches, trainer.device
+        )
         return cls(replica, serving, trainer.rank, rejections, bind_address, security)
 
     def configure(self, socket: zmq.Socket) -> None:
@@ -214,6 +240,10 @@ class PredictionServer(ServerSocketThread):
             said = f"prediction: {type(self.replica.module).__name__}.predict failed: {type(error).__name__}: {error}"
             for request in batch:
                 self._refuse(socket, request.peer, request.id, "failed", said)
+            return
+        if not version:  # the first copy of a trained model was not made yet
+            for request in batch:
+                self._reply(socket, request.peer, {"id": request.id, "status": "no_model"})
             return
         start = 0
         for request in batch:

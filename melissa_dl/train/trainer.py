@@ -22,7 +22,6 @@ import os
 import random
 import resource
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,8 +201,10 @@ class Trainer:
         self.last_loss: float | None = None  # this rank's training loss at the last TensorBoard point
         self._last_log = (time.monotonic(), 0)  # time, batches
         self.losses = LossLog() if learning else None  # per sample, for a sampler that learns
-        # held while the optimizers change the module: a serving replica (``serving.online``) copies it between steps
-        self.step_lock = threading.Lock()
+        # odd while the optimizers change the module (counted up before and after): a serving replica
+        # (``serving.online``) keeps a copy made between two looks that see the same even count, so that training
+        # never waits for it (a sequence lock)
+        self.step_sequence = 0
 
     def begin(self) -> None:
         """Take this rank's share of the held-out samples (here, once the study runs: a module may solve them,
@@ -272,11 +273,12 @@ class Trainer:
             self.losses.record(batch.ids, self._sample_losses(data))
         self.parallel.backward(loss)
         self.copies.wait()  # a checkpoint's copy of what the optimizers are about to change
-        with self.step_lock:
-            self.parallel.step()
-            for table in self.tables.values():
-                self.rows_updated += table.apply_gradients()
-            self.summary.batches += 1
+        self.step_sequence += 1
+        self.parallel.step()
+        for table in self.tables.values():
+            self.rows_updated += table.apply_gradients()
+        self.summary.batches += 1
+        self.step_sequence += 1
         self.summary.samples += len(batch)
         if self.summary.batches % self.training.log_interval == 0:
             self.log_scalars(loss.detach().item())

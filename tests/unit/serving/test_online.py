@@ -4,7 +4,6 @@ flood bounded, a failing ``predict`` costing only its requests, and what a serve
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,25 +59,32 @@ class Scaler(TrainingModule):
 
 @dataclass
 class Trained:
-    """The trainer's side: its module, its step lock and its batch count."""
+    """The trainer's side: its module, its step sequence and its batch count."""
 
     module: Scaler
-    lock: threading.Lock
+    sequence: int = 0
     batches: int = 0
 
     def step(self, scale: float) -> None:
-        with self.lock, torch.no_grad():
+        self.sequence += 1
+        with torch.no_grad():
             self.module.scale.fill_(scale)
-            self.batches += 1
+        self.batches += 1
+        self.sequence += 1
 
 
 @pytest.fixture
 def trained() -> Trained:
-    return Trained(Scaler(), threading.Lock())
+    return Trained(Scaler())
+
+
+def replica_of(trained: Trained) -> Replica:
+    """A replica brought up to date by every question that finds it behind (the server's waits ``REFRESH``)."""
+    return Replica(trained.module, lambda: trained.sequence, lambda: trained.batches, torch.device("cpu"), refresh=0)
 
 
 def serve(trained: Trained, **options: Any) -> tuple[PredictionServer, str]:
-    replica = Replica(trained.module, trained.lock, lambda: trained.batches, torch.device("cpu"))
+    replica = replica_of(trained)
     server = PredictionServer(
         replica, ServingConfig(online=True, **options), 0, RejectionLog(), "127.0.0.1", Security("token", TOKEN)
     )
@@ -275,3 +281,22 @@ def test_a_module_is_served_online_only_with_inputs_and_whole_tables() -> None:
 
     with pytest.raises(ConfigError, match=r"^serving.online: Tabled has sharded embedding tables \(nodes\)"):
         check_servable(Tabled())
+
+
+def test_the_replica_keeps_no_copy_a_step_may_have_torn_and_training_never_waits_for_it(trained: Trained) -> None:
+    x1 = {"x": x(1)}
+    looks = iter([0, 1])  # a step begins while the first copy is made: it is dropped, and no model answers
+    torn = Replica(trained.module, lambda: next(looks), lambda: trained.batches, torch.device("cpu"), refresh=0)
+    replica = replica_of(trained)
+    trained.step(scale=2.0)
+    assert torn.answer(x1) == (0, {})
+    assert replica.answer(x1)[0] == 1
+    trained.sequence += 1  # a step under way: nothing is copied, the last copy answers
+    with torch.no_grad():
+        trained.module.scale.fill_(9.0)
+    trained.batches += 1
+    version, answers = replica.answer(x1)
+    assert version == 1 and np.array_equal(answers["y"], x(1, 2.0))
+    trained.sequence += 1
+    version, answers = replica.answer(x1)  # between two steps: copied
+    assert version == 2 and np.array_equal(answers["y"], x(1, 9.0))
