@@ -197,17 +197,17 @@ def main() -> None:
     ours, base = percentiles(latency), [a + b for a, b in zip(percentiles(raw), percentiles(single))]
     for name, mine, theirs, target in zip(("p50", "p99"), ours, base, (1.5, 2.0)):
         print(
-            f"RESULT inference_latency_{name} ratio={mine / theirs:.3f} target={target} unit=ms "
-            f"client={mine * 1e3:.3f} raw_round_trip_plus_forward={theirs * 1e3:.3f}"
+            f"RESULT inference_latency_{name} ratio={mine / theirs:.3f} target={target} "
+            f"client_ms={mine * 1e3:.3f} raw_round_trip_plus_forward_ms={theirs * 1e3:.3f}"
         )
     rate, in_process = answered / (stopped - started), args.clients * len(batched) / sum(batched)
     print(
-        f"RESULT inference_throughput ratio={rate / in_process:.3f} target=0.7 unit=questions/s "
-        f"clients={rate:.0f} in_process={in_process:.0f} clients_at_once={args.clients}"
+        f"RESULT inference_throughput ratio={rate / in_process:.3f} target=0.7 "
+        f"clients_per_s={rate:.0f} in_process_per_s={in_process:.0f} clients_at_once={args.clients}"
     )
     print(
-        f"RESULT inference_training_cost ratio={serving / alone:.3f} target=0.85 unit=batches/s "
-        f"serving={serving:.2f} alone={alone:.2f}"
+        f"RESULT inference_training_cost ratio={serving / alone:.3f} target=0.85 "
+        f"batches_per_s_serving={serving:.2f} alone={alone:.2f}"
     )
     shutil.rmtree(folder)
 

@@ -50,13 +50,14 @@ REPEATABLE = ("load", "note")
 AT_MOST = (
     *("step_overhead_*", "checkpoint_stall", "scale_round_p99", "scale_memory_per_simulation", "scale_cost_growth"),
     "windows_memory",
+    "inference_latency_*",
 )
 NOT_ITS_TARGET = {"train_step_unpinned_cuda": "the same target printed"}  # the line's target= is another line's
 TARGET_LABELS = {"sparse_rowadagrad_*_cuda": "the CPU's", "sparse_adam_*_cuda": "the CPU's"}
 ORDER = (  # the benchmarks' rows in this order, each named by its bench/<name>.py
     *("ingest", "parts", "pipeline", "online_vs_offline", "sparse_optim", "train_step", "sharded"),
     *("step_overhead", "checkpoint", "spawn", "active_sampling", "scale", "persistent"),
-    *("blocks", "windows", "online_vs_offline_rollout"),
+    *("blocks", "windows", "online_vs_offline_rollout", "inference"),
 )
 NO_TARGET = ("none", "-")
 
