@@ -91,6 +91,10 @@ native:
 	PKG_CONFIG_PATH=$(NATIVE_DIR)/lib/pkgconfig $(MAKE) -C examples/heat_pde BIN=$(NATIVE_DIR)/bin MPICC=$(MPICC) MPIFC=$(MPIFC)
 	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/c_client tests/integration/c_client.c $$($(NATIVE_PC) --cflags melissa_dl) \
 		$(NATIVE_DIR)/lib/libmelissa_dl.a $$($(NATIVE_PC) --libs libzmq) -lm
+	$(MPICC) -O2 -Wall -Wextra -o $(NATIVE_DIR)/bin/c_predictor tests/integration/c_predictor.c \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
+	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/f_predictor tests/integration/f_predictor.f90 \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
 	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/f_client tests/integration/f_client.f90 \
 		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
 	$(MPICC) -O2 -Wall -o $(NATIVE_DIR)/bin/melissa_sim tests/integration/melissa_sim.c \

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 PEER_QUEUE = 4  # requests one connection may have queued or waiting: a client asks one at a time
 REFRESH = 0.02  # seconds: the least age of a replica brought up to date (each copy costs the serving thread)
+FIRST_COPY = 1.0  # seconds the first copy of a trained model is tried for, before the rank answers "no model"
+COPY_RETRY = 0.0005  # seconds between two tries of it
 
 
 def check_servable(module: TrainingModule) -> None:
@@ -130,13 +132,24 @@ class Replica:
         return self.version, {name: tensor.detach().cpu().numpy() for name, tensor in outputs.items()}
 
     def _refresh(self) -> None:
+        """Try to copy the trainer's state once; an untrained copy, until ``FIRST_COPY`` seconds have passed."""
+        end = time.monotonic() + FIRST_COPY
+        while not self._copied() and not self.version and time.monotonic() < end:
+            time.sleep(COPY_RETRY)  # a step under way: the first trained copy is worth the wait
+
+    def _copied(self) -> bool:
+        """Whether the replica is the trainer's state (or recent enough), after one try to copy it."""
         before, version, now = self._sequence(), self._batches(), time.monotonic()
-        if before % 2 or version == self.version or now - self._refreshed < self._refresh_every and self.version:
-            return  # the untrained copy is replaced at once: it never answers
+        if version == self.version or now - self._refreshed < self._refresh_every and self.version:
+            return True
+        if before % 2:
+            return False
         self._spare.load_state_dict(self._source.state_dict())
-        if self._sequence() == before:  # no step began meanwhile: the spare is the trainer's state at ``version``
-            self.module, self._spare = self._spare, self.module
-            self.version, self._refreshed = version, now
+        if self._sequence() != before:  # a step began meanwhile: the spare may be torn
+            return False
+        self.module, self._spare = self._spare, self.module
+        self.version, self._refreshed = version, now
+        return True
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,11 @@ module melissa_dl
                                 MELISSA_DL_ERR_DTYPE = 5, MELISSA_DL_ERR_COUNT = 6, MELISSA_DL_ERR_REFUSED = 7, &
                                 MELISSA_DL_ERR_UNREACHABLE = 8, MELISSA_DL_ERR_PROTOCOL = 9, &
                                 MELISSA_DL_ERR_MPI = 10, MELISSA_DL_ERR_SYSTEM = 11
+  integer, parameter, public :: MELISSA_DL_ANSWERED = 0, MELISSA_DL_NO_MODEL = 1, MELISSA_DL_NO_ANSWER = 2
 
   public :: melissa_dl_version, melissa_dl_simulation, melissa_dl_parameters, melissa_dl_parameter, &
             melissa_dl_init, melissa_dl_init_block, melissa_dl_send, melissa_dl_finalize, melissa_dl_next, &
-            melissa_dl_error_message
+            melissa_dl_error_message, melissa_dl_predict
 
   interface melissa_dl_init
     module procedure init_f08, init_handle
@@ -143,6 +144,20 @@ module melissa_dl
       integer(c_int), value :: comm
       integer(c_int), intent(out) :: more
       integer(c_int) :: status
+    end function
+
+    function c_predict(n, inputs, noutputs, outputs, output_bytes, deadline, status, version) &
+        bind(C, name="melissa_dl_predict") result(code)
+      import :: c_double, c_int, c_int64_t, c_ptr, c_size_t
+      integer(c_size_t), value :: n
+      type(c_ptr), intent(in) :: inputs(*)
+      integer(c_int), value :: noutputs
+      type(c_ptr), intent(in) :: outputs(*)
+      integer(c_size_t), intent(in) :: output_bytes(*)
+      real(c_double), value :: deadline
+      integer(c_int), intent(out) :: status
+      integer(c_int64_t), intent(out) :: version
+      integer(c_int) :: code
     end function
 
     function c_strlen(text) bind(C, name="strlen") result(length)
@@ -291,6 +306,25 @@ contains
     integer(c_int) :: flag
     status = c_next(int(comm, c_int), flag)
     more = flag /= 0
+  end function
+
+  ! Ask the model the server is training n questions at once (serving.online; melissa_dl_predict in
+  ! melissa_dl.h): inputs(i) = c_loc of the model's i-th prediction input, in its declared order, an array of
+  ! its shape's reverse then n (p(5, n) for an input of shape (5,)); outputs(j) = c_loc of a buffer for its
+  ! j-th output, of output_bytes(j) bytes exactly; deadline in seconds (negative: serving.deadline). status
+  ! is MELISSA_DL_ANSWERED (then version: the batches the answering model was trained to), MELISSA_DL_NO_MODEL
+  ! or MELISSA_DL_NO_ANSWER.
+  integer function melissa_dl_predict(n, inputs, outputs, output_bytes, deadline, status, version) result(code)
+    integer, intent(in) :: n
+    type(c_ptr), intent(in) :: inputs(:), outputs(:)
+    integer(c_int64_t), intent(in) :: output_bytes(:)
+    real(c_double), intent(in) :: deadline
+    integer, intent(out) :: status
+    integer(c_int64_t), intent(out) :: version
+    integer(c_int) :: said
+    code = c_predict(int(n, c_size_t), inputs, int(size(outputs), c_int), outputs, &
+                     int(output_bytes, c_size_t), deadline, said, version)
+    status = said
   end function
 
 end module melissa_dl

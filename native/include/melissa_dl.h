@@ -179,6 +179,33 @@ MELISSA_DL_API int melissa_dl_finalize(void);
  * exits (non-zero: at once) or asks for the next one (after a grace). */
 MELISSA_DL_API int melissa_dl_next(MPI_Comm comm, int *more);
 
+/* What melissa_dl_predict's *status says. */
+enum melissa_dl_prediction {
+    MELISSA_DL_ANSWERED = 0,  /* the outputs hold the model's answers */
+    MELISSA_DL_NO_MODEL = 1,  /* the study has trained nothing yet (answered at once) */
+    MELISSA_DL_NO_ANSWER = 2  /* none within the deadline (a late answer is dropped): use your own solver */
+};
+
+/* Ask the model the server is training (serving.online) n questions at once.
+ * inputs[i] holds the n questions of the model's i-th prediction input, in
+ * the order its prediction_inputs declare them (model.json's "inputs"), of
+ * the declared element type, n x its shape in C order (a Fortran array of
+ * the shape's reverse, then n: p(5, n) for an input of shape (5,)).
+ * On MELISSA_DL_OK, *status says what came back: MELISSA_DL_ANSWERED with
+ * outputs[j] holding the model's j-th output (in the order its predict
+ * returns them, model.json's "outputs"), whose size must be exactly
+ * output_bytes[j], and *version (unless NULL) the batches that model was
+ * trained to; MELISSA_DL_NO_MODEL; or MELISSA_DL_NO_ANSWER after deadline
+ * seconds (negative: the study's serving.deadline). The server ranks are
+ * asked in turn. Performs the handshake if no send did yet.
+ * MELISSA_DL_ERR_STATE without serving.online or declared fields,
+ * MELISSA_DL_ERR_ARGUMENT for n outside 1..serving.max_batch, a NULL or
+ * non-finite input, or an output buffer of another size (the message names
+ * it), MELISSA_DL_ERR_REFUSED when a rank refuses the request (the message
+ * says why) or our credentials. */
+MELISSA_DL_API int melissa_dl_predict(size_t n, const void *const *inputs, int noutputs, void *const *outputs,
+                                      const size_t *output_bytes, double deadline, int *status, int64_t *version);
+
 /* What the last failing call said ("" before any failure); successful calls
  * leave it unchanged. */
 MELISSA_DL_API const char *melissa_dl_error_message(void);

@@ -97,6 +97,24 @@ typedef struct {
     double queue_bytes;
 } environment;
 
+/* The server ranks' prediction services (serving.online; melissa_dl/wire/predictions.py), asked in turn from
+ * this simulation's id, one request at a time; a rank's DEALER link is opened by the first question to it. */
+typedef struct {
+    size_t nranks;       /* 0: the server answers no predictions */
+    char **endpoints;
+    mdl_link *links;
+    bool *opened;
+    size_t ninputs;      /* the model's prediction inputs, in their declared order */
+    char **names;
+    int *dtypes;         /* index in PREDICT_DTYPES */
+    int *ndims;
+    size_t (*shapes)[MAX_NDIM];
+    size_t *question_bytes; /* of one question of each input */
+    size_t max_batch;
+    double deadline;
+    uint64_t asked;      /* requests sent: the last one's id */
+} predictor;
+
 static struct {
     phase phase;
     environment env;
@@ -112,6 +130,7 @@ static struct {
     uint64_t block;   /* consecutive steps routed to one rank */
     uint64_t overlap; /* steps of the next block its rank also receives (windows of steps) */
     step_set steps;
+    predictor predict;
     char broken[MESSAGE_BYTES]; /* why the connection failed, while BROKEN */
 } client;
 
@@ -575,6 +594,21 @@ static int send_control(size_t rank, int kind, const strbuf *body) {
 
 /* -- connection ---------------------------------------------------------- */
 
+static void forget_predictions(predictor *p) {
+    for (size_t i = 0; i < p->nranks; i++)
+        free(p->endpoints ? p->endpoints[i] : NULL);
+    for (size_t i = 0; i < p->ninputs; i++)
+        free(p->names ? p->names[i] : NULL);
+    free(p->endpoints);
+    free(p->links);
+    free(p->opened);
+    free(p->names);
+    free(p->dtypes);
+    free(p->ndims);
+    free(p->shapes);
+    free(p->question_bytes);
+}
+
 /* Forget the connection and the declarations. */
 static void forget(void) {
     for (size_t i = 0; i < client.nfields; i++)
@@ -584,6 +618,7 @@ static void forget(void) {
     free(client.asks);
     free(client.sent);
     free(client.steps.slots);
+    forget_predictions(&client.predict);
     free_environment(&client.env);
     memset(&client, 0, sizeof client);
 }
@@ -594,6 +629,9 @@ static void release(void) {
         mdl_link_close(&client.links[i]);
         mdl_link_close(&client.asks[i].link);
     }
+    for (size_t i = 0; i < client.predict.nranks; i++)
+        if (client.predict.opened[i])
+            mdl_link_close(&client.predict.links[i]);
     if (client.context != NULL)
         while (zmq_ctx_term(client.context) != 0 && errno == EINTR)
             ;
@@ -774,6 +812,67 @@ static int ask(mdl_link *link, const environment *env, const char *who, const st
     return code;
 }
 
+/* The prediction dtypes (melissa_dl.config.limits.DTYPES) and their sizes. */
+static const char *const PREDICT_DTYPES[] = {"float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8"};
+static const size_t PREDICT_BYTES[] = {4, 8, 2, 1, 2, 4, 8, 1};
+enum { NPREDICT_DTYPES = 8 };
+
+static int predict_dtype(const json_value *name) {
+    for (int i = 0; name->type == JSON_STRING && i < NPREDICT_DTYPES; i++)
+        if (strcmp(name->string, PREDICT_DTYPES[i]) == 0)
+            return i;
+    return -1;
+}
+
+/* Take the handshake answer's "predictions": each rank's service, the model's inputs, the limits; false if they
+ * are malformed or memory ran out. */
+static bool accept_predictions(const json_value *guide) {
+    predictor *p = &client.predict;
+    const json_value *endpoints = mdl_json_get(guide, "endpoints"), *inputs = mdl_json_get(guide, "inputs");
+    const json_value *max_batch = mdl_json_get(guide, "max_batch"), *deadline = mdl_json_get(guide, "deadline");
+    if (!endpoints || endpoints->type != JSON_ARRAY || endpoints->size == 0 || !inputs || inputs->type != JSON_OBJECT
+        || !max_batch || max_batch->type != JSON_NUMBER || max_batch->number < 1 || !deadline ||
+        deadline->type != JSON_NUMBER || deadline->number <= 0)
+        return false;
+    p->max_batch = (size_t)max_batch->number;
+    p->deadline = deadline->number;
+    p->endpoints = calloc(endpoints->size, sizeof *p->endpoints);
+    p->links = calloc(endpoints->size, sizeof *p->links);
+    p->opened = calloc(endpoints->size, sizeof *p->opened);
+    size_t n = inputs->size ? inputs->size : 1;
+    p->names = calloc(n, sizeof *p->names);
+    p->dtypes = calloc(n, sizeof *p->dtypes);
+    p->ndims = calloc(n, sizeof *p->ndims);
+    p->shapes = calloc(n, sizeof *p->shapes);
+    p->question_bytes = calloc(n, sizeof *p->question_bytes);
+    if (!p->endpoints || !p->links || !p->opened || !p->names || !p->dtypes || !p->ndims || !p->shapes ||
+        !p->question_bytes)
+        return false;
+    for (; p->nranks < endpoints->size; p->nranks++) {
+        const json_value *endpoint = &endpoints->items[p->nranks];
+        if (endpoint->type != JSON_STRING || (p->endpoints[p->nranks] = strdup(endpoint->string)) == NULL)
+            return false;
+    }
+    for (; p->ninputs < inputs->size; p->ninputs++) {
+        size_t i = p->ninputs;
+        const json_value *layout = &inputs->items[i];
+        if (layout->type != JSON_ARRAY || layout->size != 2 || (p->dtypes[i] = predict_dtype(&layout->items[0])) < 0
+            || layout->items[1].type != JSON_ARRAY || layout->items[1].size >= MAX_NDIM ||
+            (p->names[i] = strdup(inputs->keys[i])) == NULL)
+            return false;
+        p->ndims[i] = (int)layout->items[1].size;
+        p->question_bytes[i] = PREDICT_BYTES[p->dtypes[i]];
+        for (int d = 0; d < p->ndims[i]; d++) {
+            const json_value *size = &layout->items[1].items[d];
+            if (size->type != JSON_NUMBER || size->number < 1 || size->number > UINT32_MAX)
+                return false;
+            p->shapes[i][d] = (size_t)size->number;
+            p->question_bytes[i] *= p->shapes[i][d];
+        }
+    }
+    return true;
+}
+
 /* Check an accepting reply and take the routing from it. */
 static int accept_reply(const json_value *reply) {
     const json_value *endpoints = mdl_json_get(reply, "endpoints");
@@ -800,6 +899,10 @@ static int accept_reply(const json_value *reply) {
     if (!ok)
         return fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: the handshake answer lacks endpoints, fields or routing",
                     client.env.simulation_id);
+    const json_value *predictions = mdl_json_get(reply, "predictions");
+    if (predictions != NULL && predictions->type == JSON_OBJECT && !accept_predictions(predictions))
+        return fail(MELISSA_DL_ERR_PROTOCOL, "simulation %u: the handshake answer's predictions are malformed (or "
+                    "memory ran out)", client.env.simulation_id);
     client.bind_simulation = bind->boolean;
     client.block = (uint64_t)block->number;
     client.overlap = (uint64_t)overlap->number;
@@ -1429,6 +1532,182 @@ int melissa_dl_finalize(void) {
     free(counts);
     release();
     return code;
+}
+
+/* -- predictions --------------------------------------------------------- */
+
+/* The request frame (melissa_dl/wire/predictions.py): a little-endian u32 header length, the JSON header, then
+ * each input's n questions; NULL if memory ran out. */
+static char *prediction_request(size_t n, const void *const *inputs, size_t *size) {
+    const predictor *p = &client.predict;
+    strbuf header = {0};
+    sb_printf(&header, "{\"id\":%llu,\"arrays\":[", (unsigned long long)p->asked);
+    size_t data = 0;
+    for (size_t i = 0; i < p->ninputs; i++) {
+        sb_printf(&header, "%s[", i ? "," : "");
+        sb_json_string(&header, p->names[i]);
+        sb_printf(&header, ",\"%s\",[%zu", PREDICT_DTYPES[p->dtypes[i]], n);
+        for (int d = 0; d < p->ndims[i]; d++)
+            sb_printf(&header, ",%zu", p->shapes[i][d]);
+        sb_printf(&header, "]]");
+        data += n * p->question_bytes[i];
+    }
+    sb_printf(&header, "]}");
+    char *frame = header.failed ? NULL : malloc(4 + header.size + data);
+    if (frame != NULL) {
+        put((uint8_t *)frame, header.size, 4);
+        memcpy(frame + 4, header.data, header.size);
+        char *at = frame + 4 + header.size;
+        for (size_t i = 0; i < p->ninputs; i++) {
+            memcpy(at, inputs[i], n * p->question_bytes[i]);
+            at += n * p->question_bytes[i];
+        }
+        *size = 4 + header.size + data;
+    }
+    free(header.data);
+    return frame;
+}
+
+/* Whether float input ``i``'s ``n`` questions are all finite (a NaN is refused here, as by the server). */
+static bool finite_input(size_t i, size_t n, const void *data) {
+    const predictor *p = &client.predict;
+    size_t count = n * p->question_bytes[i] / PREDICT_BYTES[p->dtypes[i]];
+    for (size_t k = 0; p->dtypes[i] == 0 && k < count; k++)
+        if (!isfinite(((const float *)data)[k]))
+            return false;
+    for (size_t k = 0; p->dtypes[i] == 1 && k < count; k++)
+        if (!isfinite(((const double *)data)[k]))
+            return false;
+    return true;
+}
+
+/* Copy an answer's arrays into the caller's buffers, each of exactly its size. */
+static int take_outputs(const json_value *arrays, const char *data, size_t size, int noutputs, void *const *outputs,
+                        const size_t *output_bytes) {
+    if (arrays->size != (size_t)noutputs)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "%s: predict: the model answers %zu outputs, %d buffers were given",
+                    simulation_name(), arrays->size, noutputs);
+    size_t offset = 0;
+    for (size_t j = 0; j < arrays->size; j++) {
+        const json_value *array = &arrays->items[j];
+        int dtype = array->type == JSON_ARRAY && array->size == 3 ? predict_dtype(&array->items[1]) : -1;
+        if (dtype < 0 || array->items[0].type != JSON_STRING || array->items[2].type != JSON_ARRAY)
+            return fail(MELISSA_DL_ERR_PROTOCOL, "%s: predict: a malformed answer", simulation_name());
+        size_t bytes = PREDICT_BYTES[dtype];
+        for (size_t d = 0; d < array->items[2].size; d++)
+            bytes *= (size_t)array->items[2].items[d].number;
+        if (offset + bytes > size)
+            return fail(MELISSA_DL_ERR_PROTOCOL, "%s: predict: an answer shorter than its arrays", simulation_name());
+        if (bytes != output_bytes[j] || (bytes && outputs[j] == NULL))
+            return fail(MELISSA_DL_ERR_ARGUMENT, "%s: predict: output '%s' is %s of %zu bytes, its buffer %zu bytes",
+                        simulation_name(), array->items[0].string, PREDICT_DTYPES[dtype], bytes, output_bytes[j]);
+        memcpy(outputs[j], data + offset, bytes);
+        offset += bytes;
+    }
+    return MELISSA_DL_OK;
+}
+
+/* Wait until ``until`` for the answer to the request just sent on ``link``; answers to requests given up on are
+ * dropped. */
+static int prediction_answer(mdl_link *link, size_t rank, double until, int noutputs, void *const *outputs,
+                             const size_t *output_bytes, int *status, int64_t *version) {
+    *status = MELISSA_DL_NO_ANSWER;
+    zmq_msg_t message;
+    zmq_msg_init(&message);
+    int code = MELISSA_DL_OK;
+    double left;
+    while (code == MELISSA_DL_OK && *status == MELISSA_DL_NO_ANSWER && (left = until - mdl_now()) > 0) {
+        mdl_link_update(link);
+        if (link->refused) {
+            code = refused(link, simulation_name(), &client.env);
+            break;
+        }
+        zmq_pollitem_t item = {link->socket, 0, ZMQ_POLLIN, 0};
+        long wait = (long)(left * 1000) + 1;
+        if (zmq_poll(&item, 1, wait < ANSWER_POLL_MS ? wait : ANSWER_POLL_MS) <= 0 ||
+            zmq_msg_recv(&message, link->socket, 0) < 0)
+            continue;
+        const char *frame = zmq_msg_data(&message);
+        const uint8_t *bytes = (const uint8_t *)frame;
+        size_t size = zmq_msg_size(&message);
+        size_t length = size < 4 ? SIZE_MAX
+                                 : (size_t)bytes[0] | (size_t)bytes[1] << 8 | (size_t)bytes[2] << 16 | (size_t)bytes[3] << 24;
+        json_value header = {0};
+        if (size < 4 || length > size - 4 || !mdl_json_parse(frame + 4, length, &header) || header.type != JSON_OBJECT) {
+            mdl_json_free(&header);
+            code = fail(MELISSA_DL_ERR_PROTOCOL, "%s: predict: server rank %zu's answer is malformed",
+                        simulation_name(), rank);
+            break;
+        }
+        const json_value *id = mdl_json_get(&header, "id"), *said = mdl_json_get(&header, "status");
+        const json_value *arrays = mdl_json_get(&header, "arrays"), *error = mdl_json_get(&header, "error");
+        const json_value *trained = mdl_json_get(&header, "version");
+        if (id && id->type == JSON_NUMBER && (uint64_t)id->number == client.predict.asked && said &&
+            said->type == JSON_STRING) {
+            if (strcmp(said->string, "refused") == 0)
+                code = fail(MELISSA_DL_ERR_REFUSED, "%s: server rank %zu: %s", simulation_name(), rank,
+                            error && error->type == JSON_STRING ? error->string : "refused without a reason");
+            else if (strcmp(said->string, "no_model") == 0)
+                *status = MELISSA_DL_NO_MODEL;
+            else if (strcmp(said->string, "answered") == 0 && arrays && arrays->type == JSON_ARRAY && trained &&
+                     trained->type == JSON_NUMBER) {
+                code = take_outputs(arrays, frame + 4 + length, size - 4 - length, noutputs, outputs, output_bytes);
+                *status = code == MELISSA_DL_OK ? MELISSA_DL_ANSWERED : MELISSA_DL_NO_ANSWER;
+                if (version != NULL)
+                    *version = (int64_t)trained->number;
+            } else
+                code = fail(MELISSA_DL_ERR_PROTOCOL, "%s: predict: server rank %zu's answer is malformed",
+                            simulation_name(), rank);
+        }
+        mdl_json_free(&header);
+    }
+    zmq_msg_close(&message);
+    return code;
+}
+
+int melissa_dl_predict(size_t n, const void *const *inputs, int noutputs, void *const *outputs,
+                       const size_t *output_bytes, double deadline, int *status, int64_t *version) {
+    if (status == NULL || (n > 0 && inputs == NULL) || (noutputs > 0 && (outputs == NULL || output_bytes == NULL)))
+        return fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_predict: status, inputs, outputs or output_bytes is NULL");
+    *status = MELISSA_DL_NO_ANSWER;
+    if (client.phase == EMPTY || client.phase == BROKEN)
+        return fail(MELISSA_DL_ERR_STATE, "melissa_dl_predict: %s", client.phase == EMPTY ?
+                    "no field is declared: call melissa_dl_init first" : "the connection failed earlier");
+    if (client.phase == DECLARED) {
+        int code = handshake();
+        if (code != MELISSA_DL_OK)
+            return code;
+    }
+    predictor *p = &client.predict;
+    if (p->nranks == 0)
+        return fail(MELISSA_DL_ERR_STATE, "%s: predict: the server answers no predictions (serving.online is off)",
+                    simulation_name());
+    if (n < 1 || n > p->max_batch)
+        return fail(MELISSA_DL_ERR_ARGUMENT, "%s: predict: %zu questions, a request asks 1 to serving.max_batch=%zu",
+                    simulation_name(), n, p->max_batch);
+    for (size_t i = 0; i < p->ninputs; i++)
+        if (inputs[i] == NULL || !finite_input(i, n, inputs[i]))
+            return fail(MELISSA_DL_ERR_ARGUMENT, "%s: predict: input '%s' is NULL or holds NaN or infinity",
+                        simulation_name(), p->names[i]);
+    size_t rank = (client.env.simulation_id + p->asked) % p->nranks;
+    if (!p->opened[rank]) {
+        if (mdl_link_open(&p->links[rank], client.context, ZMQ_DEALER, p->endpoints[rank], &client.env.security,
+                          2) != 0)
+            return fail(MELISSA_DL_ERR_SYSTEM, "%s: predict: cannot connect to '%s': %s", simulation_name(),
+                        p->endpoints[rank], zmq_strerror(errno));
+        p->opened[rank] = true;
+    }
+    p->asked++;
+    size_t size = 0;
+    char *frame = prediction_request(n, inputs, &size);
+    if (frame == NULL)
+        return fail(MELISSA_DL_ERR_SYSTEM, "out of memory");
+    bool sent = zmq_send(p->links[rank].socket, frame, size, ZMQ_DONTWAIT) >= 0;
+    free(frame);
+    if (!sent)
+        return MELISSA_DL_OK; /* its rank unreachable, the queue full: no answer */
+    double until = mdl_now() + (deadline < 0 ? p->deadline : deadline);
+    return prediction_answer(&p->links[rank], rank, until, noutputs, outputs, output_bytes, status, version);
 }
 
 const char *melissa_dl_error_message(void) {

@@ -120,3 +120,39 @@ def test_after_a_restart_the_restored_model_answers_at_once(tmp_path: Path) -> N
     for answers in after:
         status, version = answers["first"]
         assert status == "answered" and version >= restored > 0
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_c_simulation_asks_the_model_through_melissa_dl_predict(tmp_path: Path, native: Path, ranks: int) -> None:
+    output, record = tmp_path / "output", tmp_path / "record"
+    record.mkdir()
+    config = predicting_config(output, record)
+    config["launcher"]["command"] = [str(native / "c_predictor"), str(NX), str(NY), str(STEPS), str(record)]
+    run = run_server(tmp_path, config, ranks=ranks, timeout=240)
+    assert run.code == 0 and run.report is not None, run.log
+    lines = {int(path.stem[1:]): path.read_text().splitlines() for path in record.glob("c*.txt")}
+    assert sorted(lines) == list(range(7))
+    assert lines[0][0] == "first 1" and lines[5][0] == "first 0"  # MELISSA_DL_NO_MODEL, then MELISSA_DL_ANSWERED
+    said = dict(line.split(" ", 1) for line in lines[0][1:])
+    version, mean = said["answered"].split()
+    assert 1 <= int(version) <= run.report["training"]["batches"] and 0 < float(mean) < 1000
+    assert said["late"] == "2"  # MELISSA_DL_NO_ANSWER
+    status, again = said["again"].split()
+    assert status == "0" and int(version) <= int(again)
+    assert said["wrong"] == (
+        "2 simulation 0: predict: output 'temperature' is float32 of 480 bytes, its buffer 240 bytes"
+    )  # MELISSA_DL_ERR_ARGUMENT
+
+
+def test_a_fortran_simulation_asks_the_model_through_the_module(tmp_path: Path, native: Path) -> None:
+    output, record = tmp_path / "output", tmp_path / "record"
+    record.mkdir()
+    config = predicting_config(output, record)
+    config["launcher"]["command"] = [str(native / "f_predictor"), str(NX), str(NY), str(STEPS), str(record)]
+    run = run_server(tmp_path, config, ranks=2, timeout=240)
+    assert run.code == 0 and run.report is not None, run.log
+    lines = {int(path.stem[1:]): path.read_text().splitlines() for path in record.glob("f*.txt")}
+    assert sorted(lines) == list(range(7))
+    assert lines[0][0] == "first 1" and lines[5] == ["first 0"]  # MELISSA_DL_NO_MODEL, then MELISSA_DL_ANSWERED
+    _, version, mean = lines[0][1].split()
+    assert 1 <= int(version) <= run.report["training"]["batches"] and 0 < float(mean) < 1000

@@ -4,6 +4,7 @@ flood bounded, a failing ``predict`` costing only its requests, and what a serve
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -285,11 +286,14 @@ def test_a_module_is_served_online_only_with_inputs_and_whole_tables() -> None:
 
 def test_the_replica_keeps_no_copy_a_step_may_have_torn_and_training_never_waits_for_it(trained: Trained) -> None:
     x1 = {"x": x(1)}
-    looks = iter([0, 1])  # a step begins while the first copy is made: it is dropped, and no model answers
-    torn = Replica(trained.module, lambda: next(looks), lambda: trained.batches, torch.device("cpu"), refresh=0)
+    stuck = itertools.chain([0], itertools.repeat(1))  # a step begins during the first copy and never ends
+    torn = Replica(trained.module, lambda: next(stuck), lambda: trained.batches, torch.device("cpu"), refresh=0)
+    looks = iter([0, 1, 2, 2])  # it ends: the second try copies
+    retried = Replica(trained.module, lambda: next(looks), lambda: trained.batches, torch.device("cpu"), refresh=0)
     replica = replica_of(trained)
     trained.step(scale=2.0)
-    assert torn.answer(x1) == (0, {})
+    assert torn.answer(x1) == (0, {})  # after FIRST_COPY: no model answers
+    assert retried.answer(x1)[0] == 1
     assert replica.answer(x1)[0] == 1
     trained.sequence += 1  # a step under way: nothing is copied, the last copy answers
     with torch.no_grad():
