@@ -16,6 +16,7 @@ _EXPORTS = {
     "ClientError": "melissa_dl.errors",
     "HandshakeRefused": "melissa_dl.errors",
     "Prediction": "melissa_dl.wire.predictions",
+    "Predictor": "melissa_dl.wire.client",
     "PredictionRefused": "melissa_dl.errors",
     "ServerUnreachable": "melissa_dl.errors",
     "TrainingModule": "melissa_dl.train.module",
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from melissa_dl.serving.saved import load_model
     from melissa_dl.train.module import TrainingModule
     from melissa_dl.wire.blocks import Block
-    from melissa_dl.wire.client import Client
+    from melissa_dl.wire.client import Client, Predictor
     from melissa_dl.wire.predictions import Prediction
 
 

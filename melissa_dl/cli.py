@@ -35,18 +35,7 @@ def make_parser() -> argparse.ArgumentParser:
         prog="melissa-server", description="Online-learning server for simulation ensembles."
     )
     parser.add_argument("config", nargs="?", help="the study's JSON configuration")
-    parser.add_argument(
-        "--status",
-        metavar="OUTPUT_DIR",
-        type=Path,
-        help="print the latest status of the study writing into OUTPUT_DIR (running or not), and exit",
-    )
-    parser.add_argument(
-        "--plot",
-        metavar="OUTPUT_DIR",
-        type=Path,
-        help="draw the PNGs of the study in OUTPUT_DIR (running or not) into that folder, and exit",
-    )
+    _output_commands(parser)
     parser.add_argument(
         "--try-simulation",
         action="store_true",
@@ -78,12 +67,44 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _output_commands(parser: argparse.ArgumentParser) -> None:
+    """The options that act on a study's output folder instead of running one."""
+    parser.add_argument(
+        "--status",
+        metavar="OUTPUT_DIR",
+        type=Path,
+        help="print the latest status of the study writing into OUTPUT_DIR (running or not), and exit",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="OUTPUT_DIR",
+        type=Path,
+        help="draw the PNGs of the study in OUTPUT_DIR (running or not) into that folder, and exit",
+    )
+    parser.add_argument(
+        "--serve",
+        metavar="OUTPUT_DIR",
+        type=Path,
+        help="answer predictions of the model a study wrote into OUTPUT_DIR on every rank, until stopped; "
+        "clients (melissa_dl.Predictor) read OUTPUT_DIR/serving.json",
+    )
+    parser.add_argument(
+        "--serve-port",
+        metavar="PORT",
+        type=int,
+        default=0,
+        help="with --serve: rank r binds PORT + r (default: free ports)",
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = make_parser()
     args = parser.parse_args(argv)
     _numbers_and_config(parser, args)
-    if [args.config, args.status, args.plot].count(None) != 2:
-        parser.error("give a configuration file, --status OUTPUT_DIR or --plot OUTPUT_DIR")
+    if [args.config, args.status, args.plot, args.serve].count(None) != 3:
+        parser.error("give a configuration file, --status OUTPUT_DIR, --plot OUTPUT_DIR or --serve OUTPUT_DIR")
+    if not 0 <= args.serve_port < 1 << 16:
+        parser.error(f"argument --serve-port: {args.serve_port} is not a port number")
     return args
 
 
@@ -149,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
         return print_status(args.status)
     if args.plot is not None:
         return plot(args.plot)
+    if args.serve is not None:
+        keep_pmi_lines_short()
+        from melissa_dl.serving.standalone import serve_model  # only now: MPI
+
+        return serve_model(args.serve, args.serve_port)
     keep_pmi_lines_short()  # before MPI_Init reads MPIR_CVAR_CH4_NETMOD (a training module may import mpi4py)
     try:
         config = load_config(args.config)

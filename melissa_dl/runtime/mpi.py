@@ -188,8 +188,9 @@ class GracefulStop:
 
     REPEATS: ClassVar[dict[int, float]] = {signal.SIGTERM: 5.0, signal.SIGINT: 1.0, signal.SIGUSR1: 5.0}
 
-    def __init__(self) -> None:
+    def __init__(self, how: str = "after a checkpoint at the next batch") -> None:
         self.requested = False
+        self._how = how  # what the stop does, as its warning says
         self._first: dict[int, float] = {}  # signal -> when it first came
 
     def install(self) -> None:
@@ -209,8 +210,8 @@ class GracefulStop:
         if not self.requested:
             self.requested = True
             logger.warning(
-                "signal %d: stopping after a checkpoint at the next batch (the same signal after %g s, or SIGQUIT, "
-                "exits at once)",
+                "signal %d: stopping %s (the same signal after %g s, or SIGQUIT, exits at once)",
                 signum,
+                self._how,
                 self.REPEATS[signum],
             )

@@ -15,7 +15,7 @@ more copies of the model (the replica and its spare).
 
 A module with sharded embedding tables is refused (:func:`check_servable`): a rank holds one shard of each, and a
 lookup is a collective of every training rank, which a serving thread cannot join. Such a model is asked after
-the study (``load_model``, ``model.ts``), where its tables are whole.
+the study (``melissa-server --serve``, ``load_model``, ``model.ts``), where its tables are whole.
 
 What a peer may cost a rank is bounded: one frame per request, capped at the largest request of ``max_batch``
 questions (a larger one ends its connection unread, counted as ``predict_cut``); ``PEER_QUEUE`` requests queued
@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -65,7 +65,8 @@ def check_servable(module: TrainingModule) -> None:
     if tables:
         raise ConfigError(
             f"serving.online: {name} has sharded embedding tables ({', '.join(tables)}), whose lookups are "
-            "collectives of the training ranks: ask it after the study (load_model or model.ts), where they are whole"
+            "collectives of the training ranks: ask it after the study (melissa-server --serve, load_model, model.ts), "
+            "where they are whole"
         )
 
 
@@ -152,6 +153,22 @@ class Replica:
         return True
 
 
+class Answering(Protocol):
+    """What answers a rank's questions: a :class:`Replica` of the module that trains, or a study's final model
+    (``serving.standalone``)."""
+
+    inputs: dict[str, tuple[str, tuple[int, ...]]]
+    module: TrainingModule
+
+    def trained(self) -> int:
+        """The version a question would get: 0 while no model exists."""
+        ...
+
+    def answer(self, inputs: dict[str, np.ndarray]) -> tuple[int, dict[str, np.ndarray]]:
+        """The version that answers and its answers (none at version 0)."""
+        ...
+
+
 @dataclass(frozen=True)
 class _Request:
     peer: bytes
@@ -168,15 +185,16 @@ class PredictionServer(ServerSocketThread):
 
     def __init__(
         self,
-        replica: Replica,
+        replica: Answering,
         serving: ServingConfig,
         server_rank: int,
         rejections: RejectionLog,
         bind_address: str,
         security: Security,
+        port: int = 0,
     ) -> None:
         cap = request_bytes(replica.inputs, serving.max_batch)
-        super().__init__(f"predictions-{server_rank}", bind_address, security=security, message_cap=cap)
+        super().__init__(f"predictions-{server_rank}", bind_address, port, security=security, message_cap=cap)
         self.rejections = rejections
         self.replica = replica
         self._max_batch, self._max_wait = serving.max_batch, serving.max_wait

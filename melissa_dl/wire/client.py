@@ -48,6 +48,7 @@ that the study relaunches the simulation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import operator
@@ -55,6 +56,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -65,7 +67,7 @@ from melissa_dl.config.limits import CLIENT_TIMEOUT_RANGE, SEND_QUEUE_BYTES_RANG
 from melissa_dl.errors import ClientError, HandshakeRefused, PredictionRefused, ProtocolError, ServerUnreachable
 from melissa_dl.runtime.mpi import Comm
 from melissa_dl.wire.blocks import Block
-from melissa_dl.wire.predictions import Prediction, count_questions, declared, pack, unpack
+from melissa_dl.wire.predictions import SERVING_FILE, Prediction, count_questions, declared, pack, unpack
 from melissa_dl.wire.protocol import (
     PART_BYTES,
     PROTOCOL_VERSION,
@@ -77,7 +79,13 @@ from melissa_dl.wire.protocol import (
     parts,
     simulation_key,
 )
-from melissa_dl.wire.security import ENV_SECURITY, configure_client, describe_handshake_failure, monitor_event
+from melissa_dl.wire.security import (
+    ENV_SECURITY,
+    Security,
+    configure_client,
+    describe_handshake_failure,
+    monitor_event,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -344,17 +352,18 @@ def _ask_next(environ: Mapping[str, str], last: str | None) -> dict[str, str] | 
 
 class _Predictor:
     """The server ranks' prediction services (:mod:`melissa_dl.wire.predictions`), asked in turn from rank
-    ``first`` (the simulation's id: simulations start on different ranks), one request at a time; a rank's link is
-    opened by the first question to it."""
+    ``first`` (a simulation's id, a process's: clients start on different ranks), one request at a time; a rank's
+    link is opened by the first question to it. ``who`` begins its errors."""
 
-    def __init__(self, guide: dict[str, Any], context: zmq.Context, environ: Mapping[str, str], first: int) -> None:
+    def __init__(
+        self, guide: dict[str, Any], context: zmq.Context, environ: Mapping[str, str], first: int, who: str
+    ) -> None:
         self.endpoints: list[str] = guide["endpoints"]
         self.inputs = declared(guide["inputs"])
         self.max_batch, self.deadline = int(guide["max_batch"]), float(guide["deadline"])
         self.links: dict[int, _Link] = {}
         self.asked = 0  # requests sent: the last one's id
-        self._context, self._environ, self._first = context, environ, first
-        self._who = f"simulation {first}"
+        self._context, self._environ, self._first, self._who = context, environ, first, who
 
     def ask(self, inputs: Mapping[str, Any], deadline: float | None) -> Prediction:
         arrays = {name: np.ascontiguousarray(array) for name, array in inputs.items()}
@@ -458,7 +467,8 @@ class Client:
             self._questions.append(_Questions(link, keepalive(self._timeout)))
             link.socket.connect(endpoint)
         if reply.get("predictions"):
-            self._predictor = _Predictor(reply["predictions"], self._context, self._environ, self.simulation_id)
+            who = f"simulation {self.simulation_id}"
+            self._predictor = _Predictor(reply["predictions"], self._context, self._environ, self.simulation_id, who)
 
     def _handshake(self, endpoint: str, token: str) -> dict[str, Any]:
         hello = {
@@ -680,3 +690,62 @@ class Client:
             self.finalize()
         else:  # no finalize: the attempt will not count, and the user's exception must surface unchanged
             self.close()
+
+
+class Predictor:
+    """Asks the model that ``melissa-server --serve OUTPUT_DIR`` serves, from any process of its user::
+
+        with Predictor("output") as predictor:
+            answer = predictor.predict({"parameters": p, "time_step": t})  # as Client.predict
+
+    ``serving`` is the output folder or its ``serving.json``, which the server writes with each rank's endpoint and
+    the credentials. When a question gets no answer and the file changed since it was read (a restarted server),
+    the next question goes to the ranks it names now."""
+
+    def __init__(self, serving: str | os.PathLike[str]) -> None:
+        path = Path(serving)
+        self._path = path / SERVING_FILE if path.is_dir() else path
+        self._context = zmq.Context()
+        self._text = ""
+        self._asker: _Predictor | None = None
+        try:
+            self._read()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> None:
+        try:
+            text = self._path.read_text()
+            published = json.loads(text)
+            security = Security.from_json(published["credentials"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ClientError(
+                f"{self._path}: cannot read what melissa-server --serve publishes ({error}); is it running?"
+            ) from None
+        if self._asker is not None:
+            self._asker.close()
+        environ = {ENV_TOKEN: security.token.hex(), **security.client_environment()}
+        self._asker = _Predictor(published, self._context, environ, os.getpid(), f"predictor of {self._path}")
+        self._text = text
+
+    def predict(self, inputs: Mapping[str, Any], deadline: float | None = None) -> Prediction:
+        """As :meth:`Client.predict`; ``deadline`` defaults to the study's ``serving.deadline``."""
+        assert self._asker is not None
+        answer = self._asker.ask(inputs, deadline)
+        if answer.status == "no_answer":
+            with contextlib.suppress(OSError):
+                if self._path.read_text() != self._text:
+                    self._read()
+        return answer
+
+    def close(self) -> None:
+        if self._asker is not None:
+            self._asker.close()
+        self._context.term()
+
+    def __enter__(self) -> Predictor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

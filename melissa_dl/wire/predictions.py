@@ -28,6 +28,7 @@ from melissa_dl.errors import ProtocolError
 from melissa_dl.wire.protocol import decode_json, encode_json, quote
 
 HEADER_BYTES = 4096  # the most a header may take: a name and a shape per input
+SERVING_FILE = "serving.json"  # what ``melissa-server --serve`` publishes in the output folder for its clients
 _LENGTH = struct.Struct("<I")
 
 Inputs = Mapping[str, tuple[str, tuple[int, ...]]]  # name -> dtype and shape of one question

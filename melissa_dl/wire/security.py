@@ -116,6 +116,22 @@ class Security:
         client_public, client_secret = zmq.curve_keypair()
         return cls(level, token, peer_timeout, peers, server_public, server_secret, client_public, client_secret)
 
+    def to_json(self) -> dict[str, str]:
+        """The level and secrets as text (``melissa-server --serve`` keeps them in its ``serving.json``)."""
+        keys = ("server_public", "server_secret", "client_public", "client_secret")
+        return {"level": self.level, "token": self.token.hex(), **{key: getattr(self, key).decode() for key in keys}}
+
+    @classmethod
+    def from_json(cls, saved: Mapping[str, str]) -> Security:
+        return cls(
+            saved["level"],
+            bytes.fromhex(saved["token"]),
+            server_public=saved["server_public"].encode(),
+            server_secret=saved["server_secret"].encode(),
+            client_public=saved["client_public"].encode(),
+            client_secret=saved["client_secret"].encode(),
+        )
+
     def client_environment(self) -> dict[str, str]:
         """What a simulation needs besides ``MELISSA_TOKEN`` to pass the gates."""
         environ = {ENV_SECURITY: self.level}

@@ -346,3 +346,16 @@ def test_try_simulation_runs_one_and_says_what_arrived_and_what_is_wrong(
     for line in expected:
         assert line in done.stdout, done.stdout
     assert not (tmp_path / "out" / "report.json").exists()  # nothing of a study was written
+
+
+def test_serve_of_a_folder_without_a_study_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [*SERVER, "--serve", str(tmp_path / "nothing")], env=clean_environment(), capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"melissa-server: --serve: {tmp_path / 'nothing' / 'config.json'}: missing (a study writes it at its end: "
+        "is this a study's output folder?)"
+    ]
+    assert not (tmp_path / "nothing").exists()  # nothing written where no study is

@@ -11,10 +11,13 @@ import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-from support import HERE, run_server, server_command, start, wait_for
+import torch
+from support import BIN, HERE, MPIRUN, run_server, server_command, start, wait_for
 from test_trained_model import HEAT, NX, NY, STEPS, heat_config
 
+from melissa_dl import Predictor, load_model
 from melissa_dl.checkpoint.versions import latest_valid
 
 pytestmark = pytest.mark.timeout(300)
@@ -156,3 +159,37 @@ def test_a_fortran_simulation_asks_the_model_through_the_module(tmp_path: Path, 
     assert lines[0][0] == "first 1" and lines[5] == ["first 0"]  # MELISSA_DL_NO_MODEL, then MELISSA_DL_ANSWERED
     _, version, mean = lines[0][1].split()
     assert 1 <= int(version) <= run.report["training"]["batches"] and 0 < float(mean) < 1000
+
+
+def test_after_the_study_melissa_server_serve_answers_a_predictor_and_again_after_a_restart(tmp_path: Path) -> None:
+    output = tmp_path / "output"
+    config = heat_config(output)
+    config["training"]["batch_size"] = 8
+    run = run_server(tmp_path, config, ranks=2, timeout=240)
+    assert run.code == 0 and run.report is not None, run.log
+    serving = output / "serving.json"
+    command = [str(MPIRUN), "-n", "2", str(BIN / "melissa-server"), "--serve", str(output)]
+    server = start(command)
+    wait_for(serving.exists, server)
+    assert serving.stat().st_mode & 0o777 == 0o600  # it holds the credentials
+    question = {"parameters": np.array([[150, 250, 350, 450, 200]], np.float32), "time_step": np.array([7], np.float32)}
+    model = load_model(output)
+    with torch.no_grad():
+        expected = model.predict({name: torch.from_numpy(array) for name, array in question.items()})["temperature"]
+    with Predictor(output) as predictor:
+        for _ in range(2):  # both ranks, in turn
+            answer = predictor.predict(question, deadline=60)
+            assert (answer.status, answer.version) == ("answered", run.report["training"]["batches"])
+            np.testing.assert_allclose(answer.outputs["temperature"], expected.numpy(), rtol=1e-6)
+        server.send_signal(signal.SIGTERM)
+        log, _ = server.communicate(timeout=60)
+        assert server.returncode == 0, log
+        assert predictor.predict(question, deadline=0.2).status == "no_answer"  # nobody serves
+        published = serving.read_text()
+        server = start(command)
+        wait_for(lambda: serving.read_text() != published, server)  # the new ranks' endpoints
+        stale = predictor.predict(question, deadline=1)  # to the old ranks: none, and the file is read again
+        assert predictor.predict(question, deadline=60).status == "answered", stale
+        server.send_signal(signal.SIGTERM)
+        log, _ = server.communicate(timeout=60)
+        assert server.returncode == 0, log
