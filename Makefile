@@ -93,6 +93,8 @@ native:
 		$(NATIVE_DIR)/lib/libmelissa_dl.a $$($(NATIVE_PC) --libs libzmq) -lm
 	$(MPICC) -O2 -Wall -Wextra -o $(NATIVE_DIR)/bin/c_predictor tests/integration/c_predictor.c \
 		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
+	$(MPICC) -O2 -Wall -Wextra -o $(NATIVE_DIR)/bin/c_served tests/integration/c_served.c \
+		$$($(NATIVE_PC) --cflags --libs melissa_dl) -Wl,-rpath,$(NATIVE_DIR)/lib
 	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/f_predictor tests/integration/f_predictor.f90 \
 		$$($(NATIVE_PC) --cflags --libs melissa_dl_fortran) -Wl,-rpath,$(NATIVE_DIR)/lib
 	$(MPIFC) -O2 -Wall -o $(NATIVE_DIR)/bin/f_client tests/integration/f_client.f90 \

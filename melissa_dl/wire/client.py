@@ -97,6 +97,7 @@ ENV_PARAMETERS = "MELISSA_PARAMETERS"
 ENV_PARAMETER_NAMES = "MELISSA_PARAMETER_NAMES"
 ENV_CLIENT_TIMEOUT = "MELISSA_CLIENT_TIMEOUT"
 ENV_SEND_QUEUE_BYTES = "MELISSA_SEND_QUEUE_BYTES"
+ENV_SERVING = "MELISSA_SERVING"  # a serving.json of melissa-server --serve, for a Predictor (and the C library)
 ENV_WORKER = "MELISSA_WORKER"  # launcher.workers.ENV_WORKER: a persistent worker's slot and start
 
 WAKE_MS = 1000  # a blocked send looks at its connection at least this often
@@ -698,11 +699,13 @@ class Predictor:
         with Predictor("output") as predictor:
             answer = predictor.predict({"parameters": p, "time_step": t})  # as Client.predict
 
-    ``serving`` is the output folder or its ``serving.json``, which the server writes with each rank's endpoint and
-    the credentials. When a question gets no answer and the file changed since it was read (a restarted server),
+    ``serving`` is the output folder or its ``serving.json`` (default: ``MELISSA_SERVING``, as the C library reads
+    it), which the server writes with each rank's endpoint and the credentials. When a question gets no answer and the file changed since it was read (a restarted server),
     the next question goes to the ranks it names now."""
 
-    def __init__(self, serving: str | os.PathLike[str]) -> None:
+    def __init__(self, serving: str | os.PathLike[str] | None = None) -> None:
+        if serving is None:
+            serving = _require(os.environ, ENV_SERVING)
         path = Path(serving)
         self._path = path / SERVING_FILE if path.is_dir() else path
         self._context = zmq.Context()

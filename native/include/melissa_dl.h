@@ -202,7 +202,11 @@ enum melissa_dl_prediction {
  * MELISSA_DL_ERR_ARGUMENT for n outside 1..serving.max_batch, a NULL or
  * non-finite input, or an output buffer of another size (the message names
  * it), MELISSA_DL_ERR_REFUSED when a rank refuses the request (the message
- * says why) or our credentials. */
+ * says why) or our credentials.
+ * A program that is no simulation of a study asks the final model that
+ * melissa-server --serve OUTPUT_DIR serves with MELISSA_SERVING set to
+ * OUTPUT_DIR/serving.json: no melissa_dl_init, no handshake;
+ * melissa_dl_finalize releases the connection. */
 MELISSA_DL_API int melissa_dl_predict(size_t n, const void *const *inputs, int noutputs, void *const *outputs,
                                       const size_t *output_bytes, double deadline, int *status, int64_t *version);
 

@@ -131,6 +131,7 @@ static struct {
     uint64_t overlap; /* steps of the next block its rank also receives (windows of steps) */
     step_set steps;
     predictor predict;
+    bool served;      /* asking a model that melissa-server --serve serves (MELISSA_SERVING), not a study's */
     char broken[MESSAGE_BYTES]; /* why the connection failed, while BROKEN */
 } client;
 
@@ -464,6 +465,8 @@ static int refused(const mdl_link *link, const char *who, const environment *env
 /* "simulation 3": who asks in a simulation's errors. */
 static const char *simulation_name(void) {
     static char name[32];
+    if (client.served)
+        return "predictor";
     snprintf(name, sizeof name, "simulation %u", client.env.simulation_id);
     return name;
 }
@@ -1665,11 +1668,62 @@ static int prediction_answer(mdl_link *link, size_t rank, double until, int nout
     return code;
 }
 
+/* MELISSA_SERVING, the serving.json that melissa-server --serve writes: a program that is no simulation of a study
+ * asks the study's final model with it, without a handshake (melissa_dl.Predictor in Python). */
+static int open_serving(const char *path) {
+    FILE *file = fopen(path, "rb");
+    if (file == NULL)
+        return fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_SERVING=%s: %s (is melissa-server --serve running?)", path,
+                    strerror(errno));
+    strbuf text = {0};
+    char chunk[4096];
+    size_t got;
+    while ((got = fread(chunk, 1, sizeof chunk, file)) > 0)
+        sb_printf(&text, "%.*s", (int)got, chunk);
+    fclose(file);
+    json_value published = {0};
+    bool ok = !text.failed && text.data && mdl_json_parse(text.data, text.size, &published) &&
+              published.type == JSON_OBJECT;
+    free(text.data);
+    const json_value *credentials = ok ? mdl_json_get(&published, "credentials") : NULL;
+    const char *names[5] = {"level", "token", "server_public", "client_public", "client_secret"};
+    const json_value *values[5] = {0};
+    for (int i = 0; i < 5; i++) {
+        values[i] = credentials && credentials->type == JSON_OBJECT ? mdl_json_get(credentials, names[i]) : NULL;
+        ok = ok && values[i] && values[i]->type == JSON_STRING;
+    }
+    client.served = true;
+    client.env.simulation_id = (uint32_t)getpid(); /* where its questions start: predictors spread over the ranks */
+    if (ok) {
+        client.env.security.level = strcmp(values[0]->string, "curve") == 0 ? SECURITY_CURVE : SECURITY_TOKEN;
+        client.env.token = strdup(values[1]->string);
+        for (int i = 0; i < 3; i++)
+            client.env.curve[i] = strdup(values[2 + i]->string);
+        client.env.security.token = client.env.token;
+        for (int i = 0; i < 3; i++)
+            client.env.security.curve[i] = client.env.curve[i];
+        client.context = zmq_ctx_new();
+        ok = client.env.token && client.context && accept_predictions(&published);
+    }
+    mdl_json_free(&published);
+    if (!ok) {
+        release();
+        return fail(MELISSA_DL_ERR_ENVIRONMENT, "MELISSA_SERVING=%s: not what melissa-server --serve publishes", path);
+    }
+    client.phase = CONNECTED;
+    return MELISSA_DL_OK;
+}
+
 int melissa_dl_predict(size_t n, const void *const *inputs, int noutputs, void *const *outputs,
                        const size_t *output_bytes, double deadline, int *status, int64_t *version) {
     if (status == NULL || (n > 0 && inputs == NULL) || (noutputs > 0 && (outputs == NULL || output_bytes == NULL)))
         return fail(MELISSA_DL_ERR_ARGUMENT, "melissa_dl_predict: status, inputs, outputs or output_bytes is NULL");
     *status = MELISSA_DL_NO_ANSWER;
+    if (client.phase == EMPTY && getenv("MELISSA_SERVING") != NULL) {
+        int code = open_serving(getenv("MELISSA_SERVING"));
+        if (code != MELISSA_DL_OK)
+            return code;
+    }
     if (client.phase == EMPTY || client.phase == BROKEN)
         return fail(MELISSA_DL_ERR_STATE, "melissa_dl_predict: %s", client.phase == EMPTY ?
                     "no field is declared: call melissa_dl_init first" : "the connection failed earlier");

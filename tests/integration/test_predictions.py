@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -161,7 +162,9 @@ def test_a_fortran_simulation_asks_the_model_through_the_module(tmp_path: Path, 
     assert 1 <= int(version) <= run.report["training"]["batches"] and 0 < float(mean) < 1000
 
 
-def test_after_the_study_melissa_server_serve_answers_a_predictor_and_again_after_a_restart(tmp_path: Path) -> None:
+def test_after_the_study_melissa_server_serve_answers_a_predictor_and_again_after_a_restart(
+    tmp_path: Path, native: Path
+) -> None:
     output = tmp_path / "output"
     config = heat_config(output)
     config["training"]["batch_size"] = 8
@@ -181,6 +184,14 @@ def test_after_the_study_melissa_server_serve_answers_a_predictor_and_again_afte
             answer = predictor.predict(question, deadline=60)
             assert (answer.status, answer.version) == ("answered", run.report["training"]["batches"])
             np.testing.assert_allclose(answer.outputs["temperature"], expected.numpy(), rtol=1e-6)
+        asked = subprocess.run(  # from C, with no study around: MELISSA_SERVING
+            [str(native / "c_served"), str(NX), str(NY)], env={**os.environ, "MELISSA_SERVING": str(serving)},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert asked.returncode == 0, asked.stderr
+        status, version, mean = asked.stdout.split()
+        assert (status, int(version)) == ("0", run.report["training"]["batches"])  # MELISSA_DL_ANSWERED
+        assert float(mean) == pytest.approx(float(expected.mean()), rel=1e-5)
         server.send_signal(signal.SIGTERM)
         log, _ = server.communicate(timeout=60)
         assert server.returncode == 0, log
