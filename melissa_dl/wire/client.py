@@ -700,8 +700,8 @@ class Predictor:
             answer = predictor.predict({"parameters": p, "time_step": t})  # as Client.predict
 
     ``serving`` is the output folder or its ``serving.json`` (default: ``MELISSA_SERVING``, as the C library reads
-    it), which the server writes with each rank's endpoint and the credentials. When a question gets no answer and the file changed since it was read (a restarted server),
-    the next question goes to the ranks it names now."""
+    it), which the server writes with each rank's endpoint and the credentials. When a question gets no answer and
+    the file changed since it was read (a restarted server), the next question goes to the ranks it names now."""
 
     def __init__(self, serving: str | os.PathLike[str] | None = None) -> None:
         if serving is None:
