@@ -322,7 +322,9 @@ class Server:
             self.security,
             next_work,
             config.training.window if config.training is not None else None,
-            clients_guide(config.serving, trainer, [predict for _, _, predict in endpoints]),
+            clients_guide(config.serving, trainer.module.prediction_inputs, [predict for _, _, predict in endpoints])
+            if config.serving.online and trainer is not None
+            else None,
         )
 
     def _train(self, trainer: Trainer, bookkeeping: Bookkeeping) -> bool:

@@ -42,7 +42,7 @@ from melissa_dl.embeddings.table import ShardedEmbedding
 from melissa_dl.errors import ConfigError, ProtocolError
 from melissa_dl.ingest.connections import POLL_MS, ConnectionGuard, ServerSocketThread
 from melissa_dl.train.module import TrainingModule
-from melissa_dl.wire.predictions import count_questions, pack, request_bytes, unpack
+from melissa_dl.wire.predictions import Inputs, count_questions, described, pack, request_bytes, unpack
 from melissa_dl.wire.rejections import RejectionLog
 from melissa_dl.wire.security import Security
 
@@ -70,16 +70,23 @@ def check_servable(module: TrainingModule) -> None:
         )
 
 
-def clients_guide(
-    serving: ServingConfig, trainer: Trainer | None, endpoints: list[str | None]
-) -> dict[str, Any] | None:
-    """What the handshake tells clients of the predictions (each rank's service, the inputs, the limits): nothing
-    without ``serving.online``."""
-    if not serving.online:
-        return None
-    assert trainer is not None
-    inputs = {name: [dtype, list(shape)] for name, (dtype, shape) in trainer.module.prediction_inputs.items()}
-    return {"endpoints": endpoints, "inputs": inputs, "max_batch": serving.max_batch, "deadline": serving.deadline}
+def clients_guide(serving: ServingConfig, inputs: Inputs, endpoints: list[str | None]) -> dict[str, Any]:
+    """What clients are told of the predictions (by the handshake, or ``serving.json``): each rank's service, the
+    inputs, the limits."""
+    return {
+        "endpoints": endpoints,
+        "inputs": described(inputs),
+        "max_batch": serving.max_batch,
+        "deadline": serving.deadline,
+    }
+
+
+def predict_numpy(module: TrainingModule, inputs: dict[str, np.ndarray], device: torch.device) -> dict[str, np.ndarray]:
+    """``module.predict`` of numpy questions on ``device``, without gradients; its answers as numpy arrays."""
+    tensors = {name: torch.from_numpy(array).to(device) for name, array in inputs.items()}
+    with torch.no_grad():
+        outputs = module.predict(tensors)
+    return {name: tensor.detach().cpu().numpy() for name, tensor in outputs.items()}
 
 
 class Replica:
@@ -127,10 +134,7 @@ class Replica:
         self._refresh()
         if not self.version:
             return 0, {}
-        tensors = {name: torch.from_numpy(array).to(self._device) for name, array in inputs.items()}
-        with torch.no_grad():
-            outputs = self.module.predict(tensors)
-        return self.version, {name: tensor.detach().cpu().numpy() for name, tensor in outputs.items()}
+        return self.version, predict_numpy(self.module, inputs, self._device)
 
     def _refresh(self) -> None:
         """Try to copy the trainer's state once; an untrained copy, until ``FIRST_COPY`` seconds have passed."""
@@ -199,6 +203,7 @@ class PredictionServer(ServerSocketThread):
         self.replica = replica
         self._max_batch, self._max_wait = serving.max_batch, serving.max_wait
         self._waiting: list[_Request] = []
+        self._questions = 0  # that the waiting requests ask
         self._since = 0.0  # when the first waiting request came
         self._per_peer: Counter[bytes] = Counter()
 
@@ -221,7 +226,7 @@ class PredictionServer(ServerSocketThread):
             except zmq.Again:
                 return
             self._take(socket, frames)
-            if sum(request.questions for request in self._waiting) >= self._max_batch:
+            if self._questions >= self._max_batch:
                 self._serve(socket)
 
     def idle(self, socket: zmq.Socket) -> None:
@@ -254,13 +259,14 @@ class PredictionServer(ServerSocketThread):
         if not self._waiting:
             self._since = time.monotonic()
         self._waiting.append(_Request(peer, ident, n, arrays))
+        self._questions += n
         self._per_peer[peer] += 1
 
     def _serve(self, socket: zmq.Socket) -> None:
         """Answer every waiting request with one ``predict``."""
-        batch, self._waiting = self._waiting, []
+        batch, self._waiting, total = self._waiting, [], self._questions
+        self._questions = 0
         self._per_peer.clear()
-        total = sum(request.questions for request in batch)
         inputs = {name: np.concatenate([request.arrays[name] for request in batch]) for name in self.replica.inputs}
         try:
             version, outputs = self.replica.answer(inputs)

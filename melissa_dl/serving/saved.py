@@ -36,6 +36,7 @@ from melissa_dl.embeddings.table import set_default_collectives
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.files import write_atomic
 from melissa_dl.train.module import TrainingModule, load_module_class
+from melissa_dl.wire.predictions import described
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def save(
         "torchscript": None,
     }
     if prediction_inputs:
-        saved["inputs"] = {name: [dtype, list(shape)] for name, (dtype, shape) in prediction_inputs.items()}
+        saved["inputs"] = described(prediction_inputs)
         try:
             traced, saved["outputs"] = _trace(_rebuild(saved, state, "cpu", "model.pt"))
         except Exception as error:  # the user's code: any failure means only that there is no TorchScript file

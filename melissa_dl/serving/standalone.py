@@ -33,7 +33,7 @@ from melissa_dl.runtime.logs import setup_logging
 from melissa_dl.runtime.mpi import GracefulStop, first_of_launch, install_abort_on_error
 from melissa_dl.runtime.network import addresses
 from melissa_dl.runtime.status import EXIT_CONFIG
-from melissa_dl.serving.online import PredictionServer
+from melissa_dl.serving.online import PredictionServer, clients_guide, predict_numpy
 from melissa_dl.serving.saved import load_model
 from melissa_dl.train.module import TrainingModule
 from melissa_dl.wire.predictions import SERVING_FILE
@@ -56,10 +56,7 @@ class FinalModel:
         return self.version
 
     def answer(self, inputs: dict[str, np.ndarray]) -> tuple[int, dict[str, np.ndarray]]:
-        tensors = {name: torch.from_numpy(array).to(self._device) for name, array in inputs.items()}
-        with torch.no_grad():
-            outputs = self.module.predict(tensors)
-        return self.version, {name: tensor.detach().cpu().numpy() for name, tensor in outputs.items()}
+        return self.version, predict_numpy(self.module, inputs, self._device)
 
 
 def serve_model(output_dir: Path, port: int = 0) -> int:
@@ -151,12 +148,8 @@ def _publish(
     output_dir: Path, model: FinalModel, serving: ServingConfig, endpoints: list[str], security: Security
 ) -> None:
     """``serving.json``: what a predictor needs to ask every rank."""
-    inputs = {name: [dtype, list(shape)] for name, (dtype, shape) in model.inputs.items()}
     published = {
-        "endpoints": endpoints,
-        "inputs": inputs,
-        "max_batch": serving.max_batch,
-        "deadline": serving.deadline,
+        **clients_guide(serving, model.inputs, list(endpoints)),
         "version": model.version,
         "credentials": security.to_json(),
     }

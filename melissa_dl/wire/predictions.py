@@ -125,6 +125,11 @@ def count_questions(arrays: Mapping[str, np.ndarray], inputs: Inputs, max_questi
     return n
 
 
+def described(inputs: Inputs) -> dict[str, list[Any]]:
+    """``prediction_inputs`` as JSON carries them (``model.json``, the handshake, ``serving.json``)."""
+    return {name: [dtype, list(shape)] for name, (dtype, shape) in inputs.items()}
+
+
 def declared(inputs: Mapping[str, Sequence[Any]]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``prediction_inputs`` as JSON carries them (a handshake's answer), back to dtypes and shape tuples."""
     return {name: (str(dtype), tuple(int(n) for n in shape)) for name, (dtype, shape) in inputs.items()}
