@@ -13,8 +13,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from launcher.schedulers import missing_program
 from melissa_dl.config.sections import Config, load_config
 from melissa_dl.errors import ConfigError
@@ -22,10 +20,8 @@ from melissa_dl.runtime.allocator import keep_freed_memory
 from melissa_dl.runtime.files import check_writable
 from melissa_dl.runtime.mpi import first_of_launch, keep_pmi_lines_short
 from melissa_dl.runtime.status import EXIT_CONFIG
-from melissa_dl.serving.online import check_servable
 from melissa_dl.study.jobs import check_settings, scheduler_from_config
 from melissa_dl.study.progress import show_status
-from melissa_dl.train.module import check_options, check_prediction_inputs, load_module_class
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -140,6 +136,11 @@ def check_study(config: Config, build: bool) -> None:
     training = config.training
     if training is None:
         return
+    import torch  # only now: --help, --status and a config's parsing need none of it
+
+    from melissa_dl.serving.online import check_servable
+    from melissa_dl.train.module import check_options, check_prediction_inputs, load_module_class
+
     module_class = load_module_class(config.base_dir / training.module, training.class_name)
     check_options(module_class, training.options)
     if build:

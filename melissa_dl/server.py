@@ -378,14 +378,15 @@ class Server:
         if self.rank == 0:
             assert study is not None and handshake is not None and status is not None and total is not None
             study.conclude()
-            status.finish(study, reports, total, consumer.status())
             if trainer is not None:  # training ended when the data ran out, after its passes over the buffers if any
                 extra["training"]["after_data"] = after_data(reports)
             duration += earlier_runs_seconds(self.config.output_path, time.time() - duration)  # before restarts
             report = final_report(
                 study, reports, handshake.rejections.counts(), total, duration, self.config.study.time_steps, extra
             )
-            write_report(report, self.config.output_path / "report.json")
+            report_path = self.config.output_path / "report.json"
+            write_report(report, report_path)
+            status.finish(study, reports, total, consumer.status(), (report, report_path))
             bookkeeping.beat()
             if self.config.plots:
                 from melissa_dl.study.plots import draw  # matplotlib: rank 0 only, once, not in every rank's start

@@ -16,13 +16,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from melissa_dl.ingest.receiver import ReceiverReport
 from melissa_dl.runtime.files import write_atomic
 from melissa_dl.runtime.status import HISTORY, STATUS, read_history, runs, server_gone
-from melissa_dl.study.study import Study
 from melissa_dl.wire.rejections import merge_rejections
+
+if TYPE_CHECKING:  # their modules import torch, which --status must not wait for
+    from melissa_dl.ingest.receiver import ReceiverReport
+    from melissa_dl.study.study import Study
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class StatusBoard:
         self.expected_samples = expected_samples
         self._last: tuple[float, int, int] = (start, 0, 0)  # time, bytes received, batches
         self._first_batches: int | None = None  # at the first status: a resumed run's rates count its own
+        self._share_before_start = 0.0  # done before this run's first simulation started (a resumed run's)
         self._latest: dict[str, Any] | None = None
         self._bar: Any = None
         if sys.stderr.isatty():
@@ -62,13 +65,22 @@ class StatusBoard:
         consumed: int,
         training: dict[str, Any] | None,
     ) -> None:
+        if study.first_start is None:  # every round until then: what a resumed run restored
+            self._share_before_start = share_done(study, reports, self.expected_samples)
         if now - self._last[0] >= self.interval:
             self._publish(self.status(now, study, reports, consumed, training, "running"))
 
     def finish(
-        self, study: Study, reports: Sequence[ReceiverReport], consumed: int, training: dict[str, Any] | None
+        self,
+        study: Study,
+        reports: Sequence[ReceiverReport],
+        consumed: int,
+        training: dict[str, Any] | None,
+        report: tuple[dict[str, Any], Path] | None = None,
     ) -> None:
-        self._publish(self.status(time.monotonic(), study, reports, consumed, training, "finished"))
+        """The last status; with the final report (and its path), the report's figures."""
+        status = self.status(time.monotonic(), study, reports, consumed, training, "finished")
+        self._publish(status if report is None else with_report(status, *report))
         if self._bar is not None:
             self._bar.close()
 
@@ -89,7 +101,8 @@ class StatusBoard:
         training: dict[str, Any] | None,
         state: str,
     ) -> dict[str, Any]:
-        """What ``status.json`` holds: counts, rates since the last status, the share done and the time left."""
+        """What ``status.json`` holds: counts, rates since the last status, the share done and the time left (at
+        the pace since this run's first simulation started: the server's start-up is not the study's)."""
         batches = training["batches"] if training else 0
         if self._first_batches is None:
             self._first_batches = batches
@@ -99,18 +112,15 @@ class StatusBoard:
         received, nbytes = sum(r.samples for r in reports), sum(r.bytes_received for r in reports)
         counts, ending = study.counts(), study.ending()
         counts.update(running=counts["running"] - ending, ending=ending)
-        total = len(study.simulations)
-        ended = counts["done"] + counts["failed"]
-        share = received / self.expected_samples if self.expected_samples else ended / total
-        share = 1.0 if state == "finished" else min(share, 1.0)
+        share = 1.0 if state == "finished" else share_done(study, reports, self.expected_samples)
         self._last = (now, nbytes, batches)
         return {
             "state": state,
             "updated": time.time(),
             "elapsed_s": round(elapsed, 1),
             "percent": round(100 * share, 1),
-            "eta_s": round(elapsed * (1 - share) / share, 1) if 0 < share < 1 else None,
-            "simulations": {**counts, "total": total},
+            "eta_s": self._time_left(now, study.first_start, share),
+            "simulations": {**counts, "total": len(study.simulations)},
             "samples": {"received": received, "expected": self.expected_samples, "consumed": consumed},
             "MB_per_s": round((nbytes - bytes_then) / interval / MB, 6),  # kB/s of small fields kept
             "buffers": [r.buffer_size for r in reports],
@@ -124,6 +134,12 @@ class StatusBoard:
             },
         }
 
+    def _time_left(self, now: float, first_start: float | None, share: float) -> float | None:
+        progress = share - self._share_before_start
+        if first_start is None or not 0 < share < 1 or progress <= 0:
+            return None
+        return round((now - first_start) * (1 - share) / progress, 1)
+
     def _publish(self, status: dict[str, Any]) -> None:
         self._latest = status
         text = json.dumps(status)
@@ -135,6 +151,30 @@ class StatusBoard:
             return
         self._bar.n = status["percent"]
         self._bar.set_postfix_str(" | ".join(describe(status)[1:]), refresh=True)
+
+
+def with_report(status: dict[str, Any], report: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A finished study's status as its report says it: rates over the study's whole duration (restarts included),
+    where the report and the model are, and how many times lower the validation loss ended than it began."""
+    finished = {**status, "MB_per_s": report["throughput_MB_per_s"], "report": str(path)}
+    trained = report.get("training")
+    if trained is not None and status["training"] is not None:
+        first, last = trained["first_validation_loss"], trained["last_validation_loss"]
+        finished["training"] = {
+            **status["training"],
+            "batches_per_s": trained["batches_per_s"],
+            "model": trained["model"],
+            "validation_gain": round(first / last, 2) if first and last else None,
+        }
+    return finished
+
+
+def share_done(study: Study, reports: Sequence[ReceiverReport], expected_samples: int | None) -> float:
+    """The study's share done: samples received of those expected, or simulations ended of all."""
+    if expected_samples:
+        return min(sum(r.samples for r in reports) / expected_samples, 1.0)
+    counts = study.counts()
+    return min((counts["done"] + counts["failed"]) / len(study.simulations), 1.0)
 
 
 def describe(status: dict[str, Any]) -> list[str]:
@@ -158,8 +198,12 @@ def describe(status: dict[str, Any]) -> list[str]:
             f"training {training['batches']} batches, {training['batches_per_s']:.1f} batch/s"
             + (f", loss {loss:.4g}" if loss is not None else "")
             + (f", validation loss {validation:.4g}" if validation is not None else "")
+            + (f" ({gain:.1f}x lower than the first)" if (gain := training.get("validation_gain")) else "")
             + _after_data(status.get("state", "running"), training.get("after_data"))
         )
+    if "report" in status:
+        model = training.get("model") if training is not None else None
+        lines.append(f"report {status['report']}" + (f" | model {model}" if model else ""))
     return lines
 
 

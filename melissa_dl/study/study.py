@@ -192,6 +192,7 @@ class Study:
         self._timeout = timeout
         self._give_up_after = min(max(job_limit, GIVE_UP_AFTER), len(self.simulations))
         self.gave_up = ""  # why the study stopped before every simulation ran, if it did
+        self.first_start: float | None = None  # when this run's first job started: the time left counts from it
         self._attempts_started: dict[int, int] = {}
         self._ended: list[int] = []
         self._announced: dict[Progress, Progress] = {}  # see _kept
@@ -449,6 +450,8 @@ class Study:
                 return  # still waiting for a job slot (a job that could not start has an exit code)
             self._set_state(sim, State.RUNNING)
             sim.last_activity = now  # the timeout clock starts with the job
+            if self.first_start is None:
+                self.first_start = now
         if backpressure:
             sim.last_activity = now  # a stalled server is not the simulation's fault
         if sim.exit_code not in (None, 0):

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from support import MPIRUN, TOY_SIM, clean_environment, start, study_config
 
+from melissa_dl.study.progress import rate
+
 pytestmark = pytest.mark.timeout(120)
 
 SERVER = [sys.executable, "-m", "melissa_dl"]
@@ -303,6 +305,9 @@ def test_status_shows_a_running_study_from_another_shell_and_then_its_end(tmp_pa
         "100% done" in final.stdout
         and "simulations 4 done, 0 running, 0 ending, 0 queued, 0 failed of 4" in final.stdout
     )
+    report = json.loads((output / "report.json").read_text())
+    assert f"report {output / 'report.json'}" in final.stdout, final.stdout  # and the report's own rate
+    assert f"| {rate(report['throughput_MB_per_s'])} |" in final.stdout, final.stdout
     history = [json.loads(line) for line in (output / "progress.jsonl").read_text().splitlines()]
     assert len(history) >= 2 and history[-1]["state"] == "finished"
     assert [h["samples"]["received"] for h in history] == sorted(h["samples"]["received"] for h in history)

@@ -19,11 +19,17 @@ from melissa_dl.study.progress import StatusBoard, earlier_runs_seconds, rate, s
 pytestmark = pytest.mark.timeout(60)
 
 
-def study(done: int, running: int, queued: int, failed: int = 0, ending: int = 0) -> SimpleNamespace:
-    """``running`` counts the ``ending`` ones, as Study.counts() does."""
+def study(
+    done: int, running: int, queued: int, failed: int = 0, ending: int = 0, first_start: float | None = None
+) -> SimpleNamespace:
+    """``running`` counts the ``ending`` ones, as Study.counts() does; ``first_start``: when the first job
+    started."""
     counts = {"queued": queued, "running": running, "done": done, "failed": failed}
     return SimpleNamespace(
-        simulations=[None] * sum(counts.values()), counts=lambda: dict(counts), ending=lambda: ending
+        simulations=[None] * sum(counts.values()),
+        counts=lambda: dict(counts),
+        ending=lambda: ending,
+        first_start=first_start,
     )
 
 
@@ -42,10 +48,20 @@ def test_a_status_every_interval_with_share_eta_rates_and_training(
     board = StatusBoard(
         tmp_path, interval=2.0, start=start, expected_samples=400, refusals=lambda: {"handshake_cut": 2}
     )
-    board.update(start + 1.0, study(0, 4, 0), reports(50), 20, {"batches": 5, "loss": 0.5, "validation_loss": None})
+    board.update(
+        start + 1.0,
+        study(0, 4, 0, first_start=start),
+        reports(50),
+        20,
+        {"batches": 5, "loss": 0.5, "validation_loss": None},
+    )
     assert not (tmp_path / STATUS).exists()  # within the interval: nothing yet
     board.update(
-        start + 4.0, study(1, 3, 0, ending=1), reports(100), 80, {"batches": 40, "loss": 0.25, "validation_loss": 0.3}
+        start + 4.0,
+        study(1, 3, 0, ending=1, first_start=start),
+        reports(100),
+        80,
+        {"batches": 40, "loss": 0.25, "validation_loss": 0.3},
     )
     status = json.loads((tmp_path / STATUS).read_text())
     assert (status["state"], status["percent"], status["eta_s"]) == ("running", 25.0, 12.0)
@@ -163,3 +179,49 @@ def test_the_runs_before_a_restart_count_in_the_studys_duration(tmp_path: Path) 
     )
     assert earlier_runs_seconds(tmp_path, began=now - 7) == 30.0 + 105.0  # the run of now - 7 is this one
     assert earlier_runs_seconds(tmp_path / "elsewhere", began=now) == 0.0
+
+
+@pytest.mark.parametrize("restored", [0, 500])
+def test_the_time_left_counts_from_the_first_simulations_start_not_the_servers(tmp_path: Path, restored: int) -> None:
+    """A 10 s start-up (imports, MPI, a restore), then 1,000 samples at 50 a second (issue 57, item 2): at 20% of
+    what the run has to do, the time left is within half of the truth; counted from the server's start it was 3.5
+    times the truth. A resumed run (``restored`` samples received before) counts its own progress only."""
+    start, expected = 100.0, 1000 + restored
+    board = StatusBoard(tmp_path, interval=1.0, start=start, expected_samples=expected)
+    first_start = start + 10.0
+    for second in range(1, 15):
+        now = start + second
+        began = first_start if now >= first_start else None
+        received = restored + max(0, int((now - first_start) * 50))
+        board.update(now, study(0, 4, 0, first_start=began), reports(received), 0, None)
+    status = json.loads((tmp_path / STATUS).read_text())
+    assert status["samples"]["received"] == restored + 200  # 20% of the run's 1,000
+    truth = 800 / 50
+    assert abs(status["eta_s"] - truth) <= truth / 2, status
+
+
+def test_a_finished_status_gives_the_reports_rates_where_the_report_and_model_are_and_the_validation_gain(
+    tmp_path: Path,
+) -> None:
+    """The last second's rates said less than the study did (7.3 batch/s against the report's 13.3): the finished
+    status takes the report's, over the study's whole duration (issue 57, item 2)."""
+    start = time.monotonic()
+    board = StatusBoard(tmp_path, interval=1.0, start=start, expected_samples=400)
+    training = {"batches": 90, "loss": 0.1, "validation_loss": 0.005}
+    report = {
+        "throughput_MB_per_s": 2.5,
+        "training": {
+            "batches_per_s": 13.3,
+            "model": str(tmp_path / "model.pt"),
+            "first_validation_loss": 0.6,
+            "last_validation_loss": 0.005,
+        },
+    }
+    board.finish(study(4, 0, 0), reports(400), 500, training, (report, tmp_path / "report.json"))
+    status = json.loads((tmp_path / STATUS).read_text())
+    assert (status["MB_per_s"], status["report"]) == (2.5, str(tmp_path / "report.json"))
+    assert status["training"]["batches_per_s"] == 13.3 and status["training"]["validation_gain"] == 120.0
+    shown = show_status(tmp_path)
+    assert "2.5 MB/s" in shown and "training 90 batches, 13.3 batch/s" in shown
+    assert "validation loss 0.005 (120.0x lower than the first)" in shown
+    assert f"report {tmp_path / 'report.json'} | model {tmp_path / 'model.pt'}" in shown

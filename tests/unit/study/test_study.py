@@ -205,11 +205,13 @@ def test_start_submits_every_simulation_as_attempt_0(h: Harness) -> None:
 
 def test_queued_becomes_running_when_its_job_runs(h: Harness) -> None:
     h.tick(0.0)
-    assert h.study.counts()["queued"] == 2
+    assert h.study.counts()["queued"] == 2 and h.study.first_start is None
     h.running(1.0, 1)
     assert (h.state(0), h.state(1)) == (State.QUEUED, State.RUNNING)
+    assert h.study.first_start == 1.0  # the time left counts from it
     h.tick(100.0, *reports(active=[1]))  # a queued simulation waiting for a slot never times out
     assert h.state(0) is State.QUEUED and h.launcher.killed == [] and h.launcher.queued() == [0]
+    assert h.study.first_start == 1.0
     assert len(h.launcher.submitted) == 2
 
 
