@@ -25,6 +25,7 @@ from pathlib import Path
 
 from launcher.placeholders import Placeholders
 from launcher.schedulers import (
+    COMMAND_LINE,
     KILL_GRACE,
     RunningJob,
     SchedulerUnavailable,
@@ -64,6 +65,22 @@ wait for."""
 def program_last_line(tail: str) -> str:
     """The last line the program itself wrote, of an output tail (:meth:`Launcher.output_tail`)."""
     return next((line for line in reversed(tail.split(" | ")) if not LAUNCHER_LINE.match(line)), "")
+
+
+def _last_lines(lines: list[str], limit: int) -> str:
+    """The last whole ``lines`` that ``limit`` characters hold, joined by `` | ``; a last line longer than that,
+    its end from a word's start."""
+    kept: list[str] = []
+    size = 0
+    for line in reversed(lines):
+        if kept and size + len(" | ") + len(line) > limit:
+            break
+        if len(line) > limit:
+            end = line[-(limit - len("... ")) :]
+            line = "... " + end[end.find(" ") + 1 :] if " " in end else end
+        kept.append(line)
+        size += len(line) + (len(" | ") if len(kept) > 1 else 0)
+    return " | ".join(reversed(kept))
 
 
 class Slots:
@@ -343,8 +360,9 @@ class Launcher:
         program: list[str] = []
         launchers: list[str] = []
         for line in filter(None, (line.strip() for line in text.splitlines())):
-            (launchers if LAUNCHER_LINE.match(line) else program).append(line)
-        tail = " | ".join(program)[-TAIL:]
+            if not line.startswith(COMMAND_LINE):
+                (launchers if LAUNCHER_LINE.match(line) else program).append(line)
+        tail = _last_lines(program, TAIL)
         return " | ".join(([tail] if tail else []) + launchers)
 
     def kill(self, simulation_id: int) -> None:

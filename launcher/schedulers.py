@@ -15,13 +15,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar, Protocol
@@ -51,6 +52,21 @@ class LogUnwritable(RuntimeError):
     Not an ``OSError``, so that the launcher does not count it as an attempt
     that could not start; the ``OSError`` is its ``__cause__``.
     """
+
+
+SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD")  # an environment variable whose name has one is logged hidden
+COMMAND_LINE = "melissa_dl: cd "  # how an attempt's log begins: its command (not the program's output)
+
+
+def command_line(argv: Sequence[str], cwd: Path, extra: Mapping[str, str]) -> bytes:
+    """An attempt's first log line: its command as a shell reruns it, from where, with the environment the
+    launcher adds (a secret's value hidden)."""
+    added = " ".join(
+        f"{name}={'<hidden>' if any(word in name.upper() for word in SECRET_WORDS) else shlex.quote(value)}"
+        for name, value in extra.items()
+    )
+    env = f"env {added} " if added else ""
+    return f"{COMMAND_LINE}{shlex.quote(str(cwd))} && {env}{shlex.join(argv)}\n".encode()
 
 
 def open_log(path: Path) -> BinaryIO:
@@ -318,7 +334,8 @@ class LocalScheduler(Scheduler):
         self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path, command: list[str] | None = None
     ) -> Job:
         argv = [*self._launch, *(self._command if command is None else command)]
-        process = _spawn(argv, self._cwd, self.environment(env), log_path, self._death_signal)
+        header = command_line(argv, self._cwd, env)
+        process = _spawn(argv, self._cwd, self.environment(env), log_path, self._death_signal, header)
         return Job(simulation_id, attempt, process)
 
     @staticmethod
@@ -352,10 +369,10 @@ class MpirunScheduler(LocalScheduler):
 
 
 def _spawn(
-    argv: list[str], cwd: Path, env: dict[str, str], log_path: Path, death_signal: signal.Signals
+    argv: list[str], cwd: Path, env: dict[str, str], log_path: Path, death_signal: signal.Signals, header: bytes
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in environment ``env`` and a new session, stdin closed, stdout and stderr to ``log_path``,
-    to receive ``death_signal`` when the server dies.
+    """Start ``argv`` in environment ``env`` and a new session, stdin closed, stdout and stderr to ``log_path``
+    after ``header``, to receive ``death_signal`` when the server dies.
 
     Where ``setpriv`` can (util-linux 2.33 and later), it sets the death signal
     in the child and execs the command, so that Python starts the child with
@@ -371,6 +388,8 @@ def _spawn(
     else:
         preexec = die_with_parent(death_signal)
     with open_log(log_path) as log:  # append: a restarted server may launch an attempt number again
+        log.write(header)
+        log.flush()  # before the child writes after it
         return subprocess.Popen(
             argv,
             cwd=cwd,

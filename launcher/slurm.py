@@ -39,6 +39,7 @@ from launcher.schedulers import (
     Scheduler,
     SchedulerUnavailable,
     child_environment,
+    command_line,
     open_log,
 )
 
@@ -230,7 +231,6 @@ class SlurmScheduler(Scheduler):
     def start(
         self, simulation_id: int, attempt: int, env: dict[str, str], log_path: Path, command: list[str] | None = None
     ) -> SlurmJob:
-        open_log(log_path).close()  # the folder exists and can be written before Slurm writes into it
         run = shlex.join(self._command if command is None else command)
         if self._ranks > 1:  # a rank that dies ends the others, as under mpirun
             run = f"srun --mpi=pmi2 --kill-on-bad-exit=1 -n {self._ranks} {run}"
@@ -252,6 +252,8 @@ class SlurmScheduler(Scheduler):
         ]
         job_id = self._submitted_unanswered(name)
         if job_id is None:
+            with open_log(log_path) as log:  # the folder made and writable before Slurm appends to it
+                log.write(command_line(argv, Path.cwd(), env))
             try:
                 job_id = _slurm(*argv, env=job_environment(env)).strip().split(";")[0]
             except SlurmUnavailable:

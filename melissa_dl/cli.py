@@ -185,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"melissa-server: {args.config}: {error}\n")
         return EXIT_CONFIG
     if args.check:
-        sys.stdout.write(json.dumps(config.to_dict(), indent=2) + "\n")
+        sys.stdout.write(json.dumps(config.to_dict(), indent=2) + "\n")  # stdout: a file of it is valid JSON
+        sys.stderr.write(f"melissa-server: {args.config}: valid, {verdict(config)}; nothing was started\n")
         return 0
     if args.try_simulation:
         return try_one(config, args.parameters)
@@ -193,6 +194,14 @@ def run(args: argparse.Namespace) -> int:
     from melissa_dl.server import serve  # only now: MPI and the training machinery
 
     return serve(config, fresh=args.fresh, export_model=args.export_model)
+
+
+def verdict(config: Config) -> str:
+    """What ``--check`` found valid, in a few words: the study's size, what trains, where it writes."""
+    study, training = config.study, config.training
+    steps = f" of {study.time_steps} steps" if study.time_steps is not None else ""
+    trains = f"{training.class_name} trains on it" if training is not None else "nothing trains"
+    return f"{study.all_simulations} simulations{steps}, {trains}, output in {config.output_path}"
 
 
 def print_status(output: Path) -> int:

@@ -827,14 +827,15 @@ def parse_config(data: Any, base_dir: Path) -> Config:
 
 
 def load_config(path: str | Path) -> Config:
-    """Read a JSON config file; relative paths in it are relative to its folder."""
+    """Read a JSON config file; relative paths in it are relative to its folder. An error does not name the file:
+    its callers begin their line with it, as they do for the errors of its keys."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except OSError as error:
-        raise ConfigError(f"{path}: cannot read ({error.strerror})") from None
+        raise ConfigError(f"cannot read ({error.strerror})") from None
     except UnicodeDecodeError as error:
-        raise ConfigError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        raise ConfigError(f"not UTF-8 text ({error.reason} at byte {error.start})") from None
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}: invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
+        raise ConfigError(f"invalid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
     return parse_config(data, path.resolve().parent)

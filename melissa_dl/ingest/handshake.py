@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -314,12 +315,24 @@ class HandshakeServer(ServerSocketThread):
             if whole[0] != pinned[0] or (whole[1] != pinned[1] if exact else whole[1][1:] != pinned[1][1:]):
                 kind = "dtype" if whole[0] != pinned[0] else "shape"
                 raise ProtocolError(
-                    f"{at}: declares {describe(whole)}{'' if exact else ' so far'}, the study's is {describe(pinned)}",
+                    f"{at}: declares {describe(whole)}{'' if exact else ' so far'}, the study's is {describe(pinned)}"
+                    + _one_dimensional_rule(whole[1], pinned[1]),
                     kind,
                 )
         if complete:
             for name in self._fields:
                 self._pins.setdefault(name, wholes[name])
+
+
+def _one_dimensional_rule(declared: tuple[int, ...], pinned: tuple[int, ...]) -> str:
+    """What a refusal of 1-D slices against a field of more dimensions must say: they join into 1-D only."""
+    if len(declared) != 1 or len(pinned) < 2:
+        return ""
+    elements = math.prod(pinned)
+    return (
+        f" (1-D slices, as Melissa's API always sends, join into a 1-D field: give the field's shape as "
+        f"[{elements}] and reshape it in the training module, or declare blocks)"
+    )
 
 
 def _nonce(hello: dict[str, Any]) -> str | None:

@@ -231,6 +231,17 @@ class Study:
         next news)."""
         unfinished = [*self.simulations[self.trained :], *self.simulations[: self.sampler.drawn]]
         self._unsent = [s.id for s in unfinished if s.state not in (State.DONE, State.FAILED)]
+        interrupted = [s for s in unfinished if s.state is State.QUEUED and s.attempts]
+        for sim in interrupted:
+            sim.reason = (
+                f"relaunched: the server's run ended while attempt {sim.attempts - 1} ran (a crash, a kill or a stop)"
+            )
+        if interrupted:
+            logger.info(
+                "%d simulations ran when the server's last run ended: relaunched (simulation %d first)",
+                len(interrupted),
+                interrupted[0].id,
+            )
 
     @property
     def held_out_ended(self) -> bool:

@@ -32,7 +32,13 @@ from melissa_dl.wire.security import Security
 
 POLL = 0.05  # seconds between two looks at the buffer and the job
 HOST = "127.0.0.1"
-LOGS = "try-simulation"  # folder of the output directory holding the simulation's log
+LOGS = "try-simulation"  # folder of the output directory holding a folder per try, with its simulation's log
+
+
+def _own_folder(logs: Path) -> Path:
+    """This try's log folder: ``try-simulation/1``, ``2``, ... (a log per try, the latest numbered highest)."""
+    tries = [int(path.name) for path in logs.iterdir() if path.name.isdigit()] if logs.is_dir() else []
+    return logs / str(max(tries, default=0) + 1)
 
 
 @dataclass
@@ -90,7 +96,10 @@ def try_simulation(config: Config, parameters: list[float] | None = None, timeou
     trial = Trial(table[0].tolist())
     scheduler = "mpirun" if config.launcher.client_ranks > 1 else "local"  # here, not through a batch system
     launcher = Launcher(
-        scheduler_from_config(config, scheduler), 1, config.output_path / LOGS, placeholders_from_config(config)
+        scheduler_from_config(config, scheduler),
+        1,
+        _own_folder(config.output_path / LOGS),
+        placeholders_from_config(config),
     )
     try:
         server = f"tcp://{HOST}:{handshake.start_and_bind()}"

@@ -101,6 +101,16 @@ def test_check_prints_the_resolved_configuration(tmp_path: Path) -> None:
     resolved = json.loads(done.stdout)
     assert resolved["buffer"]["pseudo_epochs"] == 1  # a default filled in
     assert resolved["study"]["simulations"] == 4
+    assert done.stderr.strip().splitlines()[-1] == (  # the verdict: one line, beside the JSON
+        f"melissa-server: {tmp_path / 'config.json'}: valid, 4 simulations of {config['study']['time_steps']} "
+        f"steps, nothing trains, output in {tmp_path / 'out'}; nothing was started"
+    )
+
+
+def test_check_of_a_missing_file_names_it_once(tmp_path: Path) -> None:
+    done = subprocess.run([*SERVER, "--check", "absent.json"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == ["melissa-server: absent.json: cannot read (No such file or directory)"]
 
 
 def test_killing_one_server_rank_ends_the_job_and_its_simulations(tmp_path: Path) -> None:
@@ -351,6 +361,19 @@ def test_try_simulation_runs_one_and_says_what_arrived_and_what_is_wrong(
     for line in expected:
         assert line in done.stdout, done.stdout
     assert not (tmp_path / "out" / "report.json").exists()  # nothing of a study was written
+
+
+def test_each_try_has_its_own_log_which_begins_with_the_command(tmp_path: Path) -> None:
+    config = write(tmp_path, study_config(tmp_path / "out", [sys.executable, TOY_SIM]))
+    for n in (1, 2):
+        done = subprocess.run(
+            [*SERVER, "--try-simulation", config], capture_output=True, text=True, timeout=90, env=clean_environment()
+        )
+        log = tmp_path / "out" / "try-simulation" / str(n) / "simulation0.attempt0.log"
+        assert done.returncode == 0 and f"log {log}" in done.stdout, done.stdout + done.stderr
+        first, *rest = log.read_text().splitlines()
+        assert first.startswith(f"melissa_dl: cd {tmp_path} && env MELISSA_SERVER=") and TOY_SIM in first
+        assert not any(line.startswith("melissa_dl: cd ") for line in rest)  # one try's
 
 
 def test_serve_of_a_folder_without_a_study_is_one_line_and_exit_2(tmp_path: Path) -> None:

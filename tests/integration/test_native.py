@@ -23,6 +23,7 @@ from support import HERE, ROOT, clean_environment, run_server, study_config, wai
 from test_security import assert_given_up_within_its_timeout, assert_received_every_step, stub_server
 from test_studies import assert_clean_study, assert_every_step_once
 
+from launcher.schedulers import COMMAND_LINE
 from melissa_dl.ingest.assembly import Delivery
 from melissa_dl.ingest.connections import ConnectionGuard, ServerSocketThread
 from melissa_dl.ingest.delivery import DeliveryServer
@@ -85,7 +86,8 @@ def test_native_heat_solvers_stream_the_python_solvers_fields(
 
 
 def lines(log: Path) -> list[tuple[str, str]]:
-    return [tuple(line.split(": ", 1)) for line in log.read_text().splitlines()]
+    """The program's lines of an attempt's log as (what, said): the first, the attempt's command, left out."""
+    return [tuple(line.split(": ", 1)) for line in log.read_text().splitlines() if not line.startswith(COMMAND_LINE)]
 
 
 def is_parameter(line: tuple[str, str]) -> bool:

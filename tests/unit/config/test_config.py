@@ -347,19 +347,19 @@ def test_load_config_names_line_and_column_of_invalid_json(tmp_path: Path) -> No
     path = write(tmp_path / "study.json", '{\n  "study": {\n    "fields": [,]\n  }\n}\n')
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value).startswith(f"{path}: invalid JSON at line 3 column 16")
+    assert str(info.value).startswith("invalid JSON at line 3 column 16")  # the caller names the file
 
 
 def test_load_config_on_a_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "absent.json"
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value) == f"{path}: cannot read (No such file or directory)"
+    assert str(info.value) == "cannot read (No such file or directory)"  # the caller names the file
 
 
 def test_load_config_on_a_file_that_is_not_text(tmp_path: Path) -> None:
     path = write(tmp_path / "study.json", b'\xff\xfe{"study": 1}')
-    with pytest.raises(ConfigError, match="study.json"):
+    with pytest.raises(ConfigError, match="^not UTF-8 text"):
         load_config(path)
 
 

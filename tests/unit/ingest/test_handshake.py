@@ -204,6 +204,18 @@ def test_slices_that_cannot_join_are_refused() -> None:
     assert reply["kind"] == "shape" and "client rank 0 declares int64[]" in reply["error"]
 
 
+def test_1d_slices_against_a_field_of_more_dimensions_are_refused_with_the_1d_rule() -> None:
+    """Melissa's API sends 1-D slices (issue 57, item 3): ``declares float64[5000] so far`` alone hid why."""
+    handshake = service(client_size=2, layouts={"u": ("float64", (100, 100))})
+    reply = ask(handshake, hello(client_size=2, fields={**GOOD, "u": ["float64", [5000]]}))
+    assert reply["kind"] == "shape"
+    assert reply["error"].endswith(
+        "field 'u': declares float64[5000] so far, the study's is float64[100, 100] (1-D slices, as Melissa's API "
+        "always sends, join into a 1-D field: give the field's shape as [10000] and reshape it in the training "
+        "module, or declare blocks)"
+    ), reply["error"]
+
+
 def test_configured_layouts_are_pinned_before_any_simulation() -> None:
     handshake = service(layouts={"u": ("float32", (4, 8))})
     reply = ask(handshake, hello(fields={**GOOD, "u": ["float32", [8, 4]]}))

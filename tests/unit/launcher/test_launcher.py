@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -225,10 +226,37 @@ def test_the_tail_keeps_the_programs_last_line_whole_before_what_the_launcher_wr
     tail = launcher.output_tail(3, 1)
     launched = [line for line in ending if line.strip()]
     assert tail.endswith(" | ".join([ERROR, *launched])), tail
-    assert len(tail) == TAIL + len(" | ".join(["", *launched]))  # the program's part cut to TAIL, its lines whole
+    program = tail.removesuffix(" | ".join(["", *launched]))
+    assert program == f"step {TAIL} | {ERROR} | {ERROR}"  # whole lines, as many as TAIL characters hold
+    assert len(program) <= TAIL < len(f"{'x' * 500} | {program}")
     assert program_last_line(tail) == ERROR
     assert program_last_line(" | ".join(launched)) == ""
     assert program_last_line("toy_sim: crashing | slurm: job 12 ended NODE_FAIL, exit code 0:0") == "toy_sim: crashing"
+
+
+def test_a_program_line_longer_than_the_tail_keeps_its_end_from_a_words_start(tmp_path: Path) -> None:
+    launcher = Launcher(LocalScheduler(["true"], tmp_path), 1, tmp_path / "logs")
+    log = log_of(tmp_path, 0)
+    log.parent.mkdir()
+    words = " ".join(f"word{i}" for i in range(200))
+    log.write_text(f"before\n{words}\n")
+    tail = launcher.output_tail(0, 0)
+    assert tail.startswith("... word") and words.endswith(tail.removeprefix("... ")) and len(tail) <= TAIL
+
+
+def test_each_attempts_log_begins_with_its_command_and_environment_which_its_tail_leaves_out(tmp_path: Path) -> None:
+    """To rerun one attempt by hand (issue 57, item 3): where, what it adds to the environment (the token
+    hidden), the command; the failure reason quotes the program only."""
+    code = "import sys; print('failing', file=sys.stderr); sys.exit(1)"
+    launcher = Launcher(LocalScheduler([sys.executable, "-c", code], tmp_path), 1, tmp_path / "logs")
+    launcher.submit(4, 1, {"MELISSA_SIMULATION_ID": "4", "MELISSA_TOKEN": "abcdef", "NOTE": "two words"})
+    assert poll_until(launcher, 1) == [(4, 1)]
+    first = log_of(tmp_path, 4, attempt=1).read_text().splitlines()[0]
+    assert first == (
+        f"melissa_dl: cd {tmp_path} && env MELISSA_SIMULATION_ID=4 MELISSA_TOKEN=<hidden> NOTE='two words' "
+        f"{shlex.join([sys.executable, '-c', code])}"
+    )
+    assert launcher.output_tail(4, 1) == "failing"
 
 
 def test_a_program_that_cannot_run_and_one_that_could_not_start_get_distinct_codes(tmp_path: Path) -> None:
@@ -525,8 +553,9 @@ def test_each_attempt_takes_the_lowest_free_slot_and_a_killed_one_keeps_it_until
     launcher.poll()
 
     def printed(simulation_id: int) -> str:
+        """What the program wrote: the log after its first line, the command."""
         log = log_of(tmp_path, simulation_id)
-        return log.read_text() if log.exists() else ""
+        return log.read_text().partition("\n")[2] if log.exists() else ""
 
     wait_for(lambda: [printed(0), printed(1)] == ["slot 0 0\n", "slot 1 1\n"])
     assert launcher.queued() == [2]

@@ -171,7 +171,9 @@ def test_the_exit_code_of_an_ended_job_comes_from_scontrol(
     assert job.poll() == code and job.started()
     state, exit_code = shown.partition(" ")[0].removeprefix("JobState="), shown.partition("ExitCode=")[2]
     note = f"slurm: job {job.job_id} ended {state}, exit code {exit_code}\n"
-    assert log.read_text() == (note if state in ("TIMEOUT", "NODE_FAIL") else "")
+    command, _, after = log.read_text().partition("\n")
+    assert command.startswith("melissa_dl: cd ") and "sbatch --parsable" in command  # the attempt's first line
+    assert after == (note if state in ("TIMEOUT", "NODE_FAIL") else "")
 
 
 def test_a_job_slurm_forgot_counts_as_lost(tmp_path: Path, fake: FakeSlurm) -> None:

@@ -415,6 +415,8 @@ def test_simulations_that_a_job_wide_stop_ends_are_no_failures_and_run_again_on_
     assert [(sim, attempt) for sim, attempt, _ in h.launcher.submitted] == [(0, 0), (1, 0)]  # 2 not launched
     restored = Harness(simulations=3, max_retries=0, job_limit=1, restored=h.study.state_dict())
     assert sorted((sim, attempt) for sim, attempt, _ in restored.launcher.submitted) == [(0, 1), (1, 1), (2, 0)]
+    said = "relaunched: the server's run ended while attempt 0 ran (a crash, a kill or a stop)"
+    assert [sim.reason for sim in restored.study.simulations] == [said, said, ""]  # 2 never ran: no relaunch
 
 
 def test_a_deterministic_refusal_fails_the_simulation_at_once_without_retry(h: Harness) -> None:
