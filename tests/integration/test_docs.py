@@ -8,7 +8,9 @@ Skipped, with the command that installs them, when the docs extra is missing; un
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +57,17 @@ def test_the_docs_site_builds_strictly_with_every_nav_page(tmp_path: Path) -> No
     assert not missing, f"nav pages not built: {missing}"
     assert (site / "assets" / "figures" / "online_vs_offline.png").is_file()  # served from bench/ by the hook
     assert "melissa_dl.wire.client.Client.send" in (site / "reference" / "python-api" / "index.html").read_text()
+    assert_search_finds(site, "per_server_watermark", "reference/configuration/")
+    assert_search_finds(site, "nb_batches_update", "reference/configuration/")
+    assert_search_finds(site, "melissa_dl_init", "reference/c-fortran-api/")
+
+
+def assert_search_finds(site: Path, query: str, page: str) -> None:
+    """Every word the site's search makes of ``query`` is a word of ``page``'s text (issue 57, item 5): the
+    browser's search splits both with the index's own separator (the text's markup, ``<code>``, apart)."""
+    index = json.loads((site / "search" / "search_index.json").read_text())
+    separator = re.compile(index["config"]["separator"])
+    texts = [re.sub(r"<[^>]*>", " ", doc["text"]) for doc in index["docs"] if doc["location"].startswith(page)]
+    words = {word.lower() for text in texts for word in separator.split(text)}
+    wanted = {word.lower() for word in separator.split(query) if word}
+    assert len(wanted) > 1 and wanted <= words, (query, wanted - words)
