@@ -88,6 +88,7 @@ EXAMPLE = ROOT / "examples" / "heat_pde"
 PICTURE = ROOT / "bench" / "online_vs_offline.png"
 sys.path.insert(0, str(EXAMPLE))  # the surrogate imports solver.py from its folder
 
+from melissa_dl.runtime.metrics import VALIDATION_LOSS  # noqa: E402
 from melissa_dl.runtime.status import EXIT_STOPPED  # noqa: E402
 from melissa_dl.study.plots import read_losses  # noqa: E402
 from melissa_dl.train.module import load_module_class  # noqa: E402
@@ -243,7 +244,7 @@ def run_online(config: Path, args: argparse.Namespace, experiment: Experiment) -
         str(config),
     ]
     launched, stopped = run_for_budget(command, config, args.seconds)
-    _, times, values = read_losses(output / "tensorboard" / "rank0", launched, 1.0)["validation/loss"]
+    _, times, values = read_losses(output / "tensorboard" / "rank0", launched, 1.0)[VALIDATION_LOSS]
     status = json.loads((output / "status.json").read_text())  # the last one before the stop (no report then)
     run = Run(
         "online",

@@ -111,7 +111,8 @@ class Server:
         # the rank's TensorBoard writer (none without training), which the trainer, the study and the stream write
         # through; closed when the run ends, whichever way
         tensorboard = config.output_path / "tensorboard" / f"rank{self.rank}" if config.training is not None else None
-        self.metrics = Metrics(tensorboard, [self.receiver.scalars])
+        about = (json.dumps(config.to_dict(), indent=2), hyperparameters(config)) if self.rank == 0 else None
+        self.metrics = Metrics(tensorboard, [self.receiver.scalars], about)
         self.checkpoints = CheckpointManager(config, comm)
         self.predictions: PredictionServer | None = None  # with serving.online, once the trainer is restored
 
@@ -395,6 +396,20 @@ class Server:
                 bookkeeping.beat()
             code = EXIT_FAILED_SIMULATIONS if report["simulations"]["failed"] else 0
         return self.comm.bcast(code)
+
+
+def hyperparameters(config: Config) -> dict[str, Any]:
+    """What TensorBoard's HParams tab compares runs by: the training section (its options by name) and the
+    buffer's; a value that is not a number, a string or a bool as JSON."""
+    sections = config.to_dict()
+    training = dict(sections.get("training") or {})
+    options = training.pop("options", None) or {}
+    flat = {
+        **{f"training.{key}": value for key, value in training.items()},
+        **{f"options.{key}": value for key, value in options.items()},
+        **{f"buffer.{key}": value for key, value in sections["buffer"].items()},
+    }
+    return {key: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for key, v in flat.items()}
 
 
 def freeze_startup() -> None:

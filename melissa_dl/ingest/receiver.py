@@ -81,6 +81,7 @@ class Receiver(ServerSocketThread):
         self._held_out: list[Sample] = []  # the held-out simulations' samples (``study.validation``): not buffered
         self._blocked = False
         self._last_scalars = (time.monotonic(), 0)  # time, bytes received
+        self._last_waits: tuple[float, float] | None = None  # the buffer's put and get waits (s), restored ones too
 
     @classmethod
     def from_config(
@@ -210,16 +211,20 @@ class Receiver(ServerSocketThread):
                 raise ReceiverDied(f"{thread.name} thread failed: {thread.error!r}") from thread.error
 
     def scalars(self) -> dict[str, float]:
-        """TensorBoard points of the stream: the buffer's fill and waits, the bytes received per second since
-        the last call."""
+        """TensorBoard points of the stream since the last call: the buffer's fill, the share of the time its puts
+        (a full buffer) and its gets (an empty one) waited, the bytes received per second."""
         now, received = time.monotonic(), self._assembler.bytes_received  # one int read: atomic under the GIL
+        waits = self.buffer.put_wait_seconds, self.buffer.get_wait_seconds
         then, before = self._last_scalars
-        self._last_scalars = (now, received)
+        put_before, get_before = self._last_waits or waits  # a restored buffer's waits are not this run's
+        self._last_scalars, self._last_waits = (now, received), waits
+        put_wait, get_wait = waits
+        seconds = max(now - then, 1e-9)
         return {
-            "buffer/size": len(self.buffer),
-            "buffer/put_time": self.buffer.put_wait_seconds,
-            "buffer/get_time": self.buffer.get_wait_seconds,
-            "receive/bytes_per_s": (received - before) / max(now - then, 1e-9),
+            "stream/buffer_samples": len(self.buffer),
+            "stream/put_waiting": (put_wait - put_before) / seconds,
+            "stream/get_waiting": (get_wait - get_before) / seconds,
+            "stream/received_bytes_per_s": (received - before) / seconds,
         }
 
     def _passes(self) -> tuple[int, int] | None:

@@ -20,6 +20,7 @@ matplotlib.use("Agg")  # files only: no display on a compute node
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from melissa_dl.runtime.metrics import TRAIN_LOSS, VALIDATION_LOSS  # noqa: E402
 from melissa_dl.runtime.status import HISTORY, read_history, runs  # noqa: E402
 
 LOSS, INTAKE, BUFFERS, SIMULATIONS = "loss.png", "intake.png", "buffers.png", "simulations.png"
@@ -75,7 +76,7 @@ def time_unit(seconds: float) -> tuple[float, str]:
 
 
 def read_losses(events: Path, start: float, scale: float) -> dict[str, tuple[list[int], list[float], list[float]]]:
-    """``train/loss`` and ``validation/loss`` of rank 0's events: batches, times since the start, values."""
+    """The training and validation losses of rank 0's events: batches, times since the start, values."""
     if not events.is_dir():
         return {}
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -85,7 +86,7 @@ def read_losses(events: Path, start: float, scale: float) -> dict[str, tuple[lis
     tags = set(accumulator.Tags()["scalars"])
     return {
         tag: ([e.step for e in points], [(e.wall_time - start) / scale for e in points], [e.value for e in points])
-        for tag in ("train/loss", "validation/loss")
+        for tag in (TRAIN_LOSS, VALIDATION_LOSS)
         if tag in tags
         for points in [accumulator.Scalars(tag)]
     }
@@ -94,8 +95,8 @@ def read_losses(events: Path, start: float, scale: float) -> dict[str, tuple[lis
 def loss(losses: dict[str, tuple[list[int], list[float], list[float]]], unit: str) -> Figure:
     figure, (by_batch, by_time) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for tag, (batches, times, values) in losses.items():
-        label = "training (rank 0)" if tag == "train/loss" else "validation"
-        style: dict[str, Any] = {"marker": "o", "markersize": 3} if tag == "validation/loss" else {"linewidth": 1}
+        label = "training (rank 0)" if tag == TRAIN_LOSS else "validation"
+        style: dict[str, Any] = {"marker": "o", "markersize": 3} if tag == VALIDATION_LOSS else {"linewidth": 1}
         by_batch.plot(batches, values, label=label, **style)
         by_time.plot(times, values, label=label, **style)
     for axes, xlabel in ((by_batch, "batches"), (by_time, unit)):

@@ -90,6 +90,21 @@ class TrainingModule(nn.Module, ABC):
         outputs = self(**inputs)
         return outputs if isinstance(outputs, Mapping) else {"output": outputs}
 
+    def log(self, name: str, value: float | torch.Tensor) -> None:
+        """Show ``value`` in TensorBoard as ``module/<name>``, from any hook: every ``training.log_interval``
+        batches and after each validation, the mean of what was logged under ``name`` since (each rank its own)."""
+        logged = self.__dict__.setdefault("_logged", {})  # beside nn.Module's attributes: no parameter, no buffer
+        total, count = logged.get(name, (0.0, 0))
+        logged[name] = (total + (value.detach() if isinstance(value, torch.Tensor) else float(value)), count + 1)
+
+    def plot(self, sample: Sample) -> Any:
+        """A matplotlib figure of the model on the held-out ``sample``, shown in TensorBoard after each validation
+        (``validation/prediction``), or None. By default, where ``predict``'s inputs are the sample's parameters,
+        time step or fields, each output named as a 1-D or 2-D field, drawn beside it."""
+        from melissa_dl.train.pictures import prediction_against_truth  # matplotlib: only when drawn
+
+        return prediction_against_truth(self, sample)
+
     def validation_samples(self) -> Sequence[Sample]:
         """Held-out samples for validation; none by default (no validation). With ``training.window``: steps, of
         which every whole window is validated on and every trajectory rolled out."""
@@ -133,6 +148,12 @@ class TrainingModule(nn.Module, ABC):
     def rolls_out(self) -> bool:
         """Whether the module defines ``advance`` or its own ``rollout``."""
         return type(self).advance is not TrainingModule.advance or type(self).rollout is not TrainingModule.rollout
+
+
+def take_logged(module: TrainingModule) -> dict[str, float]:
+    """What the module's ``log`` gathered since the last call, as TensorBoard points: the mean of each name."""
+    logged = module.__dict__.pop("_logged", {})
+    return {f"module/{name}": float(total) / count for name, (total, count) in logged.items()}
 
 
 def check_prediction_inputs(module: TrainingModule) -> None:

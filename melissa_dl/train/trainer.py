@@ -37,12 +37,12 @@ from melissa_dl.config.sections import TrainingConfig
 from melissa_dl.embeddings.table import ShardedEmbedding, set_default_collectives, shard_range
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.collectives import make_collectives
-from melissa_dl.runtime.metrics import Metrics
+from melissa_dl.runtime.metrics import TRAIN_LOSS, VALIDATION_LOSS, Metrics
 from melissa_dl.runtime.mpi import Comm
 from melissa_dl.study.learning import LossLog, Records
 from melissa_dl.train.data_parallel import make_data_parallel
 from melissa_dl.train.dataset import Batch, collate
-from melissa_dl.train.module import TrainingModule, check_prediction_inputs, load_module_class
+from melissa_dl.train.module import TrainingModule, check_prediction_inputs, load_module_class, take_logged
 from melissa_dl.train.rollout import HORIZONS, at_horizons, rollout_errors, trajectories
 
 if TYPE_CHECKING:
@@ -67,6 +67,16 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 _STATM = os.open("/proc/self/statm", os.O_RDONLY)  # opened once: a rank out of descriptors still reads it
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Each parameter group's learning rate, as a scheduler left it: ``training/learning_rate`` (then ``_1``,
+    ``_2`` for the groups after the first)."""
+    return {
+        f"training/learning_rate{f'_{i}' if i else ''}": float(group["lr"])
+        for i, group in enumerate(optimizer.param_groups)
+        if "lr" in group
+    }
 
 
 def rss_megabytes() -> float:
@@ -199,7 +209,7 @@ class Trainer:
         self.summary = TrainingSummary()
         self.rows_updated: int | torch.Tensor = 0  # embedding rows this rank updated since the last TensorBoard point
         self.last_loss: float | None = None  # this rank's training loss at the last TensorBoard point
-        self._last_log = (time.monotonic(), 0)  # time, batches
+        self._last_log = (time.monotonic(), 0, 0)  # time, batches, samples
         self.losses = LossLog() if learning else None  # per sample, for a sampler that learns
         # odd while the optimizers change the module (counted up before and after): a serving replica
         # (``serving.online``) keeps a copy made between two looks that see the same even count, so that training
@@ -299,19 +309,22 @@ class Trainer:
 
     def log_scalars(self, loss: float) -> None:
         now = time.monotonic()
-        then, batches = self._last_log
-        step = self.summary.batches
+        then, batches, samples = self._last_log
+        step, seconds = self.summary.batches, max(now - then, 1e-9)
         values = {
-            "train/loss": loss,
-            "train/batches_per_s": (step - batches) / max(now - then, 1e-9),
-            "memory/rss_mb": rss_megabytes(),
+            TRAIN_LOSS: loss,
+            "training/batches_per_s": (step - batches) / seconds,
+            "training/samples_per_s": (self.summary.samples - samples) / seconds,
+            **learning_rates(self.optimizer),
+            "system/rss_mb": rss_megabytes(),
+            **take_logged(self.module),
         }
         if self.tables:
-            values["embeddings/rows_updated"] = int(self.rows_updated)  # a GPU kernel's count is read here only
+            values["training/rows_updated"] = int(self.rows_updated)  # a GPU kernel's count is read here only
         self.metrics.point(step, values)
         self.rows_updated = 0
         self.last_loss = loss
-        self._last_log = (now, step)
+        self._last_log = (now, step, self.summary.samples)
 
     def status(self) -> dict[str, Any]:
         """Where training stands, for the study's status (``loop.Consumer``): batches, the last losses logged."""
@@ -342,13 +355,23 @@ class Trainer:
         self.comm.Allreduce(MPI.IN_PLACE, totals)
         if self.trajectories:
             self._validate_rollouts()
+        for tag, value in take_logged(self.module).items():  # what its validation hooks logged, each rank its own
+            self.metrics.scalar(tag, value, self.summary.batches)
         if totals[1] == 0:
             return
         loss = totals[0] / totals[1]
         self.summary.validation.append((self.summary.batches, loss))
-        self.metrics.scalar("validation/loss", loss, self.summary.batches)
-        if self.rank == 0:
+        picture = self._picture() if self.rank == 0 or self.tables else None  # a table's lookups: collectives
+        if self.rank == 0:  # the study's loss: one series, not one per rank
+            self.metrics.scalar(VALIDATION_LOSS, loss, self.summary.batches)
+            self.metrics.figure("validation/prediction", lambda: picture, self.summary.batches)
             logger.info("validation loss %.6g after %d batches", loss, self.summary.batches)
+
+    def _picture(self) -> Any:
+        """The module's ``plot`` of a held-out sample (the same one every time), or None."""
+        if self.training.window is not None or not self.validation_set:
+            return None
+        return self.module.plot(self.validation_set[len(self.validation_set) // 2])
 
     def _validate_rollouts(self) -> None:
         """The held-out trajectories rolled out (``train.rollout``), their mean errors at each horizon (a collective:
@@ -362,9 +385,9 @@ class Trainer:
         self.comm.Allreduce(MPI.IN_PLACE, totals)
         found = {h: float(s / n) for h, (s, n) in zip(HORIZONS, totals) if n}
         self.summary.rollout += ((batches, found),)
-        for horizon, error in found.items():
-            self.metrics.scalar(f"validation/rollout_{horizon}", error, batches)
         if self.rank == 0:
+            for horizon, error in found.items():
+                self.metrics.scalar(f"validation/rollout_{horizon}", error, batches)
             said = ", ".join(f"{error:.4g} at {h}" for h, error in found.items())
             logger.info(
                 "rollout error (relative L2, %d trajectories) %s after %d batches",

@@ -43,6 +43,7 @@ from tiny_module import Tiny
 from melissa_dl.checkpoint.serialization import loads
 from melissa_dl.checkpoint.versions import latest_valid
 from melissa_dl.ingest.ledger import Ledger
+from melissa_dl.runtime.metrics import TRAIN_LOSS
 from melissa_dl.runtime.status import EXIT_CONFIG, EXIT_STOPPED, STATUS
 
 pytestmark = pytest.mark.timeout(240)
@@ -117,10 +118,10 @@ def assert_every_step_once(output: Path, ranks: int) -> None:
 
 
 def loss_steps(output: Path, rank: int = 0) -> list[int]:
-    """The batches of the train/loss points TensorBoard shows (after its purge of a dead run's extra points)."""
+    """The batches of the training loss points TensorBoard shows (after its purge of a dead run's extra points)."""
     events = EventAccumulator(str(output / "tensorboard" / f"rank{rank}"))
     events.Reload()
-    return [event.step for event in events.Scalars("train/loss")]
+    return [event.step for event in events.Scalars(TRAIN_LOSS)]
 
 
 def parameters(path: Path) -> dict[str, torch.Tensor]:

@@ -51,8 +51,8 @@ def test_node_features_train_on_both_ranks_and_the_validation_loss_falls(tmp_pat
     for rank in (0, 1):  # each rank owns half of the 1024 node rows and updates them
         events = EventAccumulator(str(output / "tensorboard" / f"rank{rank}"))
         events.Reload()
-        assert "embeddings/rows_updated" in events.Tags()["scalars"], rank
-        assert all(e.value > 0 for e in events.Scalars("embeddings/rows_updated")), rank
+        assert "training/rows_updated" in events.Tags()["scalars"], rank
+        assert all(e.value > 0 for e in events.Scalars("training/rows_updated")), rank
     state = torch.load(output / "model.pt")
     assert state["embedding.shard"].shape == (32 * 32, 16)  # both ranks' rows, gathered
     assert json.loads((output / "model.json").read_text())["batches"] == summary["batches"]

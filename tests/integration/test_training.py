@@ -15,20 +15,22 @@ from support import HERE, TOY_SIM, run_server, study_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from melissa_dl import load_model
+from melissa_dl.runtime.metrics import TRAIN_LOSS, VALIDATION_LOSS
 from melissa_dl.runtime.status import EXIT_FAILED_SIMULATIONS
 from melissa_dl.study.plots import BUFFERS, INTAKE, LOSS, SIMULATIONS
 
 pytestmark = pytest.mark.timeout(180)
 
-SCALARS = {
-    "train/loss",
-    "train/batches_per_s",
-    "buffer/size",
-    "buffer/put_time",
-    "buffer/get_time",
-    "receive/bytes_per_s",
-    "validation/loss",
-    "memory/rss_mb",
+SCALARS = {  # every rank's (the validation loss is rank 0's alone: one series)
+    TRAIN_LOSS,
+    "training/batches_per_s",
+    "training/samples_per_s",
+    "training/learning_rate",
+    "stream/buffer_samples",
+    "stream/put_waiting",
+    "stream/get_waiting",
+    "stream/received_bytes_per_s",
+    "system/rss_mb",
 }
 
 
@@ -42,6 +44,39 @@ def training(**options: object) -> dict:
         "log_interval": 1,
         "device": "cpu",
     }
+
+
+def test_tensorboard_shows_the_modules_own_scalar_the_learning_rate_one_validation_series_and_a_picture(
+    tmp_path: Path, output: Path
+) -> None:
+    """What ML users look for first (issue 57, item 1), in the event files of a 2-rank study."""
+    config = study_config(
+        output,
+        [sys.executable, TOY_SIM, "--steps", "20"],
+        study={"time_steps": 20},
+        buffer={"kind": "reservoir", "capacity_samples": 40, "per_server_watermark": 8},
+    )
+    config["training"] = {**training(), "class_name": "Pictured"}
+    run = run_server(tmp_path, config, ranks=2)
+    assert run.code == 0, run.log
+    assert run.report is not None
+    validated = [batches for batches, _ in run.report["training"]["validation"]]
+    events = []
+    for rank in (0, 1):
+        events.append(EventAccumulator(str(output / "tensorboard" / f"rank{rank}"), size_guidance={"images": 0}))
+        events[rank].Reload()
+        scalars = set(events[rank].Tags()["scalars"])
+        assert {"module/target_mean", "training/learning_rate"} <= scalars, (rank, scalars)
+        assert [e.value for e in events[rank].Scalars("training/learning_rate")] == pytest.approx([1e-2] * len(
+            events[rank].Scalars("training/learning_rate")))  # fmt: skip
+        assert all(0 <= e.value < 4 for e in events[rank].Scalars("module/target_mean"))  # toy_sim's field / 1000
+    assert [e.step for e in events[0].Scalars(VALIDATION_LOSS)] == validated  # one series: rank 0's
+    assert VALIDATION_LOSS not in events[1].Tags()["scalars"]
+    pictures = events[0].Images("validation/prediction")
+    assert [p.step for p in pictures] == validated and pictures[-1].width > 300, pictures[-1]
+    assert "validation/prediction" not in events[1].Tags()["images"]
+    assert "config/text_summary" in events[0].Tags()["tensors"]  # the configuration, as text
+    assert "_hparams_/session_start_info" in events[0].PluginTagToContent("hparams")  # and its hyperparameters
 
 
 def stopped_at(output: Path, rank: int) -> int:
@@ -69,6 +104,7 @@ def test_training_logs_every_scalar_on_every_rank_and_saves_the_model(tmp_path: 
         events = EventAccumulator(str(output / "tensorboard" / f"rank{rank}"))
         events.Reload()
         assert SCALARS <= set(events.Tags()["scalars"]), rank
+        assert (VALIDATION_LOSS in events.Tags()["scalars"]) == (rank == 0), rank
     state = torch.load(output / "model.pt")
     assert set(state) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
     assert (output / "config.json").exists()

@@ -104,3 +104,18 @@ class StudyValidated(Tiny):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
+
+
+class Pictured(Tiny):
+    """Tiny, asked as a surrogate is (``parameters`` and ``time_step`` in, the 4 x 8 ``field`` out), logging
+    its targets' mean from every step: what TensorBoard shows of a module."""
+
+    prediction_inputs = {"parameters": ("float64", (2,)), "time_step": ("int64", ())}
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.log("target_mean", batch[1].mean())
+        return super().training_step(batch)
+
+    def predict(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = torch.cat([inputs["parameters"].float(), inputs["time_step"].float()[:, None] / 10], 1)
+        return {"field": self.net(x).reshape(-1, 4, 8) * 1000}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402
@@ -56,18 +58,28 @@ def test_every_source_is_read_with_each_training_point(tmp_path: Path) -> None:
     assert steps(events, "receive/bytes_per_s") == [(1, 7.0), (2, 7.0)]
 
 
-def test_a_resumed_run_replaces_what_the_dead_one_logged_after_its_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("torn", [False, True])
+def test_a_resumed_run_replaces_what_the_dead_one_logged_after_its_checkpoint_without_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, torn: bool
+) -> None:
+    """TensorBoard dropped the dead run's late points itself, warning "Detected out of order event.step likely
+    caused by a TensorFlow restart" at every load (issue 57, item 1); a killed writer may leave a torn record."""
     dead = Metrics(tmp_path)
     dead.open(purge_step=1)
     for step in range(1, 6):
         dead.scalar("train/loss", float(step), step)
     dead.close()
+    if torn:
+        (events,) = tmp_path.glob("*tfevents*")
+        events.write_bytes(events.read_bytes()[:-5])  # the last point, cut
     resumed = Metrics(tmp_path)
     resumed.open(purge_step=4)  # its checkpoint was taken after batch 3
     for step in range(4, 7):
         resumed.scalar("train/loss", 10.0 * step, step)
     resumed.close()
+    caplog.set_level(logging.WARNING)
     assert steps(read(tmp_path), "train/loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_a_rank_that_does_not_train_writes_and_keeps_nothing(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import matplotlib.image
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
+from melissa_dl.runtime.metrics import TRAIN_LOSS, VALIDATION_LOSS
 from melissa_dl.runtime.status import HISTORY
 from melissa_dl.study.plots import (
     BUFFERS,
@@ -54,9 +55,9 @@ def study_output(tmp_path: Path, trained: bool) -> Path:
     if trained:
         writer = SummaryWriter(str(tmp_path / "tensorboard" / "rank0"))
         for batch in range(0, 60, 10):
-            writer.add_scalar("train/loss", 1.0 / (batch + 1), batch, walltime=START + 1 + batch / 20)
+            writer.add_scalar(TRAIN_LOSS, 1.0 / (batch + 1), batch, walltime=START + 1 + batch / 20)
         for batch in (0, 30, 60):
-            writer.add_scalar("validation/loss", 2.0 / (batch + 1), batch, walltime=START + 1 + batch / 20)
+            writer.add_scalar(VALIDATION_LOSS, 2.0 / (batch + 1), batch, walltime=START + 1 + batch / 20)
         writer.close()
     return tmp_path
 
@@ -78,8 +79,8 @@ def test_the_figures_hold_the_curves_with_labelled_axes(tmp_path: Path) -> None:
     output = study_output(tmp_path, trained=True)
     history = [json.loads(line) for line in (output / HISTORY).read_text().splitlines()]
     losses = read_losses(output / "tensorboard" / "rank0", START, 1.0)
-    assert losses["train/loss"][0] == [0, 10, 20, 30, 40, 50]
-    assert losses["validation/loss"][1] == pytest.approx([1.0, 2.5, 4.0])  # seconds since the start
+    assert losses[TRAIN_LOSS][0] == [0, 10, 20, 30, 40, 50]
+    assert losses[VALIDATION_LOSS][1] == pytest.approx([1.0, 2.5, 4.0])  # seconds since the start
     by_batch, by_time = loss(losses, "wall time (s)").axes
     assert (by_batch.get_xlabel(), by_batch.get_ylabel(), by_time.get_xlabel()) == ("batches", "loss", "wall time (s)")
     assert [list(line.get_ydata()) for line in by_batch.get_lines()][1] == pytest.approx([2.0, 2.0 / 31, 2.0 / 61])
