@@ -3,7 +3,7 @@ the sample's own fields (``TrainingModule.plot``).
 
 A module's ``prediction_inputs`` are taken from the sample by name (``parameters``, ``time_step`` or a field's
 name); each output named as a field of one or two dimensions and of its shape is drawn: a 1-D field as two curves,
-a 2-D one as three images (truth, prediction, their difference) on the truth's colour scale.
+a 2-D one as three images: truth and prediction on the truth's colour scale, their difference on one centred on 0.
 """
 
 from __future__ import annotations
@@ -73,12 +73,13 @@ def _draw(pairs: list[tuple[str, np.ndarray, np.ndarray]], sample: Sample) -> Fi
             axes.plot(predicted, label="prediction", linestyle="--")
             axes.legend()
             continue
-        low, high = float(truth.min()), float(truth.max())
-        for axes, (title, image) in zip(
-            row.subplots(1, 3), [("truth", truth), ("prediction", predicted), ("prediction - truth", predicted - truth)]
-        ):
-            kind: dict[str, Any] = {"vmin": low, "vmax": high} if title != "prediction - truth" else {"cmap": "RdBu"}
-            row.colorbar(axes.imshow(image, **kind), ax=axes)
+        difference = predicted - truth
+        largest = float(np.abs(difference).max()) or 1.0
+        scales: list[dict[str, Any]] = [{"vmin": float(truth.min()), "vmax": float(truth.max())}] * 2
+        scales.append({"vmin": -largest, "vmax": largest, "cmap": "RdBu_r"})  # white: no error
+        images = [("truth", truth), ("prediction", predicted), ("prediction - truth", difference)]
+        for axes, (title, image), scale in zip(row.subplots(1, 3), images, scales):
+            row.colorbar(axes.imshow(image, **scale), ax=axes)
             axes.set_title(title)
             axes.set_axis_off()
     return figure

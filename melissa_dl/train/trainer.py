@@ -368,10 +368,12 @@ class Trainer:
             logger.info("validation loss %.6g after %d batches", loss, self.summary.batches)
 
     def _picture(self) -> Any:
-        """The module's ``plot`` of a held-out sample (the same one every time), or None."""
+        """The module's ``plot`` of a held-out sample, or None: the same one every time, halfway through the
+        first held-out simulation's steps that this rank holds."""
         if self.training.window is not None or not self.validation_set:
             return None
-        return self.module.plot(self.validation_set[len(self.validation_set) // 2])
+        first = [s for s in self.validation_set if s.simulation_id == self.validation_set[0].simulation_id]
+        return self.module.plot(first[len(first) // 2])
 
     def _validate_rollouts(self) -> None:
         """The held-out trajectories rolled out (``train.rollout``), their mean errors at each horizon (a collective:
