@@ -352,8 +352,14 @@ class Server:
         study = self.config.study
         expected = study.all_simulations * study.time_steps if study.time_steps is not None else None
         assert handshake is not None
+        buffer = self.config.buffer
         return StatusBoard(
-            self.config.output_path, self.config.server.status_interval, start, expected, handshake.rejections.counts
+            self.config.output_path,
+            self.config.server.status_interval,
+            start,
+            expected,
+            handshake.rejections.counts,
+            {"capacity_samples": buffer.capacity_samples, "watermark": buffer.per_server_watermark},
         )
 
     def _report(self, trainer: Trainer | None, bookkeeping: Bookkeeping, consumer: Consumer, duration: float) -> int:

@@ -643,7 +643,7 @@ class Config:
     plots: bool = option(
         True,
         doc="Rank 0 draws the study's PNGs (loss, intake, buffers, simulations) into the output folder when it "
-        "ends, about a second of one core; `melissa-server --plot OUTPUT_DIR` draws them at any time.",
+        "ends, 1.4-1.6 s of one core for the demo's; `melissa-server --plot OUTPUT_DIR` draws them at any time.",
     )
     base_dir: Path = field(default=Path("."), metadata={"internal": True})
 

@@ -9,6 +9,8 @@ TensorBoard stays the place for live curves; these are the record.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from melissa_dl.runtime.metrics import TRAIN_LOSS, VALIDATION_LOSS  # noqa: E402
 from melissa_dl.runtime.status import HISTORY, read_history, runs  # noqa: E402
 
 LOSS, INTAKE, BUFFERS, SIMULATIONS = "loss.png", "intake.png", "buffers.png", "simulations.png"
+SMOOTHING = 5  # status intervals a rate on intake.png is averaged over
 STATES = ("done", "running", "queued", "failed")
 
 
@@ -34,6 +37,8 @@ def draw(output: Path) -> list[Path]:
         raise FileNotFoundError(f"{output / HISTORY} is empty")
     start = history[0]["updated"] - history[0]["elapsed_s"]
     scale, unit = time_unit(history[-1]["updated"] - start)
+    unit += f" since the server started, {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(start))}"
+    restarts = [(run[0]["updated"] - run[0]["elapsed_s"] - start) / scale for run in runs(history)[1:]]
     times, history = with_restarts_apart(history, start, scale)
     figures = {
         INTAKE: intake(times, unit, history),
@@ -42,9 +47,11 @@ def draw(output: Path) -> list[Path]:
     }
     losses = read_losses(output / "tensorboard" / "rank0", start, scale)
     if losses:
-        figures[LOSS] = loss(losses, unit)
+        figures[LOSS] = loss(losses, unit, restarts)
+    study = f"{output.resolve().parent.name}/{output.name}"
     paths = []
     for name, figure in figures.items():
+        figure.suptitle(f"{study}: {figure.get_suptitle()}")
         figure.savefig(output / name, dpi=100)
         plt.close(figure)
         paths.append(output / name)
@@ -92,13 +99,19 @@ def read_losses(events: Path, start: float, scale: float) -> dict[str, tuple[lis
     }
 
 
-def loss(losses: dict[str, tuple[list[int], list[float], list[float]]], unit: str) -> Figure:
+def loss(
+    losses: dict[str, tuple[list[int], list[float], list[float]]], unit: str, restarts: Sequence[float] = ()
+) -> Figure:
+    """Against batches and against time, each line broken where a restarted run took over (``restarts``: its
+    start, in the time axis' unit)."""
     figure, (by_batch, by_time) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for tag, (batches, times, values) in losses.items():
         label = "training (rank 0)" if tag == TRAIN_LOSS else "validation"
         style: dict[str, Any] = {"marker": "o", "markersize": 3} if tag == VALIDATION_LOSS else {"linewidth": 1}
-        by_batch.plot(batches, values, label=label, **style)
-        by_time.plot(times, values, label=label, **style)
+        breaks = np.flatnonzero(np.diff(np.searchsorted(restarts, times))) + 1  # where another run's points begin
+        apart = [np.insert(np.asarray(v, float), breaks, np.nan) for v in (batches, times, values)]
+        by_batch.plot(apart[0], apart[2], label=label, **style)
+        by_time.plot(apart[1], apart[2], label=label, **style)
     for axes, xlabel in ((by_batch, "batches"), (by_time, unit)):
         axes.set(xlabel=xlabel, ylabel="loss", yscale="log")
         axes.grid(True, which="both", alpha=0.3)
@@ -108,29 +121,51 @@ def loss(losses: dict[str, tuple[list[int], list[float], list[float]]], unit: st
 
 
 def intake(times: list[float], unit: str, history: list[dict[str, Any]]) -> Figure:
-    """Samples received and consumed, each on its own axis (a sample may be consumed many times); the training's
-    and the data's rates, each on its own axis (batches/s and kB/s differ by orders of magnitude)."""
-    figure, (samples, batches) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    consumed, data = samples.twinx(), batches.twinx()
-    samples.plot(times, [h["samples"]["received"] for h in history], color="tab:blue", label="received")
-    consumed.plot(times, [h["samples"]["consumed"] for h in history], color="tab:orange", label="consumed (all ranks)")
-    samples.set(xlabel=unit, ylabel="samples received", title="Samples")
-    consumed.set(ylabel="samples consumed")
-    trained = [(m, h["training"]["batches_per_s"]) for m, h in zip(times, history) if h["training"]]
-    if trained:
-        batches.plot(*zip(*trained), color="tab:green", label="training batches/s")
-    data.plot(times, [h["MB_per_s"] * 1000 for h in history], color="tab:red", label="received kB/s")
-    batches.set(xlabel=unit, ylabel="batches/s", title="Rates over each status interval")
-    data.set(ylabel="kB/s received")
-    for left, right in ((samples, consumed), (batches, data)):
-        left.grid(True, alpha=0.3)
-        lines = left.get_lines() + right.get_lines()
-        left.legend(lines, [line.get_label() for line in lines], loc="upper left")
+    """One panel per quantity: samples received, samples consumed (a sample may be consumed many times), and the
+    data's and the training's rates, each the mean over ``SMOOTHING`` status intervals (one interval's rate
+    swings between 0 and its peak as the simulations' steps arrive in bursts)."""
+    figure, panels = plt.subplots(2, 2, figsize=(11, 6.5), constrained_layout=True, sharex=True)
+    received = [h["samples"]["received"] for h in history]
+    consumed = [h["samples"]["consumed"] for h in history]
+    data = smoothed([h["MB_per_s"] * 1000 for h in history], times)
+    trained = smoothed([h["training"]["batches_per_s"] if h["training"] else float("nan") for h in history], times)
+    for axes, values, color, title in (
+        (panels[0, 0], received, "tab:blue", "samples received"),
+        (panels[0, 1], consumed, "tab:orange", "samples consumed (all ranks)"),
+        (panels[1, 0], data, "tab:red", f"kB/s received (mean of {SMOOTHING} status intervals)"),
+        (panels[1, 1], trained, "tab:green", f"training batches/s (mean of {SMOOTHING} status intervals)"),
+    ):
+        axes.plot(times, values, color=color)
+        axes.set(title=title)
+        axes.grid(True, alpha=0.3)
+    for axes in panels[1]:
+        axes.set(xlabel=unit)
+    figure.suptitle("Intake")
     return figure
 
 
+def smoothed(values: list[float], times: list[float]) -> list[float]:
+    """The mean of each value and the ``SMOOTHING`` - 1 before it, within its run (a NaN time, a restart, starts
+    another; a NaN value is left out, and stays NaN)."""
+    out, first = [], 0
+    for i, (value, when) in enumerate(zip(values, times)):
+        if np.isnan(when):
+            first = i + 1
+        window = [v for v in values[max(first, i - SMOOTHING + 1) : i + 1] if not np.isnan(v)]
+        out.append(float(np.mean(window)) if window and not np.isnan(value) else float("nan"))
+    return out
+
+
 def buffers(times: list[float], unit: str, history: list[dict[str, Any]]) -> Figure:
+    """Each rank's fill, against a rank's capacity (in samples) and its watermark, the fill a rank trains from."""
     figure, axes = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    limits = history[-1].get("buffer_limits") or {}
+    for name, value, style in (
+        ("capacity", limits.get("capacity_samples"), "-"),
+        ("watermark", limits.get("watermark"), ":"),
+    ):
+        if value is not None:
+            axes.axhline(value, color="black", linestyle=style, linewidth=1, label=f"{name} ({value})")
     for rank in range(max(len(h["buffers"]) for h in history)):  # a restart may change the number of ranks
         fill = [h["buffers"][rank] if rank < len(h["buffers"]) else float("nan") for h in history]
         axes.plot(
@@ -141,7 +176,8 @@ def buffers(times: list[float], unit: str, history: list[dict[str, Any]]) -> Fig
             markersize=3,  # styles: equal fills stay visible
             linestyle=("-", "--", ":", "-.")[rank % 4],
         )
-    axes.set(xlabel=unit, ylabel="samples held", title="Buffer fill per rank")
+    axes.set(xlabel=unit, ylabel="samples held")
+    figure.suptitle("Buffer fill per rank")
     axes.grid(True, alpha=0.3)
     axes.legend()
     return figure
@@ -156,9 +192,8 @@ def simulations(times: list[float], unit: str, history: list[dict[str, Any]]) ->
         colors=("tab:green", "tab:blue", "tab:gray", "tab:red"),
         alpha=0.8,
     )
-    axes.set(
-        xlabel=unit, ylabel="simulations", title="Simulations by state", ylim=(0, history[0]["simulations"]["total"])
-    )
+    axes.set(xlabel=unit, ylabel="simulations", ylim=(0, history[0]["simulations"]["total"]))
+    figure.suptitle("Simulations by state")
     axes.grid(True, alpha=0.3)
     axes.legend(loc="upper left")
     return figure

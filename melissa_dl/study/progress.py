@@ -41,9 +41,11 @@ class StatusBoard:
         start: float,
         expected_samples: int | None,
         refusals: Callable[[], dict[str, int]] = dict,
+        buffer_limits: dict[str, int | None] | None = None,
     ) -> None:
         self.output = output
         self.refusals = refusals  # of what is not a rank's receiver: the handshake socket's
+        self.buffer_limits = buffer_limits  # a rank's capacity in samples and watermark, which buffers.png draws
         self.interval = interval
         self.start = start
         self.expected_samples = expected_samples
@@ -124,6 +126,7 @@ class StatusBoard:
             "samples": {"received": received, "expected": self.expected_samples, "consumed": consumed},
             "MB_per_s": round((nbytes - bytes_then) / interval / MB, 6),  # kB/s of small fields kept
             "buffers": [r.buffer_size for r in reports],
+            "buffer_limits": self.buffer_limits,
             "refused": merge_rejections([*(r.rejected for r in reports), self.refusals()]),
             "training": None
             if training is None

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import matplotlib.image
 import pytest
+from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 
 from melissa_dl.runtime.metrics import TRAIN_LOSS, VALIDATION_LOSS
@@ -17,12 +19,14 @@ from melissa_dl.study.plots import (
     INTAKE,
     LOSS,
     SIMULATIONS,
+    SMOOTHING,
     buffers,
     draw,
     intake,
     loss,
     read_losses,
     simulations,
+    smoothed,
     with_restarts_apart,
 )
 
@@ -114,9 +118,53 @@ def test_a_restart_breaks_the_lines_and_received_and_consumed_have_their_own_axe
     times, history = with_restarts_apart(before + after, START, 1.0)
     assert times[:2] == [1.0, 2.0] and math.isnan(times[2]) and times[3:] == [101.0, 102.0]
     assert [h["samples"]["received"] for h in history] == [10, 20, 20, 20, 30]
-    samples, rates, consumed, data = intake(times, "wall time (s)", history).axes
-    assert [line.get_label() for line in samples.get_lines()] == ["received"]
-    assert [line.get_label() for line in consumed.get_lines()] == ["consumed (all ranks)"]
+    samples, consumed, data, rates = intake(times, "wall time (s)", history).axes  # a panel per quantity
+    assert [axes.get_title() for axes in (samples, consumed)] == ["samples received", "samples consumed (all ranks)"]
     assert consumed.get_ylim()[1] > 10 * samples.get_ylim()[1]
-    assert [line.get_label() for line in data.get_lines()] == ["received kB/s"]
+    assert data.get_title() == f"kB/s received (mean of {SMOOTHING} status intervals)"
     assert list(data.get_lines()[0].get_ydata())[0] == 1500.0  # 1.5 MB/s
+    assert math.isnan(list(rates.get_lines()[0].get_xdata())[2])  # the restart's gap
+
+
+def test_rates_are_the_mean_of_the_last_status_intervals_and_a_restart_breaks_the_loss_lines() -> None:
+    """One interval's rate swung between 0 and its peak; the wall-time panel of the loss drew a straight line
+    across a restart (issue 57, item 4)."""
+    times = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, float("nan"), 21.0, 22.0]  # a restart after 6 s
+    values = [0.0, 10.0, 0.0, 10.0, 0.0, 10.0, 10.0, 4.0, float("nan")]
+    assert smoothed(values, times) == pytest.approx(
+        [0.0, 5.0, 10 / 3, 5.0, 4.0, 6.0, float("nan"), 4.0, float("nan")], nan_ok=True
+    )  # a window of 5 (fewer at first and after the restart); a value missing stays so
+    losses = {TRAIN_LOSS: ([10, 20, 30, 40], [1.0, 2.0, 11.0, 12.0], [0.4, 0.3, 0.2, 0.1])}
+    by_batch, by_time = loss(losses, "wall time (s)", restarts=[10.0]).axes
+    assert list(by_time.get_lines()[0].get_xdata()) == pytest.approx([1.0, 2.0, float("nan"), 11.0, 12.0], nan_ok=True)
+    assert list(by_batch.get_lines()[0].get_xdata()) == pytest.approx([10, 20, float("nan"), 30, 40], nan_ok=True)
+
+
+def test_the_buffers_show_a_ranks_capacity_and_watermark_and_every_figure_its_study_and_time_origin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    output = study_output(tmp_path, trained=True)
+    history = [json.loads(line) for line in (output / HISTORY).read_text().splitlines()]
+    history[-1]["buffer_limits"] = {"capacity_samples": 40, "watermark": 8}
+    (axes,) = buffers([1, 2, 3], "wall time (s)", history).axes
+    assert [text.get_text() for text in axes.get_legend().get_texts()] == [
+        "capacity (40)",
+        "watermark (8)",
+        "rank 0",
+        "rank 1",
+    ]
+    saved: dict[str, tuple[str, str]] = {}  # file name: the figure's title, its last panel's x label
+
+    def save(figure: Figure, path: Path, **options: object) -> None:
+        saved[Path(path).name] = (figure.get_suptitle(), figure.axes[-1].get_xlabel())
+
+    monkeypatch.setattr(Figure, "savefig", save)
+    draw(output)
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(START))
+    study = f"{output.resolve().parent.name}/{output.name}"
+    assert saved == {
+        INTAKE: (f"{study}: Intake", f"wall time (s) since the server started, {started}"),
+        BUFFERS: (f"{study}: Buffer fill per rank", f"wall time (s) since the server started, {started}"),
+        SIMULATIONS: (f"{study}: Simulations by state", f"wall time (s) since the server started, {started}"),
+        LOSS: (f"{study}: Loss", f"wall time (s) since the server started, {started}"),
+    }
