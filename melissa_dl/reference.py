@@ -75,23 +75,70 @@ def _sections(tp: Any) -> Iterator[tuple[str, type]]:
             yield ".<name>", typing.get_args(arm)[1]
 
 
-def rows(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
-    """``(key, type, default, meaning)`` of every option; a section's options, not the section itself."""
+Row = tuple[str, str, str, str]
+
+
+def _entries(cls: type, prefix: str) -> tuple[list[Row], list[tuple[str, str, type]]]:
+    """A section's rows (its list items' and objects' options among them) and its subsections, ``(key, doc,
+    class)``: an option whose value is a section (``launcher.slurm``, ``study.adaptive``) has no row."""
+    own: list[Row] = []
+    subsections: list[tuple[str, str, type]] = []
     for f, tp, doc in _fields(cls):
         key = f"{prefix}{f.name}"
-        sections = list(_sections(tp))
-        if not any(suffix == "" for suffix, _ in sections):
+        inner = list(_sections(tp))
+        if not any(suffix == "" for suffix, _ in inner):
             default = _default(f)
             shown = "required" if default is dataclasses.MISSING else f"`{json.dumps(default)}`"
-            yield key, re.sub(r"\ban? ", "", type_name(tp)), shown, doc
-        for suffix, section in sections:
-            yield from rows(section, f"{key}{suffix}.")
+            own.append((key, re.sub(r"\ban? ", "", type_name(tp)), shown, doc))
+        for suffix, section in inner:
+            if suffix == "":
+                subsections.append((key, doc, section))
+            else:
+                own += rows(section, f"{key}{suffix}.")
+    return own, subsections
+
+
+def rows(cls: type = Config, prefix: str = "") -> Iterator[Row]:
+    """``(key, type, default, meaning)`` of every option; a section's options, not the section itself."""
+    own, subsections = _entries(cls, prefix)
+    yield from own
+    for key, _, section in subsections:
+        yield from rows(section, f"{key}.")
+
+
+def sections(cls: type = Config, key: str = "", doc: str = "") -> Iterator[tuple[str, str, list[Row]]]:
+    """``(key, doc, rows)`` of a section, then of each of its subsections, depth first; the top-level keys (key
+    ``""``) come after the top-level sections."""
+    own, subsections = _entries(cls, f"{key}." if key else "")
+    if key:
+        yield key, doc, own
+    for sub_key, sub_doc, section in subsections:
+        yield from sections(section, sub_key, sub_doc)
+    if not key:
+        yield key, "The keys outside every section.", own
+
+
+def anchor(key: str) -> str:
+    """The id of an option's row or a section's heading on the configuration page: the key, dots to dashes, the
+    ``[]`` of a list's items and the ``<>`` of an object's names dropped (``buffer-per_server_watermark``,
+    ``study-parameters-low``, ``launcher-slurm``); the top-level keys' heading is ``top-level-keys``."""
+    return re.sub(r"[^\w.-]", "", key).replace(".", "-") or "top-level-keys"
 
 
 def table() -> str:
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    lines += [f"| `{key}` | {kind} | {default} | {_linked(doc)} |" for key, kind, default, doc in rows()]
-    return "\n".join(lines)
+    """A heading per section (its doc below it) and a table of its options, each row with its anchor."""
+    parts = []
+    for key, doc, own in sections():
+        title = f"`{key}`" if key else "Top-level keys"
+        parts.append(f"{'#' * (key.count('.') + 2)} {title} {{#{anchor(key)}}}\n\n{_linked(doc)}")
+        if own:
+            lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+            lines += [
+                f'| <a id="{anchor(k)}"></a>[`{k}`](#{anchor(k)}) | {kind} | {default} | {_linked(meaning)} |'
+                for k, kind, default, meaning in own
+            ]
+            parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def _linked(doc: str) -> str:

@@ -41,6 +41,29 @@ def test_every_option_has_a_row_with_its_default() -> None:
     assert "launcher.slurm" not in rows and "training" not in rows  # sections: their options only
 
 
+def test_every_key_has_its_anchor_and_every_section_its_heading() -> None:
+    """Issue 57, item 5: a link such as configuration.md#buffer-per_server_watermark lands on that key's row."""
+    page = reference.CONFIGURATION.read_text()
+    keys = [key for key, *_ in reference.rows()]
+    ids = [reference.anchor(key) for key in keys]
+    assert len(set(ids)) == len(ids) == len(keys) > 70
+    for key in keys:
+        row = f'| <a id="{reference.anchor(key)}"></a>[`{key}`](#{reference.anchor(key)}) |'
+        assert sum(line.startswith(row) for line in page.splitlines()) == 1, key
+    assert reference.anchor("buffer.per_server_watermark") == "buffer-per_server_watermark"
+    assert reference.anchor("study.parameters[].low") == "study-parameters-low"
+    assert reference.anchor("study.fields.<name>.dtype") == "study-fields-name-dtype"
+    sections = [key for key, _, _ in reference.sections()]
+    wanted = ["study", "launcher", "server", "buffer", "training", "checkpoint", "serving", ""]
+    assert [key for key in sections if "." not in key] == wanted
+    assert {"launcher.slurm", "launcher.srun", "study.adaptive", "training.window"} <= set(sections)
+    for key in sections:
+        heading = f"{'#' * (key.count('.') + 2)} {f'`{key}`' if key else 'Top-level keys'} {{#{reference.anchor(key)}}}"
+        assert heading in page.splitlines(), heading
+    assert not set(map(reference.anchor, sections)) & set(ids)  # a heading's id is no row's
+    assert sorted(key for _, _, own in reference.sections() for key, *_ in own) == sorted(keys)  # each key once
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_the_example_configs_pass_the_schema_and_the_loader(path: Path) -> None:
     data = json.loads(path.read_text())
