@@ -409,7 +409,50 @@ class _Predictor:
 
 
 class Client:
-    """One client rank's connection to the server for one simulation."""
+    """One client rank's connection to the server for one simulation: what a simulation streams its fields with.
+
+    The constructor reads what the launcher put in the environment (this simulation's id, attempt and parameters,
+    the server's endpoint, the study's token and security level), handshakes with server rank 0, connects to every
+    server rank and declares the fields there; it returns once the server has admitted this client. Use it as a
+    context manager: leaving the ``with`` block normally calls ``finalize``; leaving it with an exception calls only
+    ``close``, so that the attempt does not count and the study runs the simulation again. A persistent worker gets
+    its clients from ``Client.simulations`` instead.
+
+    ```python
+    with Client({"temperature": ("float32", (nx, ny))}) as client:
+        solver = MySolver(*client.parameters)
+        for t in range(steps):
+            client.send("temperature", t, solver.step())
+    ```
+
+    :param fields: every field of ``study.fields``, by name: ``(dtype, shape)``, the dtype (float16/32/64,
+        int8/16/32/64, uint8) and the shape of this rank's slice, or ``(dtype, shape, Block(start, global_shape))``
+        for this rank's block of a field split in blocks. Every rank declares every field of the study.
+    :param comm: the mpi4py communicator of an MPI-parallel simulation, of ``launcher.client_ranks`` ranks: each rank
+        sends its own slice (the server stacks them along axis 0 in rank order) or its block. None: one process.
+    :param environ: the launcher's variables, where they are not ``os.environ`` (a test, a wrapper that sets them).
+    :raises ClientError: a variable the launcher sets is missing or out of its bounds (a simulation started by hand,
+        not by melissa-server's launcher), or a field's third element is not a ``Block`` of integers.
+    :raises HandshakeRefused: the server refused this client, and the message says why: credentials that are not the
+        study's (a stale environment, another study's server), a field the study does not have or one it lacks, a
+        dtype or shape that is not the study's, blocks that overlap or leave a gap, a ``comm`` whose size is not
+        ``launcher.client_ranks``, an attempt that is no longer the running one.
+    :raises ServerUnreachable: the handshake got no answer within ``launcher.client_timeout`` seconds.
+    :ivar simulation_id: this simulation's index in the study, from 0 (``MELISSA_SIMULATION_ID``).
+    :vartype simulation_id: int
+    :ivar attempt: which launch of this simulation this is: 0 on the first, 1 on its first relaunch, ...
+        (``MELISSA_ATTEMPT``).
+    :vartype attempt: int
+    :ivar parameters: this simulation's parameter set, a float64 array in the order of ``study.parameters``
+        (``MELISSA_PARAMETERS``).
+    :vartype parameters: np.ndarray
+    :ivar named_parameters: the same parameters by the names ``study.parameters`` gives them
+        (``client.named_parameters["diffusivity"]``); empty where the launcher passes no names.
+    :ivar rank: this process's rank in ``comm``; 0 without one.
+    :vartype rank: int
+    :ivar size: the number of ranks of ``comm``; 1 without one.
+    :vartype size: int
+    """
 
     def __init__(
         self,
@@ -424,7 +467,6 @@ class Client:
         self.parameters = np.asarray(json.loads(_require(env, ENV_PARAMETERS)), dtype=np.float64)
         names = json.loads(env.get(ENV_PARAMETER_NAMES, "[]"))
         self.named_parameters: dict[str, float] = dict(zip(names, self.parameters.tolist()))
-        """The parameters by the names ``study.parameters`` gives them (``parameters`` in that order)."""
         self._timeout = _number(env, ENV_CLIENT_TIMEOUT, 300, CLIENT_TIMEOUT_RANGE)
         queue_bytes = int(_number(env, ENV_SEND_QUEUE_BYTES, 64 << 20, SEND_QUEUE_BYTES_RANGE, integer=True))
         self.rank, self.size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
@@ -560,7 +602,25 @@ class Client:
         self._sent[rank] += 1
 
     def send(self, field: str, time_step: int, array: Any) -> None:
-        """Send this rank's slice of ``field`` at ``time_step`` (an integer index >= 0)."""
+        """Send this rank's slice (or block) of ``field`` at ``time_step`` to the server rank that holds that step.
+
+        ``array`` is copied into ZeroMQ's send queue before ``send`` returns, so the simulation may overwrite it at
+        once. Any memory layout is taken (a view without the halo, a Fortran-ordered array): its values are sent in
+        C order. When the queue is full (the server's buffer is full: back-pressure), ``send`` blocks for as long as
+        the server rank lives, however long that is; nothing is lost and nothing times out. Only a rank that has been
+        unreachable (no connection, no answer to the client's questions) for ``launcher.client_timeout`` seconds
+        ends the wait, noticed within a second.
+
+        :param field: a field name declared to the constructor.
+        :param time_step: the step's index, an integer in ``[0, 2**32)``: 0, 1, 2, ...
+        :param array: the data, of the dtype and shape declared for ``field`` exactly: nothing is cast (a float64
+            array for a float32 field is refused).
+        :raises ClientError: ``field`` was not declared, ``time_step`` is out of range, or ``array``'s dtype or shape
+            is not the declared one; nothing is sent.
+        :raises ServerUnreachable: the server rank has been unreachable for ``launcher.client_timeout`` seconds
+            while ``send`` waited (a server that exited, a frozen process, a lost node).
+        :raises HandshakeRefused: the server rank refused this client's credentials while ``send`` waited.
+        """
         layout = self._layouts.get(field)
         if layout is None:
             raise ClientError(f"field '{field}' was not declared (declared: {sorted(self._layouts)})")
@@ -583,12 +643,27 @@ class Client:
             self._steps[rank].add(time_step)
 
     def predict(self, inputs: Mapping[str, Any], deadline: float | None = None) -> Prediction:
-        """Ask the model the server is training ``n`` questions at once: ``inputs`` maps each name of its
-        ``prediction_inputs`` to an array ``[n, *shape]`` of its dtype. Waits at most ``deadline`` seconds
-        (``serving.deadline`` by default) and returns a :class:`~melissa_dl.wire.predictions.Prediction`, true when
-        answered; fall back to your own solver otherwise. The ranks are asked in turn. Raises ``ClientError`` for
-        inputs the model does not take (or a server without ``serving.online``), ``PredictionRefused`` when a
-        rank refuses the request, ``HandshakeRefused`` when it refuses our credentials."""
+        """Ask the model the server is training (``serving.online``) ``n`` questions at once: to use its answers
+        where it is good enough, and your own solver otherwise. The server ranks are asked in turn; an answer that
+        comes after the deadline is dropped.
+
+        ```python
+        answer = client.predict({"parameters": client.parameters[None].astype(np.float32)})  # n = 1
+        field = answer.outputs["temperature"][0] if answer else solver.step()
+        ```
+
+        :param inputs: each name of the module's ``prediction_inputs``, mapped to an array ``[n, *shape]`` of its
+            dtype.
+        :param deadline: the longest wait for the answer, in seconds; None: the study's ``serving.deadline``.
+        :returns: the answer, true only when answered (``outputs``, and the ``version`` of the model that answered);
+            its ``status`` is ``no_model`` when the study has trained nothing yet, ``no_answer`` when none came in
+            time.
+        :raises ClientError: the server answers no predictions (``serving.online`` is off), or ``inputs`` are not
+            what the model takes (a name, a dtype, a shape, NaN, more than ``serving.max_batch`` questions); nothing
+            is sent.
+        :raises PredictionRefused: the server rank refused the request; the message says why.
+        :raises HandshakeRefused: the server rank refused this client's credentials.
+        """
         if self._predictor is None:
             raise ClientError(
                 f"simulation {self.simulation_id}: predict: the server answers no predictions (serving.online is off)"
@@ -596,7 +671,17 @@ class Client:
         return self._predictor.ask(inputs, deadline)
 
     def finalize(self) -> None:
-        """Announce the steps sent to each server rank, wait until every rank has read everything, and close."""
+        """Announce the steps sent to each server rank, wait until every rank has read everything, and close.
+
+        Once it returns, the process may exit without losing anything. It waits for as long as the server lives,
+        however far behind it is, and closes the client whether it returns or raises. Leaving a ``with`` block
+        normally calls it.
+
+        :raises ServerUnreachable: a server rank has been unreachable for ``launcher.client_timeout`` seconds, or
+            messages were lost with a broken connection (the message says how many): the study should run the
+            simulation again, which the process's failure tells it.
+        :raises HandshakeRefused: a server rank refused this client's credentials.
+        """
         try:
             for rank in range(len(self._links)):
                 self._send(rank, *self._finalize_message(rank))
@@ -648,7 +733,11 @@ class Client:
                 self._questions[rank].ask(self._question(rank, wait=True))
 
     def close(self) -> None:
-        """Close the sockets at once: what a finalize confirmed is delivered, anything else is dropped."""
+        """Close the sockets at once, without waiting: what a finalize confirmed is delivered, anything else is dropped.
+
+        ``finalize`` ends with it; leaving a ``with`` block with an exception calls it alone, so that the attempt does
+        not count and the study runs the simulation again.
+        """
         for link in [*self._links, *(questions.link for questions in self._questions)]:
             link.close()
         if self._predictor is not None:
@@ -668,7 +757,26 @@ class Client:
         this worker until it is over; otherwise the one its environment names (so the same code runs both ways).
 
         Each iteration's body streams one simulation; its end finalizes it. An exception (or a ``break``) leaves
-        that simulation unfinalized, and the study runs it again.
+        that simulation unfinalized, and the study runs it again. Between two simulations the worker waits, without
+        spinning a core, until the study has one for it (with ``comm``, rank 0 asks for every rank).
+
+        ```python
+        setup = load_mesh_and_compile()  # paid once per worker
+        for client in Client.simulations({"u": ("float32", (nx,))}):
+            for t, u in enumerate(setup.solve(**client.named_parameters)):
+                client.send("u", t, u)
+        ```
+
+        :param fields: as the constructor's.
+        :param comm: as the constructor's; all its ranks iterate together.
+        :param environ: as the constructor's.
+        :returns: an iterator of clients, each connected to the server for its simulation.
+        :raises ClientError: as the constructor, or a worker's environment without ``MELISSA_SERVER`` or
+            ``MELISSA_TOKEN``.
+        :raises HandshakeRefused: as the constructor, or the server refused the worker's request (its credentials,
+            a server whose ``launcher.persistent`` is off).
+        :raises ServerUnreachable: as the constructor, or the worker's request for its next simulation got no answer
+            within ``launcher.client_timeout`` seconds.
         """
         env = dict(os.environ if environ is None else environ)
         if ENV_WORKER not in env:
@@ -694,14 +802,22 @@ class Client:
 
 
 class Predictor:
-    """Asks the model that ``melissa-server --serve OUTPUT_DIR`` serves, from any process of its user::
+    """Asks the model that ``melissa-server --serve OUTPUT_DIR`` serves, from any process of its user: no study, no
+    simulation needed. Use it as a context manager, or call ``close``.
 
-        with Predictor("output") as predictor:
-            answer = predictor.predict({"parameters": p, "time_step": t})  # as Client.predict
+    The server writes ``serving.json`` with each rank's endpoint and the credentials. When a question gets no answer
+    and the file changed since it was read (a restarted server), the next question goes to the ranks it names now.
 
-    ``serving`` is the output folder or its ``serving.json`` (default: ``MELISSA_SERVING``, as the C library reads
-    it), which the server writes with each rank's endpoint and the credentials. When a question gets no answer and
-    the file changed since it was read (a restarted server), the next question goes to the ranks it names now."""
+    ```python
+    with Predictor("output") as predictor:
+        answer = predictor.predict({"parameters": p, "time_step": t})  # as Client.predict
+    ```
+
+    :param serving: the output folder or its ``serving.json``; None: the ``MELISSA_SERVING`` variable, as the C
+        library reads it.
+    :raises ClientError: ``serving`` is None and ``MELISSA_SERVING`` is not set, or ``serving.json`` cannot be read
+        (a server that is not running, or has not written it yet).
+    """
 
     def __init__(self, serving: str | os.PathLike[str] | None = None) -> None:
         if serving is None:
@@ -733,7 +849,18 @@ class Predictor:
         self._text = text
 
     def predict(self, inputs: Mapping[str, Any], deadline: float | None = None) -> Prediction:
-        """As :meth:`Client.predict`; ``deadline`` defaults to the study's ``serving.deadline``."""
+        """Ask the served model ``n`` questions at once, as ``Client.predict`` does; the server ranks in turn.
+
+        :param inputs: each name of the model's ``prediction_inputs``, mapped to an array ``[n, *shape]`` of its
+            dtype.
+        :param deadline: the longest wait for the answer, in seconds; None: the study's ``serving.deadline``.
+        :returns: the answer, true only when answered; its ``status`` is ``no_answer`` when none came in time.
+        :raises ClientError: ``inputs`` are not what the model takes (a name, a dtype, a shape, NaN, more than
+            ``serving.max_batch`` questions), or ``serving.json``, read again after a question without an answer,
+            cannot be read.
+        :raises PredictionRefused: the server rank refused the request; the message says why.
+        :raises HandshakeRefused: the server rank refused the credentials of ``serving.json``.
+        """
         assert self._asker is not None
         answer = self._asker.ask(inputs, deadline)
         if answer.status == "no_answer":
@@ -743,6 +870,7 @@ class Predictor:
         return answer
 
     def close(self) -> None:
+        """Close the connections to the server ranks; leaving a ``with`` block calls it."""
         if self._asker is not None:
             self._asker.close()
         self._context.term()
