@@ -18,9 +18,12 @@
  * line to stderr naming the call, the field and what went wrong, and exit the
  * process with status 1. A mistake of the program (an undeclared field, a
  * call out of order, a missing MELISSA_* variable) says "ClientError", which
- * tells the server that a relaunch would fail the same way; a server that
- * refused or could not be reached is relaunched as usual. Use melissa_dl.h
- * for error codes instead of exits, float32 fields or explicit steps.
+ * tells the server that a relaunch would fail the same way; so does a
+ * handshake refused for what the program declares (a field's name, dtype or
+ * shape, its size, the client ranks). A server that could not be reached, or
+ * that refused for anything else, is relaunched up to launcher.max_retries
+ * times. Use melissa_dl.h for error codes instead of exits, float32 fields or
+ * explicit steps.
  */
 #ifndef MELISSA_API_H
 #define MELISSA_API_H
