@@ -31,7 +31,8 @@ Every refused connection is counted, in the socket's
 another mechanism, a failed key exchange, and the wrong credentials that the
 ZAP handler refuses), ``<name>_noauth`` (ended before its login was done: an
 idle or scanning peer, a peer whose mismatch its own side saw first, a client
-that quit at once), ``<name>_cut`` (closed by ZeroMQ before its login: not
+that quit at once: logged at INFO when its peer closed it, a process that
+ended while it connected), ``<name>_cut`` (closed by ZeroMQ before its login: not
 ZMTP, or a message part over the cap; libzmq says which of the two to no one),
 ``<name>_connections`` (beyond a cap) and ``<name>_accept_failed``.
 libzmq names a connection's descriptor only when it accepts it and when it
@@ -44,6 +45,7 @@ handshake service only say what to do with what arrives.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import resource
@@ -253,6 +255,13 @@ class ConnectionGuard:
             )
         elif self._shut_in_handshake > 0:  # one this guard closed, counted already
             self._shut_in_handshake -= 1
+        elif value in (errno.ECONNRESET, errno.EPIPE):  # its peer closed it (a FIN or an RST): no security matter
+            self._rejections.reject(
+                f"{self._name}_noauth",
+                f"{self._name} socket: a connection closed by its peer before its login was done (a process "
+                "that ended or gave up while it connected)",
+                logging.INFO,
+            )
         else:
             self._rejections.reject(
                 f"{self._name}_noauth",

@@ -27,7 +27,9 @@ class RejectionLog:
         self._unlogged: Counter[str] = Counter()
         self._last_logged: dict[str, float] = {}
 
-    def reject(self, kind: str, message: str) -> None:
+    def reject(self, kind: str, message: str, level: int = logging.WARNING) -> None:
+        """Count a refusal of ``kind``; log it at ``level`` unless its kind was logged less than ``interval``
+        seconds ago (INFO: what is ordinary, such as a peer that went away, counted all the same)."""
         now = time.monotonic()
         with self._lock:
             self._counts[kind] += 1
@@ -38,7 +40,7 @@ class RejectionLog:
             self._last_logged[kind] = now
             silenced = self._unlogged.pop(kind, 0)
         more = f" ({silenced} more of this kind since the last warning)" if silenced else ""
-        logger.warning("refused (%s): %s%s", kind, message, more)
+        logger.log(level, "refused (%s): %s%s", kind, message, more)
 
     def counts(self) -> dict[str, int]:
         with self._lock:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -230,6 +232,27 @@ def test_garbage_and_parts_over_the_cap_before_login_are_cut_and_counted_at_ever
             client.send("a", 0, np.ones(3, np.float32))
             client.send("b", 0, np.ones(1, np.float32))
         assert [s.time_step for s in server.drain(1)] == [0]
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_peer_that_goes_away_before_its_login_is_counted_without_a_security_warning(
+    caplog: pytest.LogCaptureFixture, reset: bool
+) -> None:
+    """A process that ends while it connects (a simulation killed, a rank torn down) closes or resets its
+    connection before its login: counted as ``_noauth``, said at INFO (issue 57, item 3: four warnings at a
+    sibling's teardown read as an attack)."""
+    caplog.set_level(logging.INFO, logger="melissa_dl.wire.rejections")
+    with serving("token") as (server, _):
+        peer = socket.create_connection(("127.0.0.1", server.receiver.port), timeout=10)
+        peer.sendall(b"\xff" + bytes(8) + b"\x7f")  # the start of ZMTP's greeting, then nothing more
+        if reset:
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # an RST, not a FIN
+        peer.close()
+        log = server.receiver.rejections
+        assert wait_until(lambda: count(log, "data_noauth") == 1), log.counts()
+    said = [r for r in caplog.records if "data_noauth" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO], caplog.text
+    assert "a connection closed by its peer before its login was done" in said[0].getMessage()
 
 
 @pytest.mark.parametrize("peers", [0, PENDING_IN_ALL + 40])
