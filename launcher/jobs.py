@@ -353,8 +353,10 @@ class Launcher:
         (:data:`LAUNCHER_LINE`), whole, however long the program's were."""
         try:
             with open(self.log_path(simulation_id, attempt), "rb") as log:
-                log.seek(max(0, log.seek(0, 2) - 8 * TAIL))
+                start = log.seek(max(0, log.seek(0, 2) - 8 * TAIL))
                 text = log.read().decode(errors="replace")
+                if start:  # begun mid-line: that part of a line (the command's, maybe) is no line of the program's
+                    text = text.partition("\n")[2]
         except OSError:
             return ""
         program: list[str] = []

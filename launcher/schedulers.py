@@ -54,7 +54,7 @@ class LogUnwritable(RuntimeError):
     """
 
 
-SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD")  # an environment variable whose name has one is logged hidden
+SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL", "AUTH")  # logged hidden if named
 COMMAND_LINE = "melissa_dl: cd "  # how an attempt's log begins: its command (not the program's output)
 
 
@@ -62,7 +62,7 @@ def command_line(argv: Sequence[str], cwd: Path, extra: Mapping[str, str]) -> by
     """An attempt's first log line: its command as a shell reruns it, from where, with the environment the
     launcher adds (a secret's value hidden)."""
     added = " ".join(
-        f"{name}={'<hidden>' if any(word in name.upper() for word in SECRET_WORDS) else shlex.quote(value)}"
+        f"{name}={shlex.quote('<hidden>' if any(word in name.upper() for word in SECRET_WORDS) else value)}"
         for name, value in extra.items()
     )
     env = f"env {added} " if added else ""

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 Scalars = Callable[[], dict[str, float]]
 RECORD_HEAD = 12  # bytes before an event in an event file: its length and the length's CRC
 
@@ -59,7 +61,8 @@ class Metrics:
         self._write("scalar", tag, value, step)
 
     def figure(self, tag: str, draw: Callable[[], Any], step: int) -> None:
-        """A matplotlib figure, drawn by ``draw`` only when it is written (none if it returns None)."""
+        """A matplotlib figure or an ``[H, W, 3]`` uint8 image, drawn by ``draw`` only when it is written (none if it
+        returns None)."""
         self._write("figure", tag, draw, step)
 
     def point(self, step: int, values: dict[str, float]) -> None:
@@ -92,8 +95,10 @@ class Metrics:
             self._waiting.append((kind, tag, value, step))
         elif kind == "scalar":
             self._writer.add_scalar(tag, value, step)
-        elif (figure := value()) is not None:
-            self._writer.add_figure(tag, figure, step)
+        elif isinstance(picture := value(), np.ndarray):
+            self._writer.add_image(tag, picture, step, dataformats="HWC")
+        elif picture is not None:
+            self._writer.add_figure(tag, picture, step)
 
 
 def drop_after(folder: Path, purge_step: int) -> None:
@@ -101,6 +106,7 @@ def drop_after(folder: Path, purge_step: int) -> None:
     too). TensorBoard would drop them itself, at the resumed run's purge_step, but warning each time it loads the
     folder ("Detected out of order event.step likely caused by a TensorFlow restart"); a TensorBoard that had read
     them before still does."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
     from tensorboard.compat.proto.event_pb2 import Event
 
     for path in sorted(folder.glob("*tfevents*")):
@@ -112,7 +118,11 @@ def drop_after(folder: Path, purge_step: int) -> None:
             if end > len(data):
                 dropped += 1
                 break
-            event = Event.FromString(data[at + RECORD_HEAD : end - 4])
+            try:
+                event = Event.FromString(data[at + RECORD_HEAD : end - 4])
+            except DecodeError:  # not an event: the rest is kept as it is, for TensorBoard to skip
+                kept.append(data[at:])
+                break
             if event.HasField("summary") and event.step >= purge_step:
                 dropped += 1
             else:

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EXIT_GRACE = 5.0  # seconds a simulation that exited 0 has for its finalize messages to be counted
+INTERRUPTED = "(a crash, a kill or a stop)"  # what may have ended the server's run while a simulation ran
 REPEATED_REFUSALS = DETERMINISTIC | {"non_finite", "time_step", "undeclared", "order"}  # kinds a relaunch sends again
 LEARNING_GRACE = 5.0  # seconds without a new loss, nothing running, before a waiting sampler gets partial statistics
 GIVE_UP_AFTER = 3  # failed simulations, and no success, before the study stops (at least the first wave's)
@@ -193,6 +194,7 @@ class Study:
         self._give_up_after = min(max(job_limit, GIVE_UP_AFTER), len(self.simulations))
         self.gave_up = ""  # why the study stopped before every simulation ran, if it did
         self.first_start: float | None = None  # when this run's first job started: the time left counts from it
+        self._interrupted: list[int] = []  # restored simulations that ran when the last run ended
         self._attempts_started: dict[int, int] = {}
         self._ended: list[int] = []
         self._announced: dict[Progress, Progress] = {}  # see _kept
@@ -231,16 +233,11 @@ class Study:
         next news)."""
         unfinished = [*self.simulations[self.trained :], *self.simulations[: self.sampler.drawn]]
         self._unsent = [s.id for s in unfinished if s.state not in (State.DONE, State.FAILED)]
-        interrupted = [s for s in unfinished if s.state is State.QUEUED and s.attempts]
-        for sim in interrupted:
-            sim.reason = (
-                f"relaunched: the server's run ended while attempt {sim.attempts - 1} ran (a crash, a kill or a stop)"
-            )
-        if interrupted:
+        if self._interrupted:
             logger.info(
                 "%d simulations ran when the server's last run ended: relaunched (simulation %d first)",
-                len(interrupted),
-                interrupted[0].id,
+                len(self._interrupted),
+                self._interrupted[0],
             )
 
     @property
@@ -261,6 +258,9 @@ class Study:
             sim.reason, sim.log, sim.output = saved.get("reason", ""), saved.get("log", ""), saved.get("output", "")
             if saved.get("state") in (State.DONE, State.FAILED):
                 self._set_state(sim, State(saved["state"]))
+            elif saved.get("state") == State.RUNNING and sim.attempts:  # not one waiting for its retry
+                sim.reason = f"relaunched: the server's run ended while attempt {sim.attempts - 1} ran {INTERRUPTED}"
+                self._interrupted.append(sim.id)
             sim.steps, sim.statistic = saved.get("steps", 0), self.losses.final.get(sim.id)
             if sim.state is State.DONE and self._learns_from(sim) and sim.id not in self.losses.final:
                 self._untold.add(sim.id)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,6 +43,8 @@ from melissa_dl.buffers.sample import Sample
 from melissa_dl.config.limits import DTYPES, MAX_NDIM
 from melissa_dl.errors import ConfigError
 from melissa_dl.runtime.plugins import load_class
+
+_LOGGING = threading.Lock()  # what TrainingModule.log gathers, taken by the trainer's thread
 
 
 class TrainingModule(nn.Module, ABC):
@@ -185,21 +188,24 @@ class TrainingModule(nn.Module, ABC):
         :param name: the curve's name, under ``module/``.
         :param value: a number, or a tensor of one.
         """
-        logged = self.__dict__.setdefault("_logged", {})  # beside nn.Module's attributes: no parameter, no buffer
-        total, count = logged.get(name, (0.0, 0))
-        logged[name] = (total + (value.detach() if isinstance(value, torch.Tensor) else float(value)), count + 1)
+        value = value.detach() if isinstance(value, torch.Tensor) else float(value)
+        with _LOGGING:  # ``process`` may run in the receiver's thread (``deterministic_process``)
+            logged = self.__dict__.setdefault("_logged", {})  # beside nn.Module's attributes: no parameter or buffer
+            total, count = logged.get(name, (0.0, 0))
+            logged[name] = (total + value, count + 1)
 
     def plot(self, sample: Sample) -> Any:
-        """A matplotlib figure of the model on the held-out ``sample``, shown in TensorBoard after each validation
+        """A picture of the model on the held-out ``sample``, shown in TensorBoard after each validation
         (``validation/prediction``), or None. By default, where ``predict``'s inputs are the sample's parameters,
-        time step or fields, each output named as a 1-D or 2-D field, drawn beside it.
+        time step or fields, each output named as a 1-D or 2-D field drawn beside it: 2-D fields as an image of
+        truth, prediction and their difference, 1-D ones as curves.
 
         Called on rank 0 (on every rank where the module has a ``ShardedEmbedding``, whose lookups are collectives),
         always with the same sample: halfway through the first held-out simulation's steps that rank holds. Not
         called with ``training.window``.
 
         :param sample: a held-out time step.
-        :returns: a matplotlib ``Figure``, or None to show nothing.
+        :returns: a matplotlib ``Figure``, an ``[H, W, 3]`` uint8 image, or None to show nothing.
         """
         from melissa_dl.train.pictures import prediction_against_truth  # matplotlib: only when drawn
 
@@ -277,7 +283,8 @@ class TrainingModule(nn.Module, ABC):
 
 def take_logged(module: TrainingModule) -> dict[str, float]:
     """What the module's ``log`` gathered since the last call, as TensorBoard points: the mean of each name."""
-    logged = module.__dict__.pop("_logged", {})
+    with _LOGGING:
+        logged = module.__dict__.pop("_logged", {})
     return {f"module/{name}": float(total) / count for name, (total, count) in logged.items()}
 
 

@@ -24,22 +24,24 @@ class RejectionLog:
         self._interval = interval
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
-        self._unlogged: Counter[str] = Counter()
-        self._last_logged: dict[str, float] = {}
+        self._unlogged: Counter[tuple[str, int]] = Counter()  # by kind and level
+        self._last_logged: dict[tuple[str, int], float] = {}
 
     def reject(self, kind: str, message: str, level: int = logging.WARNING) -> None:
-        """Count a refusal of ``kind``; log it at ``level`` unless its kind was logged less than ``interval``
-        seconds ago (INFO: what is ordinary, such as a peer that went away, counted all the same)."""
+        """Count a refusal of ``kind``; log it at ``level`` unless its kind was logged at that level less than
+        ``interval`` seconds ago (INFO: what is ordinary, such as a peer that went away, counted all the same, and
+        never silencing a warning)."""
         now = time.monotonic()
+        said = (kind, level)
         with self._lock:
             self._counts[kind] += 1
-            last = self._last_logged.get(kind)
+            last = self._last_logged.get(said)
             if last is not None and now - last < self._interval:
-                self._unlogged[kind] += 1
+                self._unlogged[said] += 1
                 return
-            self._last_logged[kind] = now
-            silenced = self._unlogged.pop(kind, 0)
-        more = f" ({silenced} more of this kind since the last warning)" if silenced else ""
+            self._last_logged[said] = now
+            silenced = self._unlogged.pop(said, 0)
+        more = f" ({silenced} more of this kind since the last one said)" if silenced else ""
         logger.log(level, "refused (%s): %s%s", kind, message, more)
 
     def counts(self) -> dict[str, int]:

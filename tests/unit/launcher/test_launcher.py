@@ -234,6 +234,14 @@ def test_the_tail_keeps_the_programs_last_line_whole_before_what_the_launcher_wr
     assert program_last_line("toy_sim: crashing | slurm: job 12 ended NODE_FAIL, exit code 0:0") == "toy_sim: crashing"
 
 
+def test_a_command_line_longer_than_what_the_tail_reads_is_not_quoted_as_the_programs(tmp_path: Path) -> None:
+    launcher = Launcher(LocalScheduler(["true"], tmp_path), 1, tmp_path / "logs")
+    log = log_of(tmp_path, 0)
+    log.parent.mkdir()
+    log.write_text(f"melissa_dl: cd /x && env P='{'1.0, ' * 1000}' sim\nValueError: grid too coarse\n")
+    assert launcher.output_tail(0, 0) == "ValueError: grid too coarse"
+
+
 def test_a_program_line_longer_than_the_tail_keeps_its_end_from_a_words_start(tmp_path: Path) -> None:
     launcher = Launcher(LocalScheduler(["true"], tmp_path), 1, tmp_path / "logs")
     log = log_of(tmp_path, 0)
@@ -249,11 +257,13 @@ def test_each_attempts_log_begins_with_its_command_and_environment_which_its_tai
     hidden), the command; the failure reason quotes the program only."""
     code = "import sys; print('failing', file=sys.stderr); sys.exit(1)"
     launcher = Launcher(LocalScheduler([sys.executable, "-c", code], tmp_path), 1, tmp_path / "logs")
-    launcher.submit(4, 1, {"MELISSA_SIMULATION_ID": "4", "MELISSA_TOKEN": "abcdef", "NOTE": "two words"})
+    secrets = {"MELISSA_TOKEN": "abcdef", "MELISSA_CURVE_SECRET_KEY": "k", "WANDB_API_KEY": "w", "DB_PASSWD": "p"}
+    launcher.submit(4, 1, {"MELISSA_SIMULATION_ID": "4", **secrets, "NOTE": "two words"})
     assert poll_until(launcher, 1) == [(4, 1)]
     first = log_of(tmp_path, 4, attempt=1).read_text().splitlines()[0]
+    hidden = " ".join(f"{name}='<hidden>'" for name in secrets)
     assert first == (
-        f"melissa_dl: cd {tmp_path} && env MELISSA_SIMULATION_ID=4 MELISSA_TOKEN=<hidden> NOTE='two words' "
+        f"melissa_dl: cd {tmp_path} && env MELISSA_SIMULATION_ID=4 {hidden} NOTE='two words' "
         f"{shlex.join([sys.executable, '-c', code])}"
     )
     assert launcher.output_tail(4, 1) == "failing"

@@ -14,7 +14,7 @@ from melissa_dl.config.sections import parse_config
 from melissa_dl.ingest.assembly import Progress
 from melissa_dl.ingest.receiver import ReceiverReport
 from melissa_dl.study.report import final_report
-from melissa_dl.study.study import EXIT_GRACE, GIVE_UP_AFTER, LEARNING_GRACE, State, Study
+from melissa_dl.study.study import EXIT_GRACE, GIVE_UP_AFTER, INTERRUPTED, LEARNING_GRACE, State, Study
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -417,6 +417,22 @@ def test_simulations_that_a_job_wide_stop_ends_are_no_failures_and_run_again_on_
     assert sorted((sim, attempt) for sim, attempt, _ in restored.launcher.submitted) == [(0, 1), (1, 1), (2, 0)]
     said = "relaunched: the server's run ended while attempt 0 ran (a crash, a kill or a stop)"
     assert [sim.reason for sim in restored.study.simulations] == [said, said, ""]  # 2 never ran: no relaunch
+
+
+def test_a_simulation_waiting_for_its_retry_keeps_its_failures_reason_on_resume() -> None:
+    """Only a simulation that ran when the server's run ended is said to be relaunched for it."""
+    h = Harness(simulations=2, max_retries=2)
+    h.running(0.0, 0, 1)
+    h.launcher.outputs[(0, 0)] = "ValueError: grid too coarse"
+    h.launcher.exit(0, 1)
+    h.tick(1.0)  # simulation 0 failed, queued for its retry; 1 runs
+    failed = h.study.simulations[0].reason
+    assert failed.startswith("exit code 1") and h.state(0) is State.QUEUED, failed
+    restored = Harness(simulations=2, max_retries=2, restored=h.study.state_dict())
+    assert restored.study.simulations[0].reason == failed
+    assert (
+        restored.study.simulations[1].reason == f"relaunched: the server's run ended while attempt 0 ran {INTERRUPTED}"
+    )
 
 
 def test_a_deterministic_refusal_fails_the_simulation_at_once_without_retry(h: Harness) -> None:
