@@ -38,9 +38,12 @@ run).
 With ``--device cuda`` every tensor of both sides lives on the GPU, the
 timers wait for the GPU, the RESULT names end in ``_cuda``, the bound is the
 GPU's own copy bandwidth, and there is no FBGEMM baseline (its CPU build
-only) nor breakdown (the GPU runs the Triton kernels of
-``melissa_dl.embeddings.gpu_loops``, or torch's ops where Triton is missing, as
-the first line says). ``step_us`` is our side's time per batch (lookup and step).
+only) nor breakdown (the GPU runs the Triton kernel of
+``melissa_dl.embeddings.gpu_loops``, replayed as a CUDA graph from the warm-up's
+second batch on since every batch has the same size, or torch's ops where Triton
+is missing, as the first line says). ``step_us`` is our side's time per batch
+(lookup and step); the targets on a GPU are ratio >= 10 for rowadagrad and adam,
+``bound_share`` >= 0.25 at ``--batch 65536`` and ``step_us`` <= 100 at 4096.
 
     python bench/sparse_optim.py [--rows 1000000] [--dim 64] [--batch 4096] [--batches 60] [--repeat 7] [--threads 1]
                                  [--device cpu|cuda]
@@ -62,6 +65,7 @@ from melissa_dl.embeddings.sparse_optim import SparseOptimizer, make_sparse_opti
 
 OPTIMIZERS = ("sgd", "adagrad", "rowadagrad", "adam")
 TARGETS = {"rowadagrad": "10", "adam": "4"}
+CUDA_TARGETS = {"rowadagrad": "10", "adam": "10"}  # and >= 25% of the copy bandwidth at 65,536 ids, <= 100 us at 4096
 LR = {"sgd": 1e-3, "adagrad": 1e-2, "rowadagrad": 1e-2, "adam": 1e-3}
 
 
@@ -259,7 +263,8 @@ def main() -> None:
                 + ("" if cuda else f"  us/batch: {breakdown(opts[name], weight, ids, ones)}")
             )
             results.append(
-                f"RESULT sparse_{name}_{dist}{suffix} ratio={ratio:.2f} target={TARGETS.get(name, '-')} "
+                f"RESULT sparse_{name}_{dist}{suffix} ratio={ratio:.2f} "
+                f"target={(CUDA_TARGETS if cuda else TARGETS).get(name, '-')} "
                 f"rows_per_s={rate:.0f} baseline_rows_per_s={base_rate:.0f} bound_share={rate / bound:.3f} "
                 f"step_us={statistics.median(ours_t[name]) / len(ids) * 1e6:.1f}"
             )

@@ -1,10 +1,11 @@
-"""Whether a sparse optimizer's step runs as Triton kernels (:mod:`melissa_dl.embeddings.gpu_loops`).
+"""Whether a sparse optimizer's step runs as a Triton kernel (:mod:`melissa_dl.embeddings.gpu_loops`).
 
-On a GPU, torch's path is some twenty small kernels and a host wait a step (``unique``'s size, the range
-check): they, not memory, bound it. The Triton kernels sum each row's gradients and update the row and its
-state in one pass, with no host wait. They run on CUDA shards of float32, bfloat16 or float16 with float32
-state, where Triton is installed (it comes with torch's CUDA wheels; ``pip install 'melissa-dl[gpu]'``
-otherwise); elsewhere the torch path runs, and on a GPU it says so once in the log.
+On a GPU, torch's path is some twenty small kernels and a host wait a step (``unique``'s size, the range check):
+they, not memory, bound it. The Triton kernel sums each row's gradients and updates the row and its state in one
+pass, with no host wait, and a step of a repeated size is replayed as a CUDA graph. It runs on CUDA shards of
+float32, bfloat16 or float16 with float32 state, where Triton is installed (it comes with torch's CUDA wheels;
+``pip install 'melissa-dl[gpu]'`` otherwise); elsewhere the torch path runs, and on a GPU it says so once in the
+log.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 on_cpu = False
-"""True in tests only: CPU tensors take the kernels, which Triton's interpreter runs (``TRITON_INTERPRET=1`` set
+"""True in tests only: CPU tensors take the kernel, which Triton's interpreter runs (``TRITON_INTERPRET=1`` set
 before :func:`load`)."""
 
 

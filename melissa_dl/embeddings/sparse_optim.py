@@ -6,10 +6,11 @@ gradient per occurrence of an id. Gradients of an id that appears several times 
 **summed** before its row is updated (as autograd, torch, PBG and FBGEMM do),
 never averaged: the update is non-linear, so duplicates must be merged first.
 
-On a CUDA shard, where Triton is installed, each optimizer's step is two
-Triton kernels over the ids sorted on the device (:mod:`melissa_dl.embeddings.gpu_kernels`):
+On a CUDA shard, where Triton is installed, each optimizer's step is one
+persistent Triton kernel over the ids sorted on the device (:mod:`melissa_dl.embeddings.gpu_loops`):
 each row's gradients summed in float32 and the row and its state updated in
-one pass, with no host wait. On CPU the update is bound by random row access, not arithmetic. Where it
+one pass, with no host wait; a step whose number of ids repeats is replayed
+as a CUDA graph. On CPU the update is bound by random row access, not arithmetic. Where it
 can (a CPU float32/float64 shard, numba installed), each optimizer runs one
 compiled pass (:mod:`melissa_dl.embeddings.row_loops`) over the ids sorted with their
 positions: it sums a repeated id's gradients as it reaches them and updates
@@ -84,6 +85,8 @@ class SparseOptimizer(ABC):
         self.state: dict[str, torch.Tensor] = {}
         self._compiled = False  # whether the shard and its state fit the compiled loops
         self._on_gpu = False  # whether they fit the GPU kernels
+        self._graphs: Any = None  # the GPU steps' CUDA graphs (a gpu_loops.Graphs), made at the first
+        self._step_size_on_device = torch.zeros((), dtype=torch.float64)  # what the GPU kernels read
 
     def bind(self, weight: torch.Tensor) -> None:
         """Attach the shard and allocate its state (zeros: pages are only touched when used)."""
@@ -95,6 +98,8 @@ class SparseOptimizer(ABC):
         # the loops load at the first step
         self._compiled = self.has_fused_loop() and row_kernels.fits(weight, *self.state.values())
         self._on_gpu = self.has_gpu_loop() and gpu_kernels.fits(weight, *self.state.values())
+        self._graphs = None  # a graph holds the addresses of the shard it was captured on
+        self._step_size_on_device = weight.new_zeros((), dtype=torch.float64)
 
     def _new_state(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state tensors of a freshly bound shard (none by default)."""
@@ -115,7 +120,10 @@ class SparseOptimizer(ABC):
             return 0
         ids, grads = ids.contiguous(), grads.detach().contiguous()
         if self._on_gpu and (loops := gpu_kernels.load()) is not None:
-            return self._gpu_fused(loops, ids, grads)
+            if self._graphs is None:
+                self._graphs = loops.Graphs()
+            self._step_size_on_device.fill_(self._step_size())  # a kernel's argument: no copy, no wait
+            return self._graphs.run(lambda i, g: self._gpu_fused(loops, i, g), ids, grads)
         kernels = row_kernels.load() if self._compiled else None
         # the compiled loops do not check their indices: rows outside the shard get no keys, and the torch path
         # refuses them
@@ -155,6 +163,10 @@ class SparseOptimizer(ABC):
         """Optional fast path on the GPU: the same update by ``gpu_loops.step``; the rows it updated, on the
         device. An optimizer without one takes ``_update`` there."""
         raise NotImplementedError(f"{self.name} has no GPU kernel")  # not reached: see has_gpu_loop
+
+    def _step_size(self) -> float:
+        """The learning rate of the step ``step_count``."""
+        return self.lr
 
     @classmethod
     def has_gpu_loop(cls) -> bool:
@@ -207,7 +219,7 @@ class SGD(SparseOptimizer):
 
     def _gpu_fused(self, loops: ModuleType, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
-        return loops.step(loops.SGD, self.weight, None, ids, grads, self.lr)
+        return loops.step(loops.SGD, self.weight, None, ids, grads, self._step_size_on_device)
 
 
 class Adagrad(SparseOptimizer):
@@ -245,7 +257,8 @@ class Adagrad(SparseOptimizer):
 
     def _gpu_fused(self, loops: ModuleType, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
-        return loops.step(loops.ADAGRAD, self.weight, self.state["sum"], ids, grads, self.lr, self.eps)
+        size = self._step_size_on_device
+        return loops.step(loops.ADAGRAD, self.weight, self.state["sum"], ids, grads, size, self.eps)
 
 
 class RowAdagrad(Adagrad):
@@ -277,7 +290,8 @@ class RowAdagrad(Adagrad):
 
     def _gpu_fused(self, loops: ModuleType, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
-        return loops.step(loops.ROW_ADAGRAD, self.weight, self.state["sum"], ids, grads, self.lr, self.eps)
+        size = self._step_size_on_device
+        return loops.step(loops.ROW_ADAGRAD, self.weight, self.state["sum"], ids, grads, size, self.eps)
 
 
 class Adam(SparseOptimizer):
@@ -324,7 +338,7 @@ class Adam(SparseOptimizer):
 
     def _gpu_fused(self, loops: ModuleType, ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
-        moments, size = self.state["moments"], self._step_size()
+        moments, size = self.state["moments"], self._step_size_on_device
         return loops.step(loops.ADAM, self.weight, moments, ids, grads, size, self.eps, self.beta1, self.beta2)
 
     def _step_size(self) -> float:

@@ -4,7 +4,10 @@ Triton's interpreter, so that every machine tests them."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +32,7 @@ def device(monkeypatch: pytest.MonkeyPatch) -> torch.device:
         return torch.device("cuda")
     loops = gpu_kernels.load()
     assert loops is not None
-    assert "Interpreted" in type(loops._update_rows).__name__, "triton was imported before TRITON_INTERPRET was set"
+    assert "Interpreted" in type(loops._step).__name__, "triton was imported before TRITON_INTERPRET was set"
     monkeypatch.setattr(gpu_kernels, "on_cpu", True)
     return torch.device("cpu")
 
@@ -79,6 +82,95 @@ def after(
     assert opt.weight is not None
     count = opt.step(ids, grads)
     return count, opt.weight.clone(), {k: v.clone() for k, v in opt.state.items()}
+
+
+def layouts() -> dict[str, torch.Tensor]:
+    """Ids whose sorted runs meet the kernel's chunks of 32 positions (``gpu_loops.CHUNK``) in every way."""
+    gen = torch.Generator().manual_seed(11)
+    return {
+        "one id": torch.tensor([4]),
+        "one run filling a chunk": torch.full((32,), 9),
+        "one run filling two chunks": torch.full((64,), 9),
+        "runs ending at a chunk's last position and on": torch.repeat_interleave(
+            torch.tensor([0, 1, 2]), torch.tensor([31, 33, 33])
+        ),
+        "hot runs side by side": torch.arange(5).repeat(40),
+        "hot runs of ids outside the shard": torch.cat(
+            [torch.full((70,), -1), torch.arange(30), torch.full((40,), ROWS)]
+        ),
+        "zipf over many chunks": (torch.distributions.Pareto(1.0, 1.2).sample((300,)).long() - 1) % 50,
+        "spread": torch.randint(0, ROWS, (257,), generator=gen),
+    }
+
+
+@pytest.mark.parametrize("layout", list(layouts()))
+def test_each_rows_gradients_are_summed_once_whatever_the_chunks_its_run_spans(
+    layout: str, device: torch.device
+) -> None:
+    torch.manual_seed(2)
+    ids = layouts()[layout][torch.randperm(len(layouts()[layout]))]
+    grads = torch.randn(len(ids), DIM)
+    inside = (ids >= 0) & (ids < ROWS)
+    expected = torch.zeros(ROWS, DIM, dtype=torch.float64).index_add_(0, ids[inside], -grads[inside].double())
+    opt = make_sparse_optimizer("sgd", 1.0)
+    weight = torch.zeros(ROWS, DIM, device=device)
+    opt.bind(weight)
+    count = opt.step(ids.to(device), grads.to(device))
+    assert int(count) == len(ids[inside].unique())
+    torch.testing.assert_close(weight.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_step_size_is_each_steps_own(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adam's bias corrections and a learning rate changed between steps reach the kernel (read from the
+    device, as a replayed graph reads them)."""
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(4))
+    steps = [(ids, grads) for ids, grads in batches(torch.float32)][:2] * 2
+    results = []
+    for where in ("torch", device):
+        with monkeypatch.context() as m:
+            if where == "torch":
+                m.setattr(gpu_kernels, "on_cpu", False)
+                m.setattr(row_kernels, "load", lambda: None)
+            opt = make_sparse_optimizer("adam", 0.05, **HYPER["adam"])
+            opt.bind(init.clone().to(device if where != "torch" else "cpu"))
+            assert opt._on_gpu == (where != "torch")
+            for i, (ids, grads) in enumerate(steps):
+                opt.lr = 0.05 * (i + 1)
+                opt.step(ids.to(opt.weight.device), grads.to(opt.weight.device))
+            results.append(opt.weight.cpu())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_repeated_batch_size_is_replayed_as_a_cuda_graph_with_the_same_result(device: torch.device) -> None:
+    init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(6))
+    gen = torch.Generator().manual_seed(7)
+    steps = [(torch.randint(0, 30, (150,), generator=gen), torch.randn(150, DIM, generator=gen)) for _ in range(5)]
+    reference = make_sparse_optimizer("adam", 0.05, **HYPER["adam"])
+    reference.bind(init.clone())
+    graphed = make_sparse_optimizer("adam", 0.05, **HYPER["adam"])
+    graphed.bind(init.clone().to(device))
+    for ids, grads in steps:
+        expected = reference.step(ids, grads)
+        assert int(graphed.step(ids.to(device), grads.to(device))) == expected
+    assert list(graphed._graphs._graphs) == [150], "the third step captured a graph, the next two replayed it"
+    torch.testing.assert_close(graphed.weight.cpu(), reference.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_every_kernel_builds_for_an_h100_or_h200_here(tmp_path: Path) -> None:
+    """What the interpreter cannot show, Triton's code generation for the GPU down to a cubin (ptxas comes with
+    Triton), is checked on every machine."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
+    built = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("compile_for_gpu.py"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert built.stdout.split() == [f"{w}-{o}" for w in ("fp32", "bf16") for o in range(4)]
 
 
 def test_an_id_outside_the_shard_is_skipped_and_not_counted(device: torch.device) -> None:
