@@ -4,7 +4,8 @@ batch, so that a step of a fixed batch size is replayed as a CUDA graph.
 Imported only by :mod:`melissa_dl.embeddings.gpu_kernels` (Triton is optional). A step, for ``n`` ids:
 
 1. torch sorts the ids on the device (a radix sort), with the positions they came from: the gradients of one
-   id form a run of the sorted order. Cut into chunks of ``CHUNK`` positions, a run is either inside one
+   id form a run of the sorted order. Cut into chunks of 32 positions (fewer for rows wider than 128), a
+   run is either inside one
    chunk or (a hot row) a piece in each of several; ``searchsorted`` gives the run each chunk starts and
    ends in.
 2. ``_step`` runs on a fixed number of programs, each taking chunk after chunk. It loads a chunk's gradients
@@ -22,15 +23,19 @@ Adam's bias corrections of its own step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
+import sys
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-CHUNK = 32  # sorted positions a program sums as one tile: a longer run is split into pieces summed in parallel
-SPAN = 64  # the scratch rows of a hot run the last of its pieces adds up at a time
+logger = logging.getLogger(__name__)
+
+TILE = 4096  # float32 values a program holds at a time: a tile of ``chunk`` positions of a row's width
 SGD, ADAGRAD, ROW_ADAGRAD, ADAM = range(4)
 
 
@@ -67,7 +72,7 @@ def _combine(
     total = partial
     whole = hot == 0
     if hot:
-        tl.store(scratch + held_at * BLOCK_D + cols, partial)
+        tl.store(scratch + tl.cast(held_at, tl.int64) * BLOCK_D + cols, partial)
         tl.debug_barrier()  # every lane's store before the release
         first_chunk = run_first // CHUNK
         last_chunk = (run_stop - 1) // CHUNK
@@ -202,14 +207,13 @@ def _step(
     beta1,
     beta2,
     OPTIMIZER: tl.constexpr,
-    PROGRAMS: tl.constexpr,
     CHUNK: tl.constexpr,
     SPAN: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     lr = tl.load(step_size).to(tl.float32)
     updated = tl.zeros([], dtype=tl.int32)
-    for chunk in range(tl.program_id(0), tl.cdiv(n, CHUNK), PROGRAMS):
+    for chunk in range(tl.program_id(0), tl.cdiv(n, CHUNK), tl.num_programs(0)):
         key, sums, apply = _sum_chunk(
             keys, order, grads, run_first, run_stop, scratch, arrivals, chunk, n, dim, CHUNK, SPAN, BLOCK_D
         )
@@ -221,10 +225,21 @@ def _step(
 
 @functools.cache
 def _programs(device: torch.device) -> int:
-    """How many programs the step runs on: a few per multiprocessor, so that each takes several chunks."""
+    """How many programs the step runs on at most: a few per multiprocessor, so that each takes several chunks.
+    Not a constant of the kernel: a batch of another size compiles nothing."""
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 3  # Triton's interpreter on CPU tensors (the tests): programs that take more than one chunk
+
+
+def shape(dim: int) -> dict[str, int]:
+    """The kernel's constants for rows of ``dim``: a tile of ``CHUNK`` positions x ``BLOCK_D`` lanes within
+    ``TILE`` values, eight a thread, so that registers do not spill (none up to rows of 512 for sm_90, and 126
+    a thread at 64, with Triton 3.9)."""
+    block = triton.next_power_of_2(dim)
+    chunk = max(4, min(32, TILE // block))
+    warps = min(16, max(4, chunk * block // 256))
+    return {"CHUNK": chunk, "SPAN": max(2, min(64, TILE // block)), "BLOCK_D": block, "num_warps": warps}
 
 
 def step(
@@ -242,40 +257,39 @@ def step(
     per row, with the learning rate (Adam: the step size) in the 0-d float64 tensor ``step_size`` on the
     device; the number of distinct rows updated, on the device (reading it would wait for the step)."""
     n, dim = grads.shape
+    constants = shape(dim)
+    chunk = constants["CHUNK"]
     keys, order = torch.sort(ids)
-    chunks = triton.cdiv(n, CHUNK)
-    lasts = keys[CHUNK - 1 :: CHUNK]
-    if n % CHUNK:
+    chunks = triton.cdiv(n, chunk)
+    lasts = keys[chunk - 1 :: chunk]
+    if n % chunk:
         lasts = torch.cat([lasts, keys[-1:]])
-    run_first = torch.searchsorted(keys, keys[::CHUNK].contiguous())
+    run_first = torch.searchsorted(keys, keys[::chunk].contiguous())
     run_stop = torch.searchsorted(keys, lasts.contiguous(), right=True)
-    block = triton.next_power_of_2(dim)
-    scratch = torch.empty((chunks, 2, block), dtype=torch.float32, device=grads.device)
+    scratch = torch.empty((chunks, 2, constants["BLOCK_D"]), dtype=torch.float32, device=grads.device)
     arrivals = torch.zeros(chunks + 1, dtype=torch.int32, device=grads.device)  # per chunk, then rows updated
-    programs = min(chunks, _programs(grads.device))
-    _step[(programs,)](
-        keys,
-        order,
-        grads,
-        weight,
-        weight if state is None else state,
-        run_first,
-        run_stop,
-        scratch,
-        arrivals,
-        step_size,
-        n,
-        len(weight),
-        dim,
-        eps,
-        beta1,
-        beta2,
-        OPTIMIZER=optimizer,
-        PROGRAMS=programs,
-        CHUNK=CHUNK,
-        SPAN=SPAN,
-        BLOCK_D=block,
-    )
+    on_its_gpu = torch.cuda.device(grads.device) if grads.is_cuda else contextlib.nullcontext()
+    with on_its_gpu:  # Triton launches on the current device, not the tensors'
+        _step[(min(chunks, _programs(grads.device)),)](
+            keys,
+            order,
+            grads,
+            weight,
+            weight if state is None else state,
+            run_first,
+            run_stop,
+            scratch,
+            arrivals,
+            step_size,
+            n,
+            len(weight),
+            dim,
+            eps,
+            beta1,
+            beta2,
+            OPTIMIZER=optimizer,
+            **constants,
+        )
     return arrivals[chunks]
 
 
@@ -283,7 +297,8 @@ class Graphs:
     """A step's kernels replayed as a CUDA graph once its batch size came ``REPEATS`` times in a row: one launch
     instead of a dozen. Steps of a size that changes (ids routed from other ranks) run as they are, and do not
     pay for a capture they would never replay. Only the ids and gradients change between replays: they are
-    copied into the graph's own tensors; the step size is read from the device."""
+    copied into the graph's own tensors; the step size is read from the device (``eps`` and the betas, fixed
+    when the optimizer is made, are the graph's own)."""
 
     REPEATS = 3
     KEPT = 4  # batch sizes kept captured
@@ -312,9 +327,13 @@ class Graphs:
         static_ids, static_grads = ids.clone(), grads.clone()
         count = fn(static_ids, static_grads)  # this step, on the tensors the graph will read: nothing left to compile
         graph = torch.cuda.CUDAGraph()
-        # thread-local: a thread that copies the next batch meanwhile is not capturing
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            captured = fn(static_ids, static_grads)  # recorded, not run
+        try:  # thread-local: a thread that copies the next batch meanwhile is not capturing
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                captured = fn(static_ids, static_grads)  # recorded, not run
+        except RuntimeError as e:  # the step is done: the next ones go on as they are
+            logger.warning("the sparse optimizer's step could not be captured as a CUDA graph, none will be: %s", e)
+            self.REPEATS = sys.maxsize
+            return count
         if len(self._graphs) == self.KEPT:
             del self._graphs[next(iter(self._graphs))]
         self._graphs[n] = (graph, static_ids, static_grads, captured)

@@ -85,7 +85,7 @@ def after(
 
 
 def layouts() -> dict[str, torch.Tensor]:
-    """Ids whose sorted runs meet the kernel's chunks of 32 positions (``gpu_loops.CHUNK``) in every way."""
+    """Ids whose sorted runs meet the kernel's chunks of 32 positions (rows of ``DIM``) in every way."""
     gen = torch.Generator().manual_seed(11)
     return {
         "one id": torch.tensor([4]),
@@ -103,17 +103,20 @@ def layouts() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("layout", list(layouts()))
+@pytest.mark.parametrize(("layout", "dim"), [(layout, DIM) for layout in layouts()] + [("zipf over many chunks", 300)])
 def test_each_rows_gradients_are_summed_once_whatever_the_chunks_its_run_spans(
-    layout: str, device: torch.device
+    layout: str, dim: int, device: torch.device
 ) -> None:
+    """Rows of 300 take chunks of 8 positions (``gpu_loops.shape``)."""
+    loops = gpu_kernels.load()
+    assert loops is not None and loops.shape(dim)["CHUNK"] == {DIM: 32, 300: 8}[dim]
     torch.manual_seed(2)
     ids = layouts()[layout][torch.randperm(len(layouts()[layout]))]
-    grads = torch.randn(len(ids), DIM)
+    grads = torch.randn(len(ids), dim)
     inside = (ids >= 0) & (ids < ROWS)
-    expected = torch.zeros(ROWS, DIM, dtype=torch.float64).index_add_(0, ids[inside], -grads[inside].double())
+    expected = torch.zeros(ROWS, dim, dtype=torch.float64).index_add_(0, ids[inside], -grads[inside].double())
     opt = make_sparse_optimizer("sgd", 1.0)
-    weight = torch.zeros(ROWS, DIM, device=device)
+    weight = torch.zeros(ROWS, dim, device=device)
     opt.bind(weight)
     count = opt.step(ids.to(device), grads.to(device))
     assert int(count) == len(ids[inside].unique())
@@ -170,7 +173,7 @@ def test_every_kernel_builds_for_an_h100_or_h200_here(tmp_path: Path) -> None:
         timeout=280,
     )
     assert built.returncode == 0, built.stderr[-3000:]
-    assert built.stdout.split() == [f"{w}-{o}" for w in ("fp32", "bf16") for o in range(4)]
+    assert built.stdout.split() == [f"{d}-{w}-{o}" for d in (64, 300) for w in ("fp32", "bf16") for o in range(4)]
 
 
 def test_an_id_outside_the_shard_is_skipped_and_not_counted(device: torch.device) -> None:
