@@ -5,7 +5,7 @@ field, as the receiver makes them) put into a FIRO buffer after the dataset
 was made, so that the surrogate's ``process`` runs once per sample as it is
 put (``deterministic_process``, untimed like the receiver's work); then
 timed: ``StreamDataset.next_batch`` (gathered into pinned memory for a GPU,
-as the server asks), ``to_device`` (a non-blocking copy), ``training_step``,
+as the server asks), ``to_device`` (a non-blocking copy on a stream of its own), ``training_step``,
 backward and Adam's step.
 The baseline: the same processed samples stacked once on the device, each
 batch ``X[idx], Y[idx]`` of random indices already there, then the same

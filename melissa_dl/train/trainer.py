@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 import random
 import resource
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,16 +55,38 @@ logger = logging.getLogger(__name__)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` on ``device``; to a GPU through pinned memory, so that the copy does not hold the CPU back (it
-    forms the next batch while the GPU copies and computes)."""
+    """``batch`` on ``device``. To a GPU through pinned memory, so that the copy does not hold the CPU back (it
+    forms the next batch while the GPU copies and computes), and on a stream of its own: on the compute stream
+    the copy would wait for the step still running there; the compute stream waits for it only from here on."""
+    if device.type != "cuda":
+        return _each_tensor(batch, lambda t: t.to(device))
+    compute = torch.cuda.current_stream(device)
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        moved = (tensor if tensor.is_pinned() or tensor.is_cuda else tensor.pin_memory()).to(device, non_blocking=True)
+        moved.record_stream(compute)  # its memory is not reused before the compute stream is done with it
+        return moved
+
+    with torch.cuda.stream(_copy_stream(device)):
+        batch = _each_tensor(batch, move)
+    compute.wait_stream(_copy_stream(device))
+    return batch
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream batches are copied to ``device`` on, made once."""
+    return torch.cuda.Stream(device)
+
+
+def _each_tensor(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` (tensors, or lists, tuples and dicts of them) with ``fn`` applied to each tensor."""
     if isinstance(batch, torch.Tensor):
-        if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
-            batch = batch.pin_memory()
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
+        return type(batch)(_each_tensor(b, fn) for b in batch)
     if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: _each_tensor(v, fn) for k, v in batch.items()}
     return batch
 
 
