@@ -5,9 +5,8 @@ Imported only by :mod:`melissa_dl.embeddings.gpu_kernels` (Triton is optional). 
 
 1. torch sorts the ids on the device (a radix sort), with the positions they came from: the gradients of one
    id form a run of the sorted order. Cut into chunks of 32 positions (fewer for rows wider than 128), a
-   run is either inside one
-   chunk or (a hot row) a piece in each of several; ``searchsorted`` gives the run each chunk starts and
-   ends in.
+   run is either inside one chunk or (a hot row) a piece in each of several; ``searchsorted`` gives the run
+   each chunk starts and ends in.
 2. ``_step`` runs on a fixed number of programs, each taking chunk after chunk. It loads a chunk's gradients
    as one tile, sums each piece by a segmented scan in float32, and updates every row whose run the chunk
    holds whole: the rows, their state and their gradients in registers, read and written once.
@@ -26,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 from collections.abc import Callable
 
 import torch
@@ -306,6 +304,7 @@ class Graphs:
     def __init__(self) -> None:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._size, self._streak = 0, 0
+        self._capturing = True  # until a capture fails
 
     def run(
         self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ids: torch.Tensor, grads: torch.Tensor
@@ -322,7 +321,7 @@ class Graphs:
             static_grads.copy_(grads)
             graph.replay()
             return count.clone()  # the graph's own is overwritten by the next replay
-        if self._streak < self.REPEATS:
+        if not self._capturing or self._streak < self.REPEATS:
             return fn(ids, grads)
         static_ids, static_grads = ids.clone(), grads.clone()
         count = fn(static_ids, static_grads)  # this step, on the tensors the graph will read: nothing left to compile
@@ -332,7 +331,7 @@ class Graphs:
                 captured = fn(static_ids, static_grads)  # recorded, not run
         except RuntimeError as e:  # the step is done: the next ones go on as they are
             logger.warning("the sparse optimizer's step could not be captured as a CUDA graph, none will be: %s", e)
-            self.REPEATS = sys.maxsize
+            self._capturing = False
             return count
         if len(self._graphs) == self.KEPT:
             del self._graphs[next(iter(self._graphs))]

@@ -86,7 +86,7 @@ class SparseOptimizer(ABC):
         self._compiled = False  # whether the shard and its state fit the compiled loops
         self._on_gpu = False  # whether they fit the GPU kernels
         self._graphs: Any = None  # the GPU steps' CUDA graphs (a gpu_loops.Graphs), made at the first
-        self._step_size_on_device = torch.zeros((), dtype=torch.float64)  # what the GPU kernels read
+        self._step_size_on_device: torch.Tensor  # what the GPU kernels read, made by bind()
 
     def bind(self, weight: torch.Tensor) -> None:
         """Attach the shard and allocate its state (zeros: pages are only touched when used)."""

@@ -127,19 +127,21 @@ def test_the_step_size_is_each_steps_own(device: torch.device, monkeypatch: pyte
     """Adam's bias corrections and a learning rate changed between steps reach the kernel (read from the
     device, as a replayed graph reads them)."""
     init = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(4))
-    steps = [(ids, grads) for ids, grads in batches(torch.float32)][:2] * 2
+    steps = batches(torch.float32)[:2] * 2
     results = []
-    for where in ("torch", device):
+    for kernel in (False, True):
         with monkeypatch.context() as m:
-            if where == "torch":
+            if not kernel:  # the reference: torch's ops on the CPU
                 m.setattr(gpu_kernels, "on_cpu", False)
                 m.setattr(row_kernels, "load", lambda: None)
+            where = device if kernel else torch.device("cpu")
             opt = make_sparse_optimizer("adam", 0.05, **HYPER["adam"])
-            opt.bind(init.clone().to(device if where != "torch" else "cpu"))
-            assert opt._on_gpu == (where != "torch")
+            opt.bind(init.clone().to(where))
+            assert opt._on_gpu == kernel
             for i, (ids, grads) in enumerate(steps):
                 opt.lr = 0.05 * (i + 1)
-                opt.step(ids.to(opt.weight.device), grads.to(opt.weight.device))
+                opt.step(ids.to(where), grads.to(where))
+            assert opt.weight is not None
             results.append(opt.weight.cpu())
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
 
